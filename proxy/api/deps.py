@@ -1,0 +1,69 @@
+"""Dependencies: the app state's objects, and who is calling.
+
+The lifespan (``proxy.app``) builds the store, the pool and the services and
+puts them on ``app.state``; routes receive them through these aliases, so
+tests can swap any of them with ``app.dependency_overrides``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
+from proxy.backends.pool import BackendPool
+from proxy.completions import CompletionService
+from proxy.config import Settings
+from proxy.errors import AuthenticationFailed
+from proxy.store.store import Store
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def get_pool(request: Request) -> BackendPool:
+    return request.app.state.pool
+
+
+def get_service(request: Request) -> CompletionService:
+    return request.app.state.service
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[Store, Depends(get_store)]
+PoolDep = Annotated[BackendPool, Depends(get_pool)]
+ServiceDep = Annotated[CompletionService, Depends(get_service)]
+
+
+async def get_principal(
+    settings: SettingsDep,
+    store: StoreDep,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Principal:
+    token = bearer_token(authorization)
+    admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+    if is_admin_token(token, admin):
+        return Principal(PrincipalKind.ADMIN)
+    digest = hash_key(token)
+    session = await store.get_session_by_key_hash(api_key_hash=digest)
+    if session is not None:
+        return Principal(PrincipalKind.SESSION, session=session)
+    api_key = await store.get_api_key_by_hash(key_hash=digest)
+    if api_key is not None:
+        return Principal(PrincipalKind.PRODUCTION, api_key=api_key)
+    raise AuthenticationFailed("Incorrect API key provided.")
+
+
+async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    principal.require_admin()
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+AdminDep = Annotated[Principal, Depends(get_admin)]

@@ -1,0 +1,59 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header
+from fastapi.responses import StreamingResponse
+
+from proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
+from proxy.api.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    principal: PrincipalDep,
+    service: ServiceDep,
+    x_session_id: Annotated[str | None, Header()] = None,
+) -> dict[str, Any] | StreamingResponse:
+    prep = await service.prepare_chat(body, principal, x_session_id)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            service.chat_stream(prep, body.n, body.logprobs, include_usage),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    return await service.chat(prep, body.n, body.logprobs)
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: CompletionRequest,
+    principal: PrincipalDep,
+    service: ServiceDep,
+    x_session_id: Annotated[str | None, Header()] = None,
+) -> dict[str, Any] | StreamingResponse:
+    prep = await service.prepare_text(body, principal, x_session_id)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            service.complete_stream(prep, body.n, include_usage),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    return await service.complete(prep, body.n, body.logprobs is not None)
+
+
+@router.get("/models")
+async def list_models(_: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "proxima"}],
+    }

@@ -1,0 +1,135 @@
+"""RL session routes (/rl/sessions): create, reward, finish, read the trajectory."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from proxy.api.deps import AdminDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
+from proxy.api.schemas import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    FinishRequest,
+    RewardRequest,
+)
+from proxy.auth import SESSION_KEY_PREFIX, Principal, hash_key, new_key
+from proxy.errors import NotFound, PermissionDenied, RateLimited
+from proxy.staleness import admit
+from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxy.store.store import Store
+
+router = APIRouter(prefix="/rl", tags=["rl"])
+
+
+async def _owned_session(store: Store, principal: Principal, session_id: str) -> SessionRecord:
+    session = await store.get_session(session_id=session_id)
+    if session is None:
+        # A session key learns nothing about other sessions: same answer as "not yours".
+        if principal.is_admin:
+            raise NotFound(f"No session {session_id}.", param="session_id")
+        raise PermissionDenied("This key does not grant access to that session.")
+    if not principal.may_access_session(session):
+        raise PermissionDenied("This key does not grant access to that session.")
+    return session
+
+
+@router.post("/sessions", response_model=CreateSessionResponse)
+async def create_session(
+    body: CreateSessionRequest,
+    request: Request,
+    _: AdminDep,
+    store: StoreDep,
+    pool: PoolDep,
+    settings: SettingsDep,
+) -> CreateSessionResponse:
+    lock: asyncio.Lock = request.app.state.admission_lock
+    async with lock:
+        counts = await store.count_sessions_by_status(kind=SessionKind.TRAIN)
+        decision = admit(
+            admitted_so_far=sum(counts.values()),
+            open_sessions=counts.get(SessionStatus.OPEN, 0),
+            version=pool.version,
+            max_staleness=settings.max_staleness,
+            batch_size=settings.train_batch_size,
+            max_open_sessions=settings.max_open_sessions,
+        )
+        if not decision.admitted:
+            raise RateLimited(f"Session not admitted: {decision.reason}.", retry_after=1.0, code="staleness_capacity")
+        key = new_key(SESSION_KEY_PREFIX)
+        session = await store.create_session(
+            api_key_hash=hash_key(key),
+            kind=SessionKind.TRAIN,
+            group_id=body.group_id,
+            data_id=body.data_id,
+            metadata=body.metadata or {},
+        )
+    base_url = settings.base_url(getattr(request.app.state, "bound_port", None))
+    return CreateSessionResponse(session_id=session.id, api_key=key, base_url=base_url)
+
+
+def _session_json(session: SessionRecord) -> dict[str, Any]:
+    return {
+        "session_id": session.id,
+        "kind": session.kind.value,
+        "status": session.status.value,
+        "reward": session.reward,
+        "group_id": session.group_id,
+        "data_id": session.data_id,
+        "metadata": session.metadata,
+        "created_at": session.created_at.isoformat(),
+        "finished_at": session.finished_at.isoformat() if session.finished_at else None,
+    }
+
+
+def _completion_json(c: CompletionRecord) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "parent_id": c.parent_id,
+        "prompt_ids": c.prompt_ids,
+        "output_ids": c.output_ids,
+        "output_logprobs": c.output_logprobs,
+        "output_versions": c.output_versions,
+        "finish_reason": c.finish_reason,
+        "reward": c.reward,
+        "response_text": c.response_text,
+        "response_message": c.response_message,
+        "request_messages": c.request_messages,
+        "sampling": c.sampling,
+        "choice_index": c.choice_index,
+        "created_at": c.created_at.isoformat(),
+        "time_to_first_token": c.time_to_first_token,
+        "duration": c.duration,
+    }
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, principal: PrincipalDep, store: StoreDep) -> dict[str, Any]:
+    session = await _owned_session(store, principal, session_id)
+    completions = await store.list_completions(session_id=session.id)
+    return {**_session_json(session), "completions": [_completion_json(c) for c in completions]}
+
+
+@router.post("/sessions/{session_id}/reward")
+async def post_reward(
+    session_id: str, body: RewardRequest, principal: PrincipalDep, store: StoreDep
+) -> dict[str, Any]:
+    session = await _owned_session(store, principal, session_id)
+    if body.completion_id is None:
+        session = await store.set_session_reward(session_id=session.id, reward=body.reward)
+    else:
+        await store.set_completion_reward(
+            session_id=session.id, completion_id=body.completion_id, reward=body.reward
+        )
+    return _session_json(session)
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(
+    session_id: str, principal: PrincipalDep, store: StoreDep, body: FinishRequest | None = None
+) -> dict[str, Any]:
+    session = await _owned_session(store, principal, session_id)
+    status = SessionStatus(body.status) if body else SessionStatus.FINISHED
+    session = await store.finish_session(session_id=session.id, status=status)
+    return _session_json(session)

@@ -1,0 +1,109 @@
+"""``create_app(settings)``: the proxy's FastAPI application.
+
+The lifespan builds everything the routes use (store, embedded engine or
+backend list, pool, tokenizer, completion service) and tears it down; there
+is no module-level mutable state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+
+from proxy.api import admin, openai, rl
+from proxy.backends.pool import BackendPool
+from proxy.completions import CompletionService
+from proxy.config import Settings
+from proxy.engine_process import EngineProcess
+from proxy.errors import error_envelope, install_error_handlers
+from proxy.store.migrate import ensure_schema
+from proxy.store.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+def _context_length(settings: Settings) -> int:
+    if settings.context_length:
+        return settings.context_length
+    config = json.loads((settings.model / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 4096)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    from transformers import AutoTokenizer
+
+    await ensure_schema(settings.db)
+    store = await Store.open(settings.db)
+    engine: EngineProcess | None = None
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024))
+    try:
+        urls = list(settings.backends)
+        if not urls:
+            engine = EngineProcess(
+                settings.model, max_running_requests=settings.engine_max_running_requests
+            )
+            engine.start()
+            await engine.wait_healthy()
+            urls = [engine.url]
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
+        pool = BackendPool(urls, http=http, version=0)
+        versions = await store.list_policy_versions()
+        latest = versions[-1] if versions else None
+        if latest is not None and latest.version > 0 and latest.path:
+            # Restarted proxy: serve the newest policy, not the base model.
+            await pool.update_weights(version=latest.version, path=latest.path)
+        pool.start_health_checks(settings.health_check_interval)
+        app.state.store = store
+        app.state.pool = pool
+        app.state.tokenizer = tokenizer
+        app.state.service = CompletionService(
+            settings=settings, store=store, pool=pool, tokenizer=tokenizer,
+            context_length=_context_length(settings),
+        )
+        app.state.admission_lock = asyncio.Lock()
+        logger.info("proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version)
+        yield
+        await pool.close()
+    finally:
+        await http.aclose()
+        await store.close()
+        if engine is not None:
+            engine.stop()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    app = FastAPI(title="Proxima proxy", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    install_error_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse(
+                error_envelope(
+                    f"Request body of {length} bytes exceeds the limit of {settings.max_body_bytes}.",
+                    "invalid_request_error",
+                ),
+                status_code=413,
+            )
+        return await call_next(request)
+
+    app.include_router(openai.router)
+    app.include_router(rl.router)
+    app.include_router(admin.router)
+    return app

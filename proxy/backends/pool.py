@@ -1,0 +1,213 @@
+"""Backend pool: routing, session stickiness, health, and weight updates.
+
+Routing: requests carrying a sticky key (the session) go to the backend that
+served that key before while it is healthy, so its prefix cache is reused;
+others go to the least-loaded healthy backend.
+
+Weight updates (``update_weights``) follow DESIGN.md: close the gate so no new
+generation starts, pause every backend in abort mode (in-flight requests
+return ``finish_reason: abort`` with their partial tokens), load the new
+weights on each, resume, set the current version and open the gate. The
+generation loop resumes each interrupted completion from its partial tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import httpx
+
+from proxy.backends.errors import BackendConnectionError, BackendError
+from proxy.backends.sglang import SGLangClient
+from proxy.errors import BackendUnavailable
+
+logger = logging.getLogger(__name__)
+
+_STICKY_CAPACITY = 100_000
+
+
+@dataclass(eq=False)
+class Backend:
+    client: SGLangClient
+    healthy: bool = True
+    in_flight: int = 0
+    version: int | None = None  # policy version loaded on this backend
+    failures: int = 0
+    last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
+
+
+@dataclass(slots=True)
+class WeightUpdate:
+    version: int
+    path: str
+    seconds: float
+    backends: list[str] = field(default_factory=list)
+
+
+class BackendPool:
+    def __init__(self, urls: list[str], *, http: httpx.AsyncClient, version: int = 0):
+        if not urls:
+            raise ValueError("a backend pool needs at least one backend URL")
+        self.backends = [Backend(SGLangClient(u, http=http), version=version) for u in urls]
+        self.version = version
+        self.weights_path: str | None = None
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._update_lock = asyncio.Lock()
+        self._sticky: OrderedDict[str, Backend] = OrderedDict()
+        self._health_task: asyncio.Task[None] | None = None
+        self.last_update: WeightUpdate | None = None
+
+    # -- routing -------------------------------------------------------------
+    @property
+    def updating(self) -> bool:
+        return not self._ready.is_set()
+
+    async def wait_ready(self) -> None:
+        """Block while a weight update is in progress."""
+        await self._ready.wait()
+
+    def healthy_backends(self) -> list[Backend]:
+        return [b for b in self.backends if b.healthy]
+
+    def choose(self, sticky_key: str | None = None) -> Backend:
+        healthy = self.healthy_backends()
+        if not healthy:
+            raise BackendUnavailable("No healthy inference backend is available; retry shortly.")
+        if sticky_key is not None:
+            pinned = self._sticky.get(sticky_key)
+            if pinned is not None and pinned.healthy:
+                self._sticky.move_to_end(sticky_key)
+                return pinned
+        backend = min(healthy, key=lambda b: b.in_flight)
+        if sticky_key is not None:
+            self._sticky[sticky_key] = backend
+            if len(self._sticky) > _STICKY_CAPACITY:
+                self._sticky.popitem(last=False)
+        return backend
+
+    @contextmanager
+    def lease(self, backend: Backend) -> Iterator[Backend]:
+        backend.in_flight += 1
+        try:
+            yield backend
+        finally:
+            backend.in_flight -= 1
+
+    def mark_failed(self, backend: Backend, error: BaseException) -> None:
+        if backend.healthy:
+            logger.warning("backend %s taken out of the pool: %s", backend.url, error)
+        backend.healthy = False
+        backend.failures += 1
+        backend.last_error = repr(error)
+
+    async def wait_for_healthy(self, timeout: float) -> None:
+        """Wait until some backend is healthy (health checks put them back)."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy_backends():
+            if time.monotonic() >= deadline:
+                raise BackendUnavailable("No healthy inference backend is available; retry shortly.")
+            await self.check_health()
+            if not self.healthy_backends():
+                await asyncio.sleep(0.2)
+
+    # -- health --------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Probe every backend; one that comes back loads the current weights first."""
+        results = await asyncio.gather(*(b.client.health() for b in self.backends))
+        for backend, ok in zip(self.backends, results, strict=True):
+            if ok and not backend.healthy:
+                await self._rejoin(backend)
+            elif not ok and backend.healthy:
+                self.mark_failed(backend, BackendError("health check failed", url=backend.url))
+
+    async def _rejoin(self, backend: Backend) -> None:
+        async with self._update_lock:
+            if backend.version != self.version and self.weights_path is not None:
+                try:
+                    await backend.client.update_weights_from_disk(
+                        model_path=self.weights_path, weight_version=str(self.version)
+                    )
+                except BackendError as exc:
+                    logger.warning("backend %s could not load v%s: %s", backend.url, self.version, exc)
+                    return
+            backend.version = self.version
+            backend.healthy = True
+            logger.info("backend %s is back in the pool at version %s", backend.url, self.version)
+
+    def start_health_checks(self, interval: float) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.check_health()
+                except Exception:  # keep probing; a probe bug must not end health checks
+                    logger.exception("health check round failed")
+
+        self._health_task = asyncio.create_task(loop(), name="backend-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+
+    # -- weights ---------------------------------------------------------------
+    async def update_weights(self, *, version: int, path: str) -> WeightUpdate:
+        """Interrupt generation everywhere, load ``path`` as ``version``, resume."""
+        async with self._update_lock:
+            started = time.monotonic()
+            self._ready.clear()
+            try:
+                targets = self.healthy_backends()
+                if not targets:
+                    raise BackendUnavailable("No healthy backend to load weights into.")
+                await asyncio.gather(*(b.client.pause_generation(mode="abort") for b in targets))
+                try:
+                    results = await asyncio.gather(
+                        *(
+                            b.client.update_weights_from_disk(
+                                model_path=path, weight_version=str(version)
+                            )
+                            for b in targets
+                        ),
+                        return_exceptions=True,
+                    )
+                finally:
+                    await asyncio.gather(
+                        *(b.client.continue_generation() for b in targets), return_exceptions=True
+                    )
+                loaded = []
+                for backend, result in zip(targets, results, strict=True):
+                    if isinstance(result, BackendConnectionError):
+                        self.mark_failed(backend, result)
+                    elif isinstance(result, BaseException):
+                        # It answered but refused (bad path, wrong shapes): keep it
+                        # serving the weights it has.
+                        logger.error("backend %s refused v%s: %s", backend.url, version, result)
+                    else:
+                        backend.version = version
+                        loaded.append(backend.url)
+                if not loaded:
+                    first = next(r for r in results if isinstance(r, BaseException))
+                    raise first
+                self.version = version
+                self.weights_path = path
+            finally:
+                self._ready.set()
+            update = WeightUpdate(version, path, time.monotonic() - started, loaded)
+            self.last_update = update
+            logger.info("weights v%s loaded on %d backend(s) in %.3fs", version, len(loaded), update.seconds)
+            return update

@@ -1,0 +1,463 @@
+"""Messages to token ids, token-exact across the turns of a session.
+
+The proxy, not the backend, turns messages into token ids (DESIGN.md,
+"Token-exact multi-turn"). Three steps:
+
+1. ``normalize_messages`` validates OpenAI messages and brings them to one
+   canonical form, used both for rendering and for comparing turns.
+2. ``ChatRenderer.build_prompt`` looks for an earlier completion of the
+   session that the new messages extend (its request messages plus its
+   assistant reply, then something new). If there is one, the prompt is that
+   completion's exact ``prompt_ids + output_ids`` followed by the tokens of
+   the new messages only; otherwise the whole conversation is rendered fresh
+   and starts a new branch of the session's tree.
+3. ``check_context`` rejects prompts that leave no room to generate.
+
+Why the reused tokens are exact: the chat template renders the earlier turn
+to a text ``T_prev`` and the whole conversation to ``T_full``. When
+``T_full`` starts with ``T_prev`` (the template does not rewrite history),
+the new messages are the text after ``T_prev``, and the earlier reply ended
+where its end-of-turn marker (the tokenizer's eos, ``<|im_end|>`` for Qwen)
+sits in ``T_prev``. So the prompt continues after the marker if the model
+generated it, or at the marker if the reply was cut (``length``, a stop
+string), because then the marker has to be added. What the model saw and what
+the trainer trains on are then the same tokens by construction, whatever the
+model's reply looked like.
+
+Canonical message::
+
+    {"role": "system" | "user" | "assistant" | "tool",
+     "content": str,                          # "" for None; text parts joined
+     "tool_calls": [{"id": str, "type": "function",
+                     "function": {"name": str, "arguments": dict | str}}],
+                                              # assistant only, when non-empty
+     "tool_call_id": str,                     # tool only
+     "name": str}                             # when given
+
+``arguments`` is the parsed JSON object, or the raw string when it is not one
+(templates render objects with ``tojson``). ``developer`` messages become
+``system``. Records' ``request_messages`` should be stored canonical; they
+are re-normalized when compared, which is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from proxy import errors
+from proxy.store.records import CompletionRecord
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Text parts of a list ``content`` are joined like this (as vLLM does).
+_PART_SEPARATOR = "\n"
+
+
+class InvalidMessages(errors.BadRequest, ValueError):
+    """``messages`` cannot be served; ``param`` names the offending field."""
+
+    def __init__(self, message: str, *, param: str = "messages") -> None:
+        super().__init__(message, param=param)
+
+
+class InvalidPrompt(errors.BadRequest, ValueError):
+    """The ``prompt`` of ``/v1/completions`` cannot be served."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="prompt")
+
+
+class ContextTooLong(errors.ContextTooLong, ValueError):
+    """Prompt plus requested completion exceed the model's context (OpenAI's wording)."""
+
+
+# ----------------------------------------------------------------------- normalize
+
+
+def normalize_messages(messages: Any) -> list[Message]:
+    """Validate OpenAI chat messages and return them in canonical form.
+
+    Raises ``InvalidMessages`` (a 400) naming the field, for an empty list,
+    an unknown role, a non-text content part, a tool message without
+    ``tool_call_id``, or a field of the wrong type. Unknown fields (``refusal``,
+    ``audio``, ``annotations``, a null ``function_call``) are dropped.
+    """
+    if not isinstance(messages, list):
+        raise InvalidMessages("'messages' must be a list of message objects.")
+    if not messages:
+        raise InvalidMessages("'messages' must contain at least one message.")
+    return [normalize_message(message, index) for index, message in enumerate(messages)]
+
+
+def normalize_message(message: Any, index: int = 0) -> Message:
+    """One message in canonical form; ``index`` places it in error messages."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidMessages(f"{where} must be an object.", param=where)
+    role = message.get("role")
+    if role not in _ROLES:
+        raise InvalidMessages(
+            f"Invalid role {role!r} in {where}; expected one of: {', '.join(_ROLES)}.",
+            param=f"{where}.role",
+        )
+    if role == "developer":
+        role = "system"
+    if "content" not in message and role != "assistant":
+        raise InvalidMessages(f"{where} ({role}) is missing 'content'.", param=f"{where}.content")
+    out: Message = {"role": role, "content": _text_content(message.get("content"), where)}
+    if role == "assistant":
+        tool_calls = _tool_calls(message.get("tool_calls"), where)
+        if tool_calls:
+            out["tool_calls"] = tool_calls
+    elif message.get("tool_calls"):
+        raise InvalidMessages(
+            f"{where}: only assistant messages may have 'tool_calls'.",
+            param=f"{where}.tool_calls",
+        )
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidMessages(
+                f"{where} (tool) must have a non-empty string 'tool_call_id'.",
+                param=f"{where}.tool_call_id",
+            )
+        out["tool_call_id"] = call_id
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise InvalidMessages(f"{where}.name must be a string.", param=f"{where}.name")
+        out["name"] = name
+    return out
+
+
+def _text_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidMessages(
+            f"{where}.content must be a string, null, or a list of text parts.",
+            param=f"{where}.content",
+        )
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        param = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise InvalidMessages(f"{param} must be an object.", param=param)
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidMessages(
+                f"Unsupported content part type {kind!r} in {param}: only 'text' parts "
+                "are supported by this model.",
+                param=f"{param}.type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidMessages(f"{param}.text must be a string.", param=f"{param}.text")
+        texts.append(text)
+    return _PART_SEPARATOR.join(texts)
+
+
+def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    if tool_calls is None:
+        return []
+    if not isinstance(tool_calls, list):
+        raise InvalidMessages(f"{where}.tool_calls must be a list.", param=f"{where}.tool_calls")
+    return [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(tool_calls)]
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise InvalidMessages(f"{where} must be an object.", param=where)
+    if call.get("type", "function") != "function":
+        raise InvalidMessages(
+            f"Unsupported tool call type {call.get('type')!r} in {where}; expected 'function'.",
+            param=f"{where}.type",
+        )
+    call_id = call.get("id") or ""
+    if not isinstance(call_id, str):
+        raise InvalidMessages(f"{where}.id must be a string.", param=f"{where}.id")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise InvalidMessages(f"{where}.function must be an object.", param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidMessages(
+            f"{where}.function.name must be a non-empty string.", param=f"{where}.function.name"
+        )
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        arguments = _parse_arguments(arguments)
+    elif not isinstance(arguments, dict):
+        raise InvalidMessages(
+            f"{where}.function.arguments must be a JSON string.",
+            param=f"{where}.function.arguments",
+        )
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _parse_arguments(arguments: str) -> dict[str, Any] | str:
+    """The JSON object in ``arguments``, or the string itself if it holds none."""
+    try:
+        parsed = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def messages_equivalent(a: Message, b: Message) -> bool:
+    """Whether two canonical messages are the same turn.
+
+    Role, content, ``tool_call_id`` and each call's name and parsed arguments
+    must match exactly; call ids and ``name`` are compared only when both
+    sides have them (clients echo our ids back, or drop them).
+    """
+    if a["role"] != b["role"] or a["content"] != b["content"]:
+        return False
+    if a.get("tool_call_id") != b.get("tool_call_id"):
+        return False
+    if "name" in a and "name" in b and a["name"] != b["name"]:
+        return False
+    calls_a, calls_b = a.get("tool_calls", []), b.get("tool_calls", [])
+    if len(calls_a) != len(calls_b):
+        return False
+    for call_a, call_b in zip(calls_a, calls_b, strict=True):
+        if call_a["id"] and call_b["id"] and call_a["id"] != call_b["id"]:
+            return False
+        if call_a["function"] != call_b["function"]:
+            return False
+    return True
+
+
+def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
+    """Canonical JSON of a tool list (absent and empty are the same)."""
+    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------ renderer
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    """The token ids to generate from, and where they came from.
+
+    ``parent_id`` is the completion whose ``prompt_ids + output_ids`` start
+    ``prompt_ids`` (None for a fresh render); ``appended_ids`` are the ids
+    after that prefix: the new messages' tokens, or the whole prompt when fresh.
+    """
+
+    prompt_ids: list[int]
+    parent_id: str | None
+    appended_ids: list[int]
+
+
+class ChatRenderer:
+    """Renders canonical messages with a Hugging Face tokenizer's chat template.
+
+    ``end_of_turn`` is the marker that closes an assistant reply in the
+    template; it defaults to the tokenizer's eos token and must be one token.
+    """
+
+    def __init__(self, tokenizer: Any, *, end_of_turn: str | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; chat completions need one")
+        marker = end_of_turn or tokenizer.eos_token
+        if not marker:
+            raise ValueError("the tokenizer has no eos token; pass end_of_turn explicitly")
+        marker_ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(marker_ids) != 1:
+            raise ValueError(f"end-of-turn marker {marker!r} is not a single token")
+        self._tokenizer = tokenizer
+        self.end_of_turn: str = marker
+        self.end_of_turn_id: int = marker_ids[0]
+
+    def render_text(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+    ) -> str:
+        """The chat template applied to ``messages`` and the OpenAI ``tools`` list."""
+        try:
+            text = self._tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except TemplateError as exc:
+            raise InvalidMessages(f"The chat template rejected the messages: {exc}") from exc
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def build_prompt(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        history: Sequence[CompletionRecord],
+    ) -> PromptPlan:
+        """The prompt for canonical ``messages``, reusing the session's tokens if possible.
+
+        ``history`` is the session's completions, oldest first. The parent is
+        the completion whose request messages plus reply the new messages
+        strictly extend, with the same tools: the longest such prefix, then
+        the most recent. Messages are compared before anything is rendered,
+        and only the chosen parent is rendered.
+        """
+        parent = _find_parent(messages, tools, history)
+        if parent is not None:
+            plan = self._extend(parent, messages, tools)
+            if plan is not None:
+                return plan
+        prompt_ids = self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+        return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids)
+
+    def _extend(
+        self,
+        parent: _Candidate,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+    ) -> PromptPlan | None:
+        """Parent tokens plus the new messages' tokens, or None if the template forbids it."""
+        record = parent.record
+        before = self.render_text(parent.request, tools, add_generation_prompt=False)
+        previous = self.render_text(
+            [*parent.request, parent.reply], tools, add_generation_prompt=False
+        )
+        full = self.render_text(messages, tools, add_generation_prompt=True)
+        marker_at = previous.rfind(self.end_of_turn)
+        if not (previous.startswith(before) and full.startswith(previous)):
+            logger.debug("template rewrites history; rendering fresh", extra={"parent": record.id})
+            return None
+        if marker_at < len(before):
+            logger.debug("reply has no end-of-turn marker; rendering fresh")
+            return None
+        generated_marker = bool(record.output_ids) and record.output_ids[-1] == self.end_of_turn_id
+        cut = marker_at + len(self.end_of_turn) if generated_marker else marker_at
+        appended = self.encode(previous[cut:] + full[len(previous) :])
+        return PromptPlan(
+            prompt_ids=[*record.prompt_ids, *record.output_ids, *appended],
+            parent_id=record.id,
+            appended_ids=appended,
+        )
+
+    def render_completion_prompt(self, prompt: Any) -> list[int]:
+        """Token ids of a ``/v1/completions`` ``prompt``.
+
+        A string is tokenized as the tokenizer does by default (a BOS token is
+        added for models that use one); token ids pass through; a list of one
+        string or one id list is accepted. Batches of prompts are rejected.
+        """
+        if isinstance(prompt, str):
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidPrompt("'prompt' must be a non-empty string or list of token ids.")
+        if all(_is_token_id(t) for t in prompt):
+            vocab = len(self._tokenizer)
+            bad = next((t for t in prompt if t >= vocab), None)
+            if bad is not None:
+                raise InvalidPrompt(f"Token id {bad} is out of range (vocabulary size {vocab}).")
+            return list(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return self.render_completion_prompt(prompt[0])
+        if all(isinstance(p, str | list) for p in prompt):
+            raise InvalidPrompt("Batched prompts are not supported; send one prompt per request.")
+        raise InvalidPrompt("'prompt' must be a string, a list of token ids, or a list of one.")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A completion that can be extended, with its messages in canonical form."""
+
+    record: CompletionRecord
+    request: list[Message]
+    reply: Message
+
+
+def _find_parent(
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None,
+    history: Sequence[CompletionRecord],
+) -> _Candidate | None:
+    """The completion the new messages extend (longest prefix, then most recent)."""
+    candidates: list[tuple[int, int, CompletionRecord, list[Message], Message]] = []
+    for position, record in enumerate(history):
+        stored_request, stored_reply = record.request_messages, record.response_message
+        if stored_request is None or stored_reply is None:
+            continue  # a /v1/completions record, or a reply that was never returned
+        if len(stored_request) + 1 < len(messages):
+            candidates.append(
+                (len(stored_request) + 1, position, record, stored_request, stored_reply)
+            )
+    candidates.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    tools_key: str | None = None
+    for size, _, record, stored_request, stored_reply in candidates:
+        try:
+            # The reply is the likeliest difference (siblings of n > 1), so it goes first.
+            reply = normalize_message(stored_reply, size - 1)
+            if not messages_equivalent(messages[size - 1], reply):
+                continue
+            request: list[Message] = []
+            for index in range(size - 2, -1, -1):
+                stored = normalize_message(stored_request[index], index)
+                if not messages_equivalent(messages[index], stored):
+                    break
+                request.append(stored)
+            else:
+                if tools_key is None:
+                    tools_key = _tools_key(tools)
+                if _tools_key(record.request_tools) == tools_key:
+                    return _Candidate(record=record, request=request[::-1], reply=reply)
+        except InvalidMessages:
+            logger.warning("stored messages of completion %s are not valid", record.id)
+    return None
+
+
+# ------------------------------------------------------------------------- context
+
+
+def check_context(
+    prompt_len: int, max_tokens: int | None, context_len: int, *, prompt_kind: str = "messages"
+) -> int:
+    """The number of tokens that may be generated; ``ContextTooLong`` if none fit.
+
+    Without ``max_tokens`` the rest of the context is allowed. ``prompt_kind``
+    is ``"messages"`` for chat and ``"prompt"`` for completions, as in OpenAI's
+    error text and ``param``.
+    """
+    if max_tokens is None:
+        if prompt_len >= context_len:
+            raise ContextTooLong(
+                f"This model's maximum context length is {context_len} tokens. However, your "
+                f"{prompt_kind} resulted in {prompt_len} tokens. Please reduce the length of "
+                f"the {prompt_kind}.",
+                param=prompt_kind,
+            )
+        return context_len - prompt_len
+    requested = prompt_len + max_tokens
+    if requested > context_len:
+        raise ContextTooLong(
+            f"This model's maximum context length is {context_len} tokens. However, you "
+            f"requested {requested} tokens ({prompt_len} in the {prompt_kind}, {max_tokens} in "
+            f"the completion). Please reduce the length of the {prompt_kind} or completion.",
+            param=prompt_kind,
+        )
+    return max_tokens

@@ -1,0 +1,174 @@
+"""The ``proxima`` command line: one entry point for the proxy, engine, store and keys.
+
+This is the one module that may see both ``proxy`` and ``trainer``; trainer
+commands import lazily so the proxy never depends on the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_DB = "sqlite:///proxima.db"
+
+
+def _add_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=os.environ.get("PROXIMA_DB", DEFAULT_DB),
+                   help="SQLAlchemy URL of the trajectory store (default: %(default)s)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from proxy.app import create_app
+    from proxy.config import Settings
+
+    overrides = {
+        k: v for k, v in {
+            "model": args.model, "host": args.host, "port": args.port, "db": args.db,
+            "backends": args.backend or None, "admin_token": args.admin_token,
+            "served_model_name": args.served_model_name, "tool_parser": args.tool_parser,
+            "max_staleness": args.max_staleness, "train_batch_size": args.train_batch_size,
+            "context_length": args.context_length,
+        }.items() if v is not None
+    }
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "settings"
+            print(f"proxima serve: {loc}: {err['msg']}", file=sys.stderr)
+        return 2
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    app = create_app(settings)
+    app.state.bound_port = sock.getsockname()[1]
+    print(f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
+          flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from proxy.engine import run_engine
+
+    run_engine(args.model, host=args.host, port=args.port,
+               max_running_requests=args.max_running_requests, weight_version=args.weight_version)
+    return 0
+
+
+def _db(args: argparse.Namespace) -> int:
+    from proxy.store import migrate
+
+    if args.db_command == "upgrade":
+        migrate.upgrade(args.db, args.revision)
+    elif args.db_command == "downgrade":
+        migrate.downgrade(args.db, args.revision)
+    print(f"{args.db}: at revision {migrate.current_revision(args.db) or 'base'}")
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from proxy.auth import PRODUCTION_KEY_PREFIX, hash_key, new_key
+    from proxy.store import migrate
+    from proxy.store.store import Store
+
+    async def run() -> int:
+        await migrate.ensure_schema(args.db)
+        store = await Store.open(args.db)
+        try:
+            if args.keys_command == "create":
+                key = new_key(PRODUCTION_KEY_PREFIX)
+                rec = await store.create_api_key(name=args.name, key_hash=hash_key(key),
+                                                 record=not args.no_record)
+                print(f"id: {rec.id}\nname: {rec.name}\nrecord: {rec.record}\nkey: {key}")
+                print("Store the key now: only its hash is kept.", file=sys.stderr)
+            elif args.keys_command == "list":
+                for rec in await store.list_api_keys():
+                    state = "revoked" if rec.revoked_at else "active"
+                    print(f"{rec.id}\t{rec.name}\trecord={rec.record}\t{state}\t{rec.created_at:%Y-%m-%d %H:%M}")
+            else:
+                rec = await store.revoke_api_key(key_id=args.key_id)
+                print(f"revoked {rec.id} ({rec.name})")
+        finally:
+            await store.close()
+        return 0
+
+    return asyncio.run(run())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="proxima", description="Train unmodified LLM agents with "
+                                     "asynchronous RL through an OpenAI-compatible proxy.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible proxy (and the embedded engine)")
+    p.add_argument("--model", type=Path, default=os.environ.get("PROXIMA_MODEL"),
+                   help="HF model directory (tokenizer + chat template; served by the embedded engine)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 = any free port)")
+    _add_db(p)
+    p.add_argument("--backend", action="append", metavar="URL",
+                   help="SGLang-protocol backend URL; repeat for several. None: embedded engine")
+    p.add_argument("--admin-token", default=None, help="admin bearer token (or PROXIMA_ADMIN_TOKEN)")
+    p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
+    p.add_argument("--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)")
+    p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
+    p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")
+    p.add_argument("--context-length", type=int, default=None, help="override the context window")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("engine", help="run the embedded CPU engine alone (SGLang's native API)")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--weight-version", default="0")
+    p.set_defaults(func=_engine)
+
+    p = sub.add_parser("db", help="trajectory store schema (Alembic migrations)")
+    dsub = p.add_subparsers(dest="db_command", required=True)
+    for name, default in (("upgrade", "head"), ("downgrade", "base"), ("current", None)):
+        q = dsub.add_parser(name)
+        _add_db(q)
+        if default is not None:
+            q.add_argument("revision", nargs="?", default=default)
+    p.set_defaults(func=_db)
+
+    p = sub.add_parser("keys", help="production API keys")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    q = ksub.add_parser("create")
+    q.add_argument("--name", required=True)
+    q.add_argument("--no-record", action="store_true", help="do not record this key's traffic")
+    _add_db(q)
+    q = ksub.add_parser("list")
+    _add_db(q)
+    q = ksub.add_parser("revoke")
+    q.add_argument("key_id")
+    _add_db(q)
+    p.set_defaults(func=_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve" and args.model is None:
+        print("proxima serve: --model DIR is required (or PROXIMA_MODEL)", file=sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Proxy settings: one validated ``Settings`` object built at start-up.
+
+Every field can come from the CLI (``proxima serve --help``) or from an
+environment variable ``PROXIMA_<FIELD>`` (e.g. ``PROXIMA_ADMIN_TOKEN``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PROXIMA_", extra="ignore")
+
+    model: Path = Field(
+        description="HF model directory: its tokenizer and chat template render prompts; "
+        "the embedded engine serves it when no --backend is given."
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free one).")
+    db: str = Field("sqlite:///proxima.db", description="Trajectory store SQLAlchemy URL.")
+    backends: list[str] = Field(
+        default_factory=list,
+        description="SGLang-protocol backend URLs. Empty: start the embedded CPU engine.",
+    )
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token for /admin and session creation. Unset: those routes "
+        "answer 401 (nobody can open training sessions)."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name listed by /v1/models; default: the model directory's name."
+    )
+    public_base_url: str | None = Field(
+        None, description="Base URL handed to agents in new sessions (default http://host:port/v1)."
+    )
+    tool_parser: str | None = Field(
+        None, description="Tool-call parser (hermes, llama3_json, none); default: detected "
+        "from the chat template."
+    )
+    context_length: int | None = Field(
+        None, ge=16, description="Context window; default: the model config's max_position_embeddings."
+    )
+    default_max_tokens: int = Field(
+        1024, ge=1, description="max_tokens when a request gives none (capped by the context)."
+    )
+    max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens accepted.")
+    max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body.")
+    train_batch_size: int = Field(
+        8, ge=1, description="Trainer batch size B (sessions per step), for the staleness rule."
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="eta: admit a training session only while "
+        "N < (version + eta + 1) * B. Unset: no staleness gate."
+    )
+    max_open_sessions: int = Field(
+        1024, ge=1, description="Most training sessions open at once (429 beyond)."
+    )
+    record_production: bool = Field(
+        True, description="Record traffic of production keys whose recording is on."
+    )
+    cors_origins: list[str] = Field(default_factory=list, description="CORS origins; empty: CORS off.")
+    health_check_interval: float = Field(5.0, gt=0, description="Seconds between backend health probes.")
+    engine_max_running_requests: int = Field(
+        32, ge=1, description="Embedded engine: requests decoded together in one batch."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not (self.model / "config.json").exists():
+            raise ValueError(f"--model {self.model}: no config.json there; pass an HF model directory")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.resolve().name
+
+    def base_url(self, bound_port: int | None = None) -> str:
+        if self.public_base_url:
+            return self.public_base_url.rstrip("/")
+        return f"http://{self.host}:{bound_port or self.port}/v1"

@@ -1,0 +1,249 @@
+"""The engine's HTTP server: SGLang's native API over :class:`~proxy.engine.engine.Engine`.
+
+The lifespan loads the model (off the event loop) and starts the worker
+thread; routes receive the engine through :data:`EngineDep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from proxy.engine.engine import (
+    Engine,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestHandle,
+)
+from proxy.engine.payloads import generate_payload
+from proxy.engine.schemas import (
+    AbortRequest,
+    GenerateRequest,
+    ModelInfo,
+    PauseGenerationRequest,
+    SamplingParams,
+    StatusResponse,
+    UpdateWeightsFromDiskRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def get_engine(request: Request) -> Engine:
+    """The engine the lifespan built."""
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+
+router = APIRouter(tags=["engine"])
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateRequest, engine: EngineDep) -> dict[str, Any] | StreamingResponse:
+    """Generate for one prompt; SSE with cumulative chunks when ``stream`` is set."""
+    prompt_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
+    handle = engine.submit(
+        prompt_ids, body.sampling_params, rid=body.rid, top_logprobs_num=body.top_logprobs_num
+    )
+    if body.stream:
+        return StreamingResponse(_sse_chunks(engine, handle, body), media_type="text/event-stream")
+    try:
+        state = await handle.result()
+    finally:
+        if not handle.finished:  # the handler was cancelled (client gone)
+            engine.request_abort(handle.rid)
+    return generate_payload(
+        engine,
+        state,
+        return_logprob=body.return_logprob,
+        skip_special_tokens=body.sampling_params.skip_special_tokens,
+    )
+
+
+async def _sse_chunks(
+    engine: Engine, handle: RequestHandle, body: GenerateRequest
+) -> AsyncIterator[str]:
+    try:
+        async for state in handle.updates():
+            payload = generate_payload(
+                engine,
+                state,
+                return_logprob=body.return_logprob,
+                skip_special_tokens=body.sampling_params.skip_special_tokens,
+            )
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.finished:  # the client went away mid-stream
+            engine.request_abort(handle.rid)
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, engine: EngineDep) -> Response:
+    """Abort one request by rid, or all; they finish with ``abort`` and their partial tokens."""
+    aborted = await engine.abort(body.rid or None, abort_all=body.abort_all)
+    logger.info("abort_request rid=%r abort_all=%s aborted=%d", body.rid, body.abort_all, aborted)
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(body: PauseGenerationRequest, engine: EngineDep) -> StatusResponse:
+    """Hold new and queued requests until ``/continue_generation``."""
+    aborted = await engine.pause(body.mode)
+    logger.info("generation paused (mode=%s, aborted=%d)", body.mode, aborted)
+    return StatusResponse(message="Generation paused successfully.")
+
+
+@router.post("/continue_generation")
+async def continue_generation(engine: EngineDep) -> StatusResponse:
+    """Release the requests held by ``/pause_generation``."""
+    await engine.resume()
+    logger.info("generation continued")
+    return StatusResponse(message="Generation continued successfully.")
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(
+    body: UpdateWeightsFromDiskRequest, engine: EngineDep
+) -> JSONResponse:
+    """Load new weights between decode steps; HTTP 400 with ``success: false`` on failure."""
+    result = await engine.update_weights_from_disk(
+        body.model_path,
+        weight_version=body.weight_version,
+        abort_all_requests=body.abort_all_requests,
+        load_format=body.load_format,
+    )
+    return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache() -> PlainTextResponse:
+    """Nothing to flush: the engine keeps no prefix cache across requests."""
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.get("/health")
+async def health(engine: EngineDep) -> Response:
+    """200 while the worker thread runs."""
+    return Response(status_code=200 if engine.is_alive else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(engine: EngineDep) -> Response:
+    """200 when the engine can generate one token (or is paused with a live worker)."""
+    if not engine.is_alive:
+        return Response(status_code=503)
+    if engine.paused:
+        return Response(status_code=200)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    handle = engine.submit([0], params)
+    try:
+        await asyncio.wait_for(handle.result(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        engine.request_abort(handle.rid)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(engine: EngineDep) -> ModelInfo:
+    """Model and tokenizer paths, weight version and context length."""
+    return ModelInfo(
+        model_path=engine.model_path,
+        tokenizer_path=engine.model_path,
+        weight_version=engine.weight_version,
+        max_context_length=engine.context_length,
+    )
+
+
+@router.get("/get_server_info")
+async def get_server_info(engine: EngineDep) -> dict[str, Any]:
+    """A minimal server description and load."""
+    return {
+        "version": "proxima-engine",
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path,
+        "context_length": engine.context_length,
+        "max_running_requests": engine.max_running_requests,
+        "weight_version": engine.weight_version,
+        "num_running_reqs": engine.num_running,
+        "num_waiting_reqs": engine.num_waiting,
+    }
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def invalid_request(_: Request, exc: Exception) -> JSONResponse:
+        return _error(400, str(exc))
+
+    async def invalid_body(_: Request, exc: Exception) -> JSONResponse:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        return _error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors))
+
+    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
+        return _error(503, str(exc))
+
+    app.add_exception_handler(InvalidRequestError, invalid_request)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(EngineUnavailableError, unavailable)
+
+
+def create_engine_app(
+    model_dir: str | Path,
+    *,
+    weight_version: str = "0",
+    max_running_requests: int = 32,
+    max_prefill_tokens: int = 4096,
+    num_threads: int | None = None,
+) -> FastAPI:
+    """The engine as a FastAPI app; its lifespan loads the model and runs the worker."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = await asyncio.to_thread(
+            Engine,
+            model_dir,
+            weight_version=weight_version,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            num_threads=num_threads,
+        )
+        engine.start()
+        app.state.engine = engine
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="Proxima engine (SGLang native API)", lifespan=lifespan)
+    app.include_router(router)
+    _install_error_handlers(app)
+    return app
+
+
+def run_engine(
+    model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, **kwargs: Any
+) -> None:
+    """Serve the engine with uvicorn until interrupted (``proxima engine``).
+
+    ``kwargs`` go to :func:`create_engine_app` (``weight_version``,
+    ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``).
+    """
+    uvicorn.run(create_engine_app(model_dir, **kwargs), host=host, port=port, log_level="info")

@@ -1,0 +1,356 @@
+"""The engine's asyncio-facing side: load the model, submit requests, control the worker.
+
+Nothing here runs the model. :class:`Engine` validates requests, hands them to
+the :class:`~proxy.engine.worker.EngineWorker` thread, and turns the worker's
+deltas into cumulative :class:`GenerationState` snapshots. Every await is on an
+asyncio queue or a future, so the event loop never blocks on a forward pass.
+
+Errors::
+
+    EngineError
+    ├── InvalidRequestError      bad prompt / params / duplicate rid   (HTTP 400)
+    └── EngineUnavailableError   the worker is not running             (HTTP 503)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from proxy.engine import worker as cmd
+from proxy.engine.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
+from proxy.engine.sampling import make_generator
+from proxy.engine.schemas import SamplingParams, UpdateWeightsResponse
+from proxy.engine.weights import WeightLoadError, load_checked_state_dict
+from proxy.engine.worker import EngineWorker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """Base of the engine's errors."""
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot be served as given (HTTP 400)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The worker thread is not running (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationState:
+    """Everything generated for one request so far (cumulative)."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None
+    finish_reason: FinishReason | None
+    weight_version: str
+
+
+class RequestHandle:
+    """The asyncio side of one submitted request: read its progress or its result."""
+
+    def __init__(
+        self, engine: Engine, rid: str, prompt_tokens: int, sink: DeltaSink, top: bool
+    ) -> None:
+        self.rid = rid
+        self._engine = engine
+        self._sink = sink
+        self._prompt_tokens = prompt_tokens
+        self._output_ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._top: list[tuple[tuple[float, int], ...]] | None = [] if top else None
+        self._finish_reason: FinishReason | None = None
+        self._weight_version = engine.weight_version
+
+    @property
+    def finished(self) -> bool:
+        """Whether the final delta has arrived."""
+        return self._finish_reason is not None
+
+    def snapshot(self) -> GenerationState:
+        """The cumulative state now."""
+        return GenerationState(
+            rid=self.rid,
+            prompt_tokens=self._prompt_tokens,
+            output_ids=tuple(self._output_ids),
+            output_logprobs=tuple(self._logprobs),
+            output_top_logprobs=tuple(self._top) if self._top is not None else None,
+            finish_reason=self._finish_reason,
+            weight_version=self._weight_version,
+        )
+
+    async def updates(self) -> AsyncIterator[GenerationState]:
+        """Yield a cumulative snapshot whenever new tokens arrive, the last one finished.
+
+        Deltas that queued up while the consumer was busy are merged into one
+        snapshot, so a slow reader never falls behind the worker.
+        """
+        while not self.finished:
+            self._apply(await self._sink.queue.get())
+            while not self.finished and not self._sink.queue.empty():
+                self._apply(self._sink.queue.get_nowait())
+            yield self.snapshot()
+
+    async def result(self) -> GenerationState:
+        """Wait for the request to finish and return its final state."""
+        async for _ in self.updates():
+            pass
+        return self.snapshot()
+
+    async def abort(self) -> None:
+        """Abort this request if it is still running."""
+        if not self.finished:
+            await self._engine.abort(self.rid)
+
+    def _apply(self, delta: GenerationDelta) -> None:
+        for token in delta.tokens:
+            self._output_ids.append(token.token_id)
+            self._logprobs.append(token.logprob)
+            if self._top is not None:
+                self._top.append(tuple(token.top_logprobs or ()))
+        self._weight_version = delta.weight_version
+        if delta.finish_reason is not None:
+            self._finish_reason = delta.finish_reason
+            self._engine._forget(self.rid)
+
+
+def _default_num_threads() -> int:
+    """torch's default thread count, capped at the CPUs this process may use."""
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(torch.get_num_threads(), available or 1))
+
+
+class Engine:
+    """An HF causal LM served with continuous batching on CPU (float32).
+
+    Construction loads the model (blocking; call it via ``asyncio.to_thread``
+    from async code). :meth:`start` launches the worker thread and
+    :meth:`stop` ends it, aborting whatever is still running.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        weight_version: str = "0",
+        max_running_requests: int = 32,
+        max_prefill_tokens: int = 4096,
+        num_threads: int | None = None,
+    ) -> None:
+        if max_running_requests < 1:
+            raise ValueError("max_running_requests must be at least 1")
+        self.model_path = str(model_dir)
+        torch.set_num_threads(num_threads or _default_num_threads())
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.eval().requires_grad_(False)
+        config = model.config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"only full attention is supported, model has layer types {set(layer_types)}"
+            )
+        self.context_length: int = int(config.max_position_embeddings)
+        self.vocab_size: int = int(config.vocab_size)
+        self.eos_token_ids = self._eos_token_ids(model)
+        self.model = model
+        self._worker = EngineWorker(
+            model,
+            self.tokenizer,
+            weight_version=weight_version,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+        )
+        self.max_running_requests = max_running_requests
+        self._active: dict[str, RequestHandle] = {}
+        self._paused = False
+        logger.info(
+            "engine loaded %s (context %d, %d threads)",
+            self.model_path,
+            self.context_length,
+            torch.get_num_threads(),
+        )
+
+    def _eos_token_ids(self, model: torch.nn.Module) -> frozenset[int]:
+        """Eos ids of the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        generation_config: GenerationConfig | None = getattr(model, "generation_config", None)
+        for source in (getattr(generation_config, "eos_token_id", None), model.config.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._worker.start()
+
+    async def stop(self) -> None:
+        """Abort everything and stop the worker thread."""
+        if not self._worker.is_alive:
+            return
+        shutdown = cmd.Shutdown()
+        self._worker.send(shutdown)
+        await asyncio.wrap_future(shutdown.done)
+        await asyncio.to_thread(self._worker.join)
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker thread runs."""
+        return self._worker.is_alive
+
+    @property
+    def weight_version(self) -> str:
+        """Version of the weights currently loaded."""
+        return self._worker.weight_version
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (between ``pause`` and ``resume``)."""
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (approximate)."""
+        return self._worker.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (approximate)."""
+        return self._worker.num_waiting
+
+    # ---- requests -------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (as SGLang tokenizes a ``text`` prompt)."""
+        return list(self.tokenizer.encode(text))
+
+    def decode(
+        self, token_ids: list[int] | tuple[int, ...], *, skip_special_tokens: bool = True
+    ) -> str:
+        """Text of ``token_ids``."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> RequestHandle:
+        """Queue a request; must be called on the event loop that will read the handle.
+
+        Raises :class:`InvalidRequestError` for an empty or too-long prompt
+        (``len(prompt_ids) >= context_length``), out-of-vocabulary ids or a rid
+        already in flight. Generation ends with ``length`` when prompt plus
+        output reach the context length.
+        """
+        if not self._worker.is_alive:
+            raise EngineUnavailableError("the engine worker is not running")
+        rid = rid or uuid.uuid4().hex
+        if rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context length is "
+                f"{self.context_length} and at least one token must be generated"
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must lie in [0, {self.vocab_size})")
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        sink = DeltaSink(asyncio.get_running_loop())
+        request = WorkerRequest(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            top_logprobs_num=top_logprobs_num,
+            sink=sink,
+            generator=make_generator(params.seed),
+            stop_token_ids=frozenset(stop_ids),
+            max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)),
+        )
+        handle = RequestHandle(self, rid, len(prompt_ids), sink, top=top_logprobs_num > 0)
+        self._active[rid] = handle
+        self._worker.send(cmd.Submit(request))
+        return handle
+
+    def _forget(self, rid: str) -> None:
+        self._active.pop(rid, None)
+
+    # ---- control --------------------------------------------------------------------
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        """Abort one request (by rid) or all; returns how many were aborted."""
+        command = cmd.Abort(rid=rid, abort_all=abort_all)
+        self._worker.send(command)
+        return await asyncio.wrap_future(command.done)
+
+    def request_abort(self, rid: str) -> None:
+        """Ask the worker to abort ``rid`` without waiting (safe in cleanup code)."""
+        self._worker.send(cmd.Abort(rid=rid, abort_all=False))
+
+    async def pause(self, mode: str = "abort") -> int:
+        """Hold new and queued requests; ``abort`` mode also aborts the running ones."""
+        if mode not in ("abort", "in_place"):
+            raise InvalidRequestError(f"unknown pause mode {mode!r}; use 'abort' or 'in_place'")
+        command = cmd.Pause(mode="abort" if mode == "abort" else "in_place")
+        self._paused = True
+        self._worker.send(command)
+        return await asyncio.wrap_future(command.done)
+
+    async def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+        command = cmd.Resume()
+        self._paused = False
+        self._worker.send(command)
+        await asyncio.wrap_future(command.done)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> UpdateWeightsResponse:
+        """Load safetensors from ``model_path`` between two steps; old weights stay on failure."""
+        try:
+            state_dict = await asyncio.to_thread(
+                load_checked_state_dict, self.model, model_path, load_format
+            )
+        except WeightLoadError as exc:
+            logger.warning("rejected weights from %s: %s", model_path, exc)
+            return UpdateWeightsResponse(success=False, message=f"failed to load weights: {exc}")
+        command = cmd.UpdateWeights(state_dict, weight_version, abort_all_requests)
+        self._worker.send(command)
+        try:
+            await asyncio.wrap_future(command.done)
+        except (RuntimeError, ValueError) as exc:
+            return UpdateWeightsResponse(success=False, message=f"failed to apply weights: {exc}")
+        return UpdateWeightsResponse(
+            success=True, message=f"weights loaded from {model_path}; version {self.weight_version}"
+        )

@@ -1,0 +1,77 @@
+"""The embedded engine as a child process of ``proxima serve``.
+
+The engine runs in its own process (``python -m proxy.engine``), exactly like a
+separate SGLang server: the proxy's event loop never competes with model
+compute for the interpreter, and the proxy talks to it over HTTP with the same
+client it uses for SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    def __init__(self, model: Path, *, host: str = "127.0.0.1", port: int | None = None,
+                 max_running_requests: int = 32, weight_version: str = "0"):
+        self.model = model
+        self.host = host
+        self.port = port or free_port(host)
+        self.max_running_requests = max_running_requests
+        self.weight_version = weight_version
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable, "-m", "proxy.engine",
+            "--model", str(self.model), "--host", self.host, "--port", str(self.port),
+            "--max-running-requests", str(self.max_running_requests),
+            "--weight-version", self.weight_version,
+        ]
+        logger.info("starting embedded engine: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    async def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient() as http:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"embedded engine exited with code {self.proc.returncode}")
+                try:
+                    if (await http.get(self.url + "/health", timeout=2.0)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"embedded engine not healthy after {timeout:.0f}s at {self.url}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,183 @@
+"""Domain errors of the proxy and their mapping to OpenAI's error envelope.
+
+Services raise these; one exception handler (``install_error_handlers``) turns
+them into ``{"error": {"message", "type", "param", "code"}}`` with the right
+HTTP status, so no route formats errors by hand.
+
+    ProximaError                      500 api_error
+    ├── BadRequest                    400 invalid_request_error
+    │   └── ContextTooLong            400 invalid_request_error / context_length_exceeded
+    ├── AuthenticationFailed          401 authentication_error / invalid_api_key
+    ├── PermissionDenied              403 permission_error
+    ├── NotFound                      404 not_found_error (model_not_found for models)
+    ├── Conflict                      409 conflict_error (reward twice, finished session)
+    ├── PayloadTooLarge               413 invalid_request_error
+    ├── RateLimited                   429 rate_limit_error (+ Retry-After)
+    └── BackendUnavailable            503 service_unavailable (no healthy backend)
+
+Request validation errors (bad JSON, wrong types) become 400s that name the
+offending parameter; they never leak a raw pydantic dump. Store errors
+(``proxy.store.errors``) map to 404 / 409.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class ProximaError(Exception):
+    status_code = 500
+    error_type = "api_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.message, self.error_type, param=self.param, code=self.code)
+
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+
+class BadRequest(ProximaError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextTooLong(BadRequest):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationFailed(ProximaError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ProximaError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class NotFound(ProximaError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class Conflict(ProximaError):
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class PayloadTooLarge(ProximaError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class RateLimited(ProximaError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+class BackendUnavailable(ProximaError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+def error_envelope(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence for the first validation error, and its parameter."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request: " + first.get("msg", ""), None
+    msg = first.get("msg", "invalid value")
+    if param:
+        return f"Invalid value for '{param}': {msg}.", param
+    return f"Invalid request body: {msg}.", None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    from proxy.store import errors as store_errors
+
+    @app.exception_handler(ProximaError)
+    async def _proxima(_: Request, exc: ProximaError) -> JSONResponse:
+        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers())
+
+    @app.exception_handler(store_errors.NotFound)
+    async def _store_not_found(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_envelope(str(exc), "not_found_error"), status_code=404)
+
+    @app.exception_handler(store_errors.RewardAlreadySet)
+    async def _reward_twice(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            error_envelope(str(exc), "conflict_error", param="reward", code="reward_already_set"),
+            status_code=409,
+        )
+
+    @app.exception_handler(store_errors.Conflict)
+    async def _store_conflict(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_envelope(str(exc), "conflict_error"), status_code=409)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(
+            error_envelope(message, "invalid_request_error", param=param), status_code=400
+        )
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return JSONResponse(
+            error_envelope(f"Malformed JSON body: {exc.msg}.", "invalid_request_error"),
+            status_code=400,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: log it with its traceback, answer in the envelope (never a bare text 500).
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_envelope("The server had an error while processing your request.", "api_error"),
+            status_code=500,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "api_error"
+        )
+        return JSONResponse(
+            error_envelope(str(exc.detail), kind),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )

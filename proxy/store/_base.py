@@ -1,0 +1,62 @@
+"""Shared plumbing of the ``Store`` mixins: the engine and transaction scopes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from proxy.store.engine import BEGIN_MODE_OPTION
+from proxy.store.errors import NotFound
+from proxy.store.models import SessionRow
+
+
+def new_id() -> str:
+    """A fresh random identifier (128 bits, hex)."""
+    return uuid.uuid4().hex
+
+
+class StoreBase:
+    """Holds the engine and opens read and write transactions."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._sessionmaker = async_sessionmaker(engine, expire_on_commit=False)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The underlying async engine (for tests and diagnostics)."""
+        return self._engine
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncSession]:
+        """A read-only transaction; rolled back at exit."""
+        async with self._sessionmaker() as db:
+            yield db
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncSession]:
+        """A write transaction, committed at exit unless an exception escapes.
+
+        On SQLite it starts with ``BEGIN IMMEDIATE``, so writers (in any
+        process) serialize on the database lock instead of failing midway.
+        """
+        async with self._sessionmaker() as db, db.begin():
+            await db.connection(execution_options={BEGIN_MODE_OPTION: "IMMEDIATE"})
+            yield db
+
+    @staticmethod
+    async def _session_row(
+        db: AsyncSession, session_id: str, *, lock: bool = False, share: bool = False
+    ) -> SessionRow:
+        """Load a session row, optionally row-locked (PostgreSQL), or raise ``NotFound``."""
+        query = select(SessionRow).where(SessionRow.id == session_id)
+        if lock or share:
+            query = query.with_for_update(read=share and not lock)
+        row = (await db.execute(query)).scalar_one_or_none()
+        if row is None:
+            raise NotFound(f"session {session_id} not found")
+        return row

@@ -1,0 +1,55 @@
+"""Completion operations of the ``Store``: recording and reading trajectories."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from proxy.store._base import StoreBase
+from proxy.store.convert import completion_record, completion_row
+from proxy.store.errors import Conflict
+from proxy.store.models import CompletionRow
+from proxy.store.records import CompletionRecord, SessionStatus
+from proxy.store.sessions import CONSUMED_STATUSES
+
+
+class CompletionsMixin(StoreBase):
+    """Recording generated sequences and reading a session's trajectory."""
+
+    async def record_completion(self, *, completion: CompletionRecord) -> None:
+        """Store one completion; it is committed when this returns.
+
+        Raises ``NotFound`` for an unknown session, ``Conflict`` for a duplicate
+        completion id or a session a trainer already took, and ``ValueError``
+        when the per-token arrays disagree in length or leave int32.
+        """
+        row = completion_row(completion)
+        try:
+            async with self._write() as db:
+                # A shared row lock keeps a concurrent claim from taking the
+                # session between this check and the insert (PostgreSQL).
+                session = await self._session_row(db, completion.session_id, share=True)
+                if SessionStatus(session.status) in CONSUMED_STATUSES:
+                    raise Conflict(
+                        f"session {session.id} was already taken by a trainer ({session.status})"
+                    )
+                db.add(row)
+                await db.flush()
+        except IntegrityError as exc:
+            raise Conflict(f"completion {completion.id} already recorded") from exc
+
+    async def get_completion(self, *, completion_id: str) -> CompletionRecord | None:
+        """The completion with this id, or ``None``."""
+        async with self._read() as db:
+            row = await db.get(CompletionRow, completion_id)
+            return None if row is None else completion_record(row)
+
+    async def list_completions(self, *, session_id: str) -> list[CompletionRecord]:
+        """The session's completions, oldest first (ties: choice index, then id)."""
+        query = (
+            select(CompletionRow)
+            .where(CompletionRow.session_id == session_id)
+            .order_by(CompletionRow.created_at, CompletionRow.choice_index, CompletionRow.id)
+        )
+        async with self._read() as db:
+            return [completion_record(row) for row in (await db.execute(query)).scalars()]

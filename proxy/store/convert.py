@@ -1,0 +1,113 @@
+"""Conversions between ORM rows and the frozen records of ``records.py``."""
+
+from __future__ import annotations
+
+from proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
+from proxy.store.models import ApiKeyRow, CompletionRow, PolicyVersionRow, SessionRow
+from proxy.store.records import (
+    ApiKeyRecord,
+    CompletionRecord,
+    PolicyVersionRecord,
+    SessionKind,
+    SessionRecord,
+    SessionStatus,
+)
+
+
+def session_record(row: SessionRow) -> SessionRecord:
+    """Build the record of a session row."""
+    return SessionRecord(
+        id=row.id,
+        kind=SessionKind(row.kind),
+        status=SessionStatus(row.status),
+        group_id=row.group_id,
+        data_id=row.data_id,
+        metadata=dict(row.metadata_ or {}),
+        reward=row.reward,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        claimed_by=row.claimed_by,
+        external_id=row.external_id,
+        api_key_id=row.api_key_id,
+        trained_version=row.trained_version,
+    )
+
+
+def completion_row(record: CompletionRecord) -> CompletionRow:
+    """Build a new row from a completion record, packing its token arrays.
+
+    Raises:
+        ValueError: the per-token arrays disagree in length.
+    """
+    n_out = len(record.output_ids)
+    if len(record.output_logprobs) != n_out or len(record.output_versions) != n_out:
+        raise ValueError(
+            "output_ids, output_logprobs and output_versions must have equal lengths "
+            f"(got {n_out}, {len(record.output_logprobs)}, {len(record.output_versions)})"
+        )
+    return CompletionRow(
+        id=record.id,
+        session_id=record.session_id,
+        parent_id=record.parent_id,
+        prompt_ids=encode_int32(record.prompt_ids),
+        output_ids=encode_int32(record.output_ids),
+        output_logprobs=encode_float32(record.output_logprobs),
+        output_versions=encode_int32(record.output_versions),
+        finish_reason=record.finish_reason,
+        created_at=record.created_at,
+        request_messages=record.request_messages,
+        request_tools=record.request_tools,
+        response_message=record.response_message,
+        response_text=record.response_text,
+        sampling=dict(record.sampling),
+        model=record.model,
+        reward=record.reward,
+        choice_index=record.choice_index,
+        finished_at=record.finished_at,
+        time_to_first_token=record.time_to_first_token,
+        duration=record.duration,
+        backend=record.backend,
+    )
+
+
+def completion_record(row: CompletionRow) -> CompletionRecord:
+    """Build the record of a completion row, unpacking its token arrays."""
+    return CompletionRecord(
+        id=row.id,
+        session_id=row.session_id,
+        parent_id=row.parent_id,
+        prompt_ids=decode_int32(row.prompt_ids),
+        output_ids=decode_int32(row.output_ids),
+        output_logprobs=decode_float32(row.output_logprobs),
+        output_versions=decode_int32(row.output_versions),
+        finish_reason=row.finish_reason,
+        created_at=row.created_at,
+        request_messages=row.request_messages,
+        request_tools=row.request_tools,
+        response_message=row.response_message,
+        response_text=row.response_text,
+        sampling=dict(row.sampling or {}),
+        model=row.model,
+        reward=row.reward,
+        choice_index=row.choice_index,
+        finished_at=row.finished_at,
+        time_to_first_token=row.time_to_first_token,
+        duration=row.duration,
+        backend=row.backend,
+    )
+
+
+def api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
+    """Build the record of an API key row (the hash is not part of it)."""
+    return ApiKeyRecord(
+        id=row.id,
+        name=row.name,
+        record=row.record,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+    )
+
+
+def policy_version_record(row: PolicyVersionRow) -> PolicyVersionRecord:
+    """Build the record of a policy version row."""
+    return PolicyVersionRecord(version=row.version, path=row.path, created_at=row.created_at)

@@ -1,0 +1,102 @@
+"""Database URLs and async engines.
+
+``normalize_db_url`` turns what users type (``x.db``, ``sqlite:///x.db``,
+``postgres://...``) into an async SQLAlchemy URL. ``create_engine`` builds the
+engine; for SQLite it turns on WAL, a busy timeout and foreign keys on every
+connection, and lets SQLAlchemy emit ``BEGIN`` itself so that a write
+transaction can ask for ``BEGIN IMMEDIATE`` (see ``begin_immediate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+logger = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+"""How long a SQLite connection waits for another writer before failing."""
+
+BEGIN_MODE_OPTION = "proxima_sqlite_begin"
+"""Connection execution option naming the SQLite BEGIN mode (DEFERRED/IMMEDIATE)."""
+
+_ASYNC_DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "sqlite+pysqlite": "sqlite+aiosqlite",
+    "postgres": "postgresql+asyncpg",
+    "postgresql": "postgresql+asyncpg",
+    "postgresql+psycopg2": "postgresql+asyncpg",
+    "postgresql+psycopg": "postgresql+asyncpg",
+}
+
+
+def normalize_db_url(url: str | os.PathLike[str] | URL) -> str:
+    """Return the async-driver form of a database URL.
+
+    ``sqlite:///x.db`` -> ``sqlite+aiosqlite:///x.db``; ``postgres://`` and
+    ``postgresql://`` -> ``postgresql+asyncpg://``; a bare path such as
+    ``x.db`` or ``/tmp/x.db`` -> ``sqlite+aiosqlite:///<path>``. URLs that
+    already name an async driver are returned unchanged.
+    """
+    if isinstance(url, URL):
+        text = url.render_as_string(hide_password=False)
+    else:
+        text = os.fspath(url).strip()
+    if not text:
+        raise ValueError("empty database URL")
+    if "://" not in text:
+        return f"sqlite+aiosqlite:///{text}"
+    scheme, rest = text.split("://", 1)
+    return f"{_ASYNC_DRIVERS.get(scheme.lower(), scheme)}://{rest}"
+
+
+def is_sqlite(url: str | os.PathLike[str] | URL) -> bool:
+    """Whether ``url`` (normalized or not) points at SQLite."""
+    return make_url(normalize_db_url(url)).get_backend_name() == "sqlite"
+
+
+def create_engine(url: str | os.PathLike[str] | URL, **kwargs: Any) -> AsyncEngine:
+    """Create an async engine for ``url`` with Proxima's connection settings."""
+    engine = create_async_engine(normalize_db_url(url), **kwargs)
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine)
+    return engine
+
+
+async def begin_immediate(conn: AsyncConnection) -> AsyncConnection:
+    """Make the next transaction on ``conn`` a SQLite write transaction.
+
+    ``BEGIN IMMEDIATE`` takes the database write lock up front, so concurrent
+    writers (also in other processes) queue on the busy timeout instead of
+    failing when they upgrade a read lock. No effect on other databases.
+    """
+    return await conn.execution_options(**{BEGIN_MODE_OPTION: "IMMEDIATE"})
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # SQLAlchemy, not the sqlite3 module, emits BEGIN (see _on_begin).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get(BEGIN_MODE_OPTION, "DEFERRED")
+        if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
+            raise ValueError(f"invalid SQLite BEGIN mode {mode!r}")
+        conn.exec_driver_sql(f"BEGIN {mode}")

@@ -1,0 +1,158 @@
+"""SQLAlchemy ORM models of the trajectory store.
+
+The schema itself is created only by the Alembic migrations in
+``migrations/versions``; these models must stay in sync with them (a test
+compares both). Callers never see these objects: the store converts rows to
+the frozen records of ``records.py`` (see ``convert.py``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend.
+
+    Postgres stores ``timestamptz``; SQLite has no time zones, so values are
+    converted to UTC before writing and tagged as UTC when read back.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given; the store only accepts aware UTC times")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base with a constraint naming convention shared with the migrations."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ApiKeyRow(Base):
+    """A production API key; only its sha256 hash is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    record: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class SessionRow(Base):
+    """One agent run (training) or one recorded production conversation."""
+
+    __tablename__ = "sessions"
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "external_id"),
+        Index("ix_sessions_status_finished_at", "status", "finished_at"),
+        Index("ix_sessions_kind_status", "kind", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    api_key_hash: Mapped[str | None] = mapped_column(
+        String(128), nullable=True, unique=True, index=True
+    )
+    group_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    data_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    claimed_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    external_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    api_key_id: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("api_keys.id"), nullable=True
+    )
+    trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class CompletionRow(Base):
+    """One generated sequence; token arrays are packed bytes (see ``codec.py``)."""
+
+    __tablename__ = "completions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
+    )
+    parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    output_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    output_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    output_versions: Mapped[bytes] = mapped_column(LargeBinary)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    request_messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    request_tools: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    response_message: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    response_text: Mapped[str] = mapped_column(Text)
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    model: Mapped[str] = mapped_column(String(200))
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)
+    choice_index: Mapped[int] = mapped_column(Integer)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    time_to_first_token: Mapped[float | None] = mapped_column(Float, nullable=True)
+    duration: Mapped[float | None] = mapped_column(Float, nullable=True)
+    backend: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class PolicyVersionRow(Base):
+    """A policy (weights) version pushed to the inference backends."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())

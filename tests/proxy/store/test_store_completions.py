@@ -1,0 +1,86 @@
+"""Recording and reading completions (token arrays, JSON payloads, ordering)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from factories import completion, key_hash
+
+from proxy.store import Conflict, NotFound, Store
+
+
+async def test_record_and_read_back_everything(store: Store) -> None:
+    session = await store.create_session(api_key_hash=key_hash())
+    local = timezone(timedelta(hours=2))
+    record = completion(
+        session.id,
+        prompt_ids=list(range(1000)),
+        output_ids=[151_643, 0, 7],
+        output_logprobs=[-0.125, -3.5, 0.0],
+        output_versions=[3, 3, 4],
+        finish_reason="tool_calls",
+        created_at=datetime(2025, 5, 1, 14, 0, tzinfo=local),
+        request_messages=[{"role": "user", "content": "héllo 👋"}],
+        request_tools=[{"type": "function", "function": {"name": "add", "parameters": {}}}],
+        response_message={"role": "assistant", "content": None, "tool_calls": []},
+        response_text="",
+        sampling={"temperature": 0.7, "top_p": 0.9, "seed": 3},
+        model="tiny",
+        choice_index=1,
+        finished_at=datetime(2025, 5, 1, 12, 0, 1, 250_000, tzinfo=UTC),
+        time_to_first_token=0.01,
+        duration=1.25,
+        backend="http://127.0.0.1:30000",
+    )
+    await store.record_completion(completion=record)
+    loaded = await store.get_completion(completion_id=record.id)
+    assert loaded is not None
+    assert loaded.created_at == record.created_at  # same instant ...
+    assert loaded.created_at.tzinfo == UTC  # ... returned in UTC
+    assert loaded == record
+    assert loaded.temperature == 0.7
+    assert await store.get_completion(completion_id="missing") is None
+
+
+async def test_list_completions_in_creation_order(store: Store) -> None:
+    session = await store.create_session(api_key_hash=key_hash())
+    other = await store.create_session(api_key_hash=key_hash())
+    late = completion(session.id, seconds=10)
+    early = completion(session.id, seconds=1)
+    choice_b = completion(session.id, seconds=5, choice_index=1)
+    choice_a = completion(session.id, seconds=5, choice_index=0, parent_id=early.id)
+    for record in (late, choice_b, early, choice_a, completion(other.id)):
+        await store.record_completion(completion=record)
+    listed = await store.list_completions(session_id=session.id)
+    assert [c.id for c in listed] == [early.id, choice_a.id, choice_b.id, late.id]
+    assert listed[1].parent_id == early.id
+    assert await store.list_completions(session_id="missing") == []
+
+
+async def test_record_completion_errors(store: Store) -> None:
+    session = await store.create_session(api_key_hash=key_hash())
+    record = completion(session.id)
+    await store.record_completion(completion=record)
+    with pytest.raises(Conflict):
+        await store.record_completion(completion=record)
+    with pytest.raises(NotFound):
+        await store.record_completion(completion=completion("missing"))
+    with pytest.raises(ValueError, match="equal lengths"):
+        await store.record_completion(completion=completion(session.id, output_versions=[0]))
+    with pytest.raises(ValueError, match="naive"):
+        await store.record_completion(
+            completion=completion(session.id, created_at=datetime(2025, 1, 1))
+        )
+    assert [c.id for c in await store.list_completions(session_id=session.id)] == [record.id]
+
+
+async def test_no_completions_after_a_trainer_took_the_session(store: Store) -> None:
+    session = await store.create_session(api_key_hash=key_hash())
+    await store.set_session_reward(session_id=session.id, reward=1.0)
+    await store.finish_session(session_id=session.id)
+    await store.record_completion(completion=completion(session.id))  # late but unclaimed: kept
+    await store.claim_sessions(limit=1, trainer_id="t")
+    with pytest.raises(Conflict):
+        await store.record_completion(completion=completion(session.id))
+    assert len(await store.list_completions(session_id=session.id)) == 1

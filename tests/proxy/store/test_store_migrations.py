@@ -1,0 +1,110 @@
+"""Alembic migrations: the only source of the schema, in sync with the models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection
+
+from proxy.store import migrate
+from proxy.store.engine import create_engine
+from proxy.store.errors import StoreError
+from proxy.store.models import Base
+from proxy.store.store import Store
+
+TABLES = {"sessions", "completions", "policy_versions", "api_keys"}
+
+
+async def _tables(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            names = await conn.run_sync(lambda c: inspect(c).get_table_names())
+    finally:
+        await engine.dispose()
+    return set(names) - {"alembic_version"}
+
+
+async def _indexes(url: str, table: str) -> dict[str, tuple[list[str], bool]]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            found = await conn.run_sync(lambda c: inspect(c).get_indexes(table))
+    finally:
+        await engine.dispose()
+    return {ix["name"]: (list(ix["column_names"]), bool(ix["unique"])) for ix in found}
+
+
+async def test_upgrade_downgrade_upgrade(db_url: str) -> None:
+    assert await migrate.current_revision_async(db_url) is None
+    assert await _tables(db_url) == set()
+
+    await migrate.upgrade_async(db_url)
+    assert await _tables(db_url) == TABLES
+    assert await migrate.current_revision_async(db_url) == migrate.head_revision()
+
+    await migrate.downgrade_async(db_url, "base")
+    assert await _tables(db_url) == set()
+    assert await migrate.current_revision_async(db_url) is None
+
+    await migrate.upgrade_async(db_url, "head")
+    assert await _tables(db_url) == TABLES
+
+
+async def test_ensure_schema_is_idempotent(db_url: str) -> None:
+    await migrate.ensure_schema(db_url)
+    await migrate.ensure_schema(db_url)
+    assert await _tables(db_url) == TABLES
+    assert await migrate.current_revision_async(db_url) == migrate.head_revision()
+
+
+async def test_lookup_indexes_exist(db_url: str) -> None:
+    await migrate.ensure_schema(db_url)
+    sessions = await _indexes(db_url, "sessions")
+    assert sessions["ix_sessions_api_key_hash"] == (["api_key_hash"], True)
+    assert sessions["ix_sessions_status_finished_at"] == (["status", "finished_at"], False)
+    completions = await _indexes(db_url, "completions")
+    assert completions["ix_completions_session_id"] == (["session_id"], False)
+
+
+async def test_models_match_migrations(db_url: str) -> None:
+    await migrate.ensure_schema(db_url)
+
+    def diff(connection: Connection) -> list[object]:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        return list(compare_metadata(context, Base.metadata))
+
+    engine = create_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            changes = await conn.run_sync(diff)
+    finally:
+        await engine.dispose()
+    assert changes == []
+
+
+async def test_store_refuses_unmigrated_database(db_url: str) -> None:
+    with pytest.raises(StoreError, match="proxima db upgrade"):
+        await Store.open(db_url)
+
+
+def test_sync_entry_points_for_the_cli(tmp_path: Path) -> None:
+    url = str(tmp_path / "nested" / "cli.db")  # a bare path; the directory is created
+    assert migrate.current_revision(url) is None
+    migrate.upgrade(url)
+    assert migrate.current_revision(url) == migrate.head_revision()
+    migrate.downgrade(url)
+    assert migrate.current_revision(url) is None
+
+
+def test_scripts_are_found_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    migrate.upgrade("cwd.db")
+    assert (tmp_path / "cwd.db").is_file()
+    assert migrate.current_revision(f"sqlite:///{tmp_path / 'cwd.db'}") == "0001"

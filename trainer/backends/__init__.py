@@ -1,0 +1,1 @@
+"""Training backends: the model, its optimizer and weight export behind one interface."""

@@ -1,0 +1,255 @@
+"""Typed trainer configuration.
+
+One pydantic model per concern, composed by :class:`TrainerConfig`. Every field
+carries a ``description``; combinations that cannot work are rejected when the
+config is built, with a message that says what to change. Unknown keys are
+rejected too (``extra="forbid"``), so a typo in a config file fails loudly
+instead of silently falling back to a default.
+
+Temperature: the trainer never has a temperature setting of its own. Proximal
+and current logprobs are recomputed at the temperature each completion was
+sampled with (``CompletionRecord.sampling["temperature"]``, default 1.0), so
+that ``behav``, ``prox`` and current logprobs are all log-probabilities of the
+same tempered distribution ``softmax(logits / T)``; mixing temperatures would
+bias the importance weight ``exp(prox - behav)`` (see ``trainer.loss``).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_EPS_CLIP = 0.2
+
+
+class _Section(BaseModel):
+    """Base of all config sections: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class PPOConfig(_Section):
+    """Decoupled PPO objective (AReaL, Fu et al. 2025, eq. 5)."""
+
+    eps_clip: float = Field(
+        DEFAULT_EPS_CLIP,
+        gt=0.0,
+        description="Lower clip range: the ratio pi_theta / pi_prox is clipped below at 1 - eps_clip.",
+    )
+    eps_clip_high: float = Field(
+        DEFAULT_EPS_CLIP,
+        gt=0.0,
+        description=(
+            "Upper clip range: the ratio is clipped above at 1 + eps_clip_high "
+            "(DAPO's clip-higher when larger than eps_clip). Defaults to eps_clip when omitted."
+        ),
+    )
+    importance_weight_cap: float | None = Field(
+        5.0,
+        description=(
+            "Tokens whose behaviour importance weight exp(prox - behav) exceeds this cap are "
+            "masked out of the loss (they still count in the normaliser). None disables the cap."
+        ),
+    )
+    decoupled: bool = Field(
+        True,
+        description=(
+            "True: recompute proximal logprobs with the weights before the step (decoupled PPO). "
+            "False: use the behaviour logprobs as proximal ones (prox = behav), i.e. standard PPO."
+        ),
+    )
+    ppo_minibatches: int = Field(
+        1,
+        ge=1,
+        description="Number of minibatch updates (optimizer steps) per training step; each "
+        "minibatch is a disjoint slice of the step's sessions.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_eps_clip_high(cls, data: Any) -> Any:
+        """Fill ``eps_clip_high`` from ``eps_clip`` when it is omitted or null."""
+        if isinstance(data, dict) and data.get("eps_clip_high") is None:
+            data = {**data, "eps_clip_high": data.get("eps_clip", DEFAULT_EPS_CLIP)}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> PPOConfig:
+        if self.eps_clip >= 1.0:
+            raise ValueError(
+                f"ppo.eps_clip={self.eps_clip} clips the ratio below at {1 - self.eps_clip} <= 0, "
+                "which disables the lower clip; set eps_clip in (0, 1), e.g. 0.2"
+            )
+        if self.importance_weight_cap is not None and self.importance_weight_cap < 1.0:
+            raise ValueError(
+                f"ppo.importance_weight_cap={self.importance_weight_cap} is below 1 and would mask "
+                "on-policy tokens (weight exactly 1); set it >= 1 (e.g. 5.0) or null to disable"
+            )
+        return self
+
+
+class AdvantageConfig(_Section):
+    """Returns and group-relative advantages (see ``trainer.samples``)."""
+
+    discount: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Discount gamma across the turns of a session: G_t = r_t + gamma * G_{t+1}.",
+    )
+    baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
+        "group_mean",
+        description=(
+            "Baseline subtracted from every turn's return: the mean episode return G_1 over the "
+            "sessions of the group (group_mean, GRPO), the same mean without the session itself "
+            "(leave_one_out, RLOO), or no baseline (none)."
+        ),
+    )
+    normalize_std: bool = Field(
+        True,
+        description="Divide advantages by the group's (population) std of episode returns G_1; "
+        "a group with zero std gets zero advantage.",
+    )
+    sample_mode: Literal["chain", "individual"] = Field(
+        "chain",
+        description=(
+            "chain: completions that token-exactly extend their parent are packed into one "
+            "sequence (one forward pass per conversation path). individual: one sequence per "
+            "completion."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AdvantageConfig:
+        if self.baseline == "none" and self.normalize_std:
+            raise ValueError(
+                "advantage.normalize_std=true needs a baseline: dividing raw returns by the group "
+                "std does not centre them; set advantage.baseline to group_mean or leave_one_out, "
+                "or set normalize_std to false"
+            )
+        return self
+
+
+class BatchingConfig(_Section):
+    """Dynamic micro-batching (AReaL algorithm 1)."""
+
+    max_tokens_per_mb: int = Field(
+        8192,
+        ge=1,
+        description="Token budget of one packed micro-batch. Every sequence must fit on its "
+        "own; a longer one is reported at run time with its length.",
+    )
+    min_mbs: int = Field(
+        1,
+        ge=1,
+        description="Minimum number of micro-batches per minibatch (e.g. one per data-parallel rank).",
+    )
+
+
+class OptimConfig(_Section):
+    """AdamW optimiser and gradient handling."""
+
+    lr: float = Field(1e-6, gt=0.0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    grad_clip: float | None = Field(
+        1.0, description="Clip the global gradient L2 norm to this value; None disables clipping."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas}: both betas must be in [0, 1), e.g. [0.9, 0.999]")
+        if self.grad_clip is not None and self.grad_clip <= 0.0:
+            raise ValueError(
+                f"optim.grad_clip={self.grad_clip}: set a positive max norm (e.g. 1.0) or null to disable"
+            )
+        return self
+
+
+class TrainerConfig(_Section):
+    """The whole trainer configuration."""
+
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="Decoupled PPO objective.")
+    advantage: AdvantageConfig = Field(
+        default_factory=AdvantageConfig, description="Returns and advantages."
+    )
+    batching: BatchingConfig = Field(
+        default_factory=BatchingConfig, description="Dynamic micro-batching."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser.")
+    batch_size: int = Field(
+        8, ge=1, description="Sessions per training step (B in the staleness rule)."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="eta: samples whose oldest generated token's policy version is below "
+        "current_version - eta are dropped; 0 is synchronous RL.",
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save a full checkpoint every N steps; 0 disables checkpoints."
+    )
+    keep_versions: int = Field(
+        2, ge=1, description="Number of exported weight versions kept on disk."
+    )
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Training backend: HF model + AdamW (torch) or megatron-core."
+    )
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?|auto)$",
+        description="Torch device for the torch backend: cpu, cuda, cuda:N or auto.",
+    )
+    output_dir: Path = Field(
+        Path("proxima-trainer"), description="Directory for exported weights and checkpoints."
+    )
+    seed: int = Field(0, description="Random seed (torch, python).")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.batch_size < self.ppo.ppo_minibatches:
+            raise ValueError(
+                f"batch_size={self.batch_size} is smaller than ppo.ppo_minibatches="
+                f"{self.ppo.ppo_minibatches}: some minibatches would be empty; raise batch_size "
+                "or lower ppo_minibatches"
+            )
+        return self
+
+
+def load_config(path: str | Path) -> TrainerConfig:
+    """Load a :class:`TrainerConfig` from a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` file.
+
+    YAML needs PyYAML (imported lazily); JSON and TOML use the standard library.
+    Validation errors are pydantic ``ValidationError`` with the field path.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    text = path.read_text(encoding="utf-8")
+    data: Any
+    if suffix == ".json":
+        data = json.loads(text)
+    elif suffix == ".toml":
+        data = tomllib.loads(text)
+    elif suffix in {".yaml", ".yml"}:
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - pyyaml ships with the dev environment
+            raise ValueError(
+                f"{path}: reading YAML needs PyYAML (pip install pyyaml); or use JSON/TOML"
+            ) from exc
+        data = yaml.safe_load(text)
+    else:
+        raise ValueError(f"{path}: unknown config format {suffix!r}; use .json, .toml, .yaml or .yml")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level of a config file must be a mapping")
+    return TrainerConfig.model_validate(data)
