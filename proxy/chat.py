@@ -318,27 +318,31 @@ class ChatRenderer:
         the most recent. Messages are compared before anything is rendered,
         and only the chosen parent is rendered.
         """
+        full = self.render_text(messages, tools, add_generation_prompt=True)
         parent = _find_parent(messages, tools, history)
         if parent is not None:
-            plan = self._extend(parent, messages, tools)
+            plan = self._extend(parent, full, tools)
             if plan is not None:
                 return plan
-        prompt_ids = self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+        prompt_ids = self.encode(full)
         return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids)
 
     def _extend(
-        self,
-        parent: _Candidate,
-        messages: Sequence[Message],
-        tools: Sequence[dict[str, Any]] | None,
+        self, parent: _Candidate, full: str, tools: Sequence[dict[str, Any]] | None
     ) -> PromptPlan | None:
-        """Parent tokens plus the new messages' tokens, or None if the template forbids it."""
+        """Parent tokens plus the new messages' tokens, or None if the template forbids it.
+
+        ``full`` is the whole new conversation rendered with a generation prompt.
+        """
         record = parent.record
-        before = self.render_text(parent.request, tools, add_generation_prompt=False)
-        previous = self.render_text(
-            [*parent.request, parent.reply], tools, add_generation_prompt=False
-        )
-        full = self.render_text(messages, tools, add_generation_prompt=True)
+        try:
+            before = self.render_text(parent.request, tools, add_generation_prompt=False)
+            previous = self.render_text(
+                [*parent.request, parent.reply], tools, add_generation_prompt=False
+            )
+        except InvalidMessages:
+            logger.debug("template rejects the parent's messages", extra={"parent": record.id})
+            return None
         marker_at = previous.rfind(self.end_of_turn)
         if not (previous.startswith(before) and full.startswith(previous)):
             logger.debug("template rewrites history; rendering fresh", extra={"parent": record.id})
@@ -401,7 +405,7 @@ def _find_parent(
     candidates: list[tuple[int, int, CompletionRecord, list[Message], Message]] = []
     for position, record in enumerate(history):
         stored_request, stored_reply = record.request_messages, record.response_message
-        if stored_request is None or stored_reply is None:
+        if not stored_request or stored_reply is None:
             continue  # a /v1/completions record, or a reply that was never returned
         if len(stored_request) + 1 < len(messages):
             candidates.append(

@@ -179,6 +179,7 @@ class CompletionService:
             stop=req.stop_list,
             seed=req.seed,
             top_logprobs=top_logprobs,
+            ignore_eos=req.ignore_eos,
         )
 
     def _token_text(self, token_id: int) -> str:
@@ -422,7 +423,7 @@ class CompletionService:
                 for d in _deltas(events, saw_calls, c.index):
                     yield chunk(c.index, d)
                 text = detoks[c.index].text
-                parsed = apply_tool_choice(prep.parser.parse(text), prep.tool_choice)  # type: ignore[union-attr]
+                parsed = apply_tool_choice(streams[c.index].result(), prep.tool_choice)
                 finish = finish_reason_for(r.finish_reason or "stop", parsed)
                 records.append(self._record(prep, c, text=text, message=_assistant_message(parsed), finish=finish))
                 finals.append(chunk(c.index, {}, finish=finish))

@@ -133,15 +133,57 @@ StreamEvent = ContentDelta | ToolCallDelta
 
 
 class ToolCallStream(ABC):
-    """Incremental parser state for one generated sequence."""
+    """Incremental parser state for one generated sequence.
 
-    @abstractmethod
+    Subclasses implement ``_feed`` and ``_finish``; this class keeps what was
+    emitted so that ``result()`` can hand the same reply, with the same call
+    ids the client saw, to whoever records it.
+    """
+
+    def __init__(self) -> None:
+        self._streamed_content: list[str] = []
+        self._streamed_calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
+
     def feed(self, delta_text: str) -> list[StreamEvent]:
         """Consume the next piece of generated text; return what is now final."""
+        return self._collect(self._feed(delta_text))
 
-    @abstractmethod
     def finish(self) -> list[StreamEvent]:
         """The sequence has ended: release everything still held back."""
+        return self._collect(self._finish())
+
+    def result(self) -> ParsedOutput:
+        """What has been emitted, as one ``ParsedOutput``.
+
+        After ``finish()`` it equals ``parse`` of the whole text, except that
+        the call ids are the ones that were streamed.
+        """
+        calls = [
+            ToolCall(id=call_id, name=name, arguments=arguments)
+            for call_id, name, arguments in (
+                self._streamed_calls[i] for i in sorted(self._streamed_calls)
+            )
+        ]
+        content = "".join(self._streamed_content)
+        return ParsedOutput(content=(content or None) if calls else content, tool_calls=calls)
+
+    @abstractmethod
+    def _feed(self, delta_text: str) -> list[StreamEvent]:
+        """Events made final by ``delta_text``."""
+
+    @abstractmethod
+    def _finish(self) -> list[StreamEvent]:
+        """Events still held back at the end of the sequence."""
+
+    def _collect(self, events: list[StreamEvent]) -> list[StreamEvent]:
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self._streamed_content.append(event.text)
+            elif event.id is not None and event.name is not None:
+                self._streamed_calls[event.index] = [event.id, event.name, event.arguments]
+            else:
+                self._streamed_calls[event.index][2] += event.arguments
+        return events
 
 
 class ToolCallParser(ABC):
@@ -259,6 +301,7 @@ class _HermesStream(ToolCallStream):
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._pending = ""
         self._space = ""
         self._after_call = False
@@ -266,9 +309,10 @@ class _HermesStream(ToolCallStream):
         self._in_block = False
         self._block = ""
         self._block_space = ""
+        self._searched = 0  # ``_block`` holds no end marker before this offset
         self._calls = 0
 
-    def feed(self, delta_text: str) -> list[StreamEvent]:
+    def _feed(self, delta_text: str) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         if self._in_block:
             self._block += delta_text
@@ -277,7 +321,7 @@ class _HermesStream(ToolCallStream):
         self._advance(events)
         return events
 
-    def finish(self) -> list[StreamEvent]:
+    def _finish(self) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         if self._in_block:  # never closed: the block is content
             self._emit_raw(self._block_space + HERMES_START + self._block, events)
@@ -294,8 +338,9 @@ class _HermesStream(ToolCallStream):
     def _advance(self, events: list[StreamEvent]) -> None:
         while True:
             if self._in_block:
-                end = self._block.find(HERMES_END)
+                end = self._block.find(HERMES_END, self._searched)
                 if end < 0:
+                    self._searched = max(0, len(self._block) - len(HERMES_END) + 1)
                     return
                 body, rest = self._block[:end], self._block[end + len(HERMES_END) :]
                 self._close_block(body, events)
@@ -317,6 +362,7 @@ class _HermesStream(ToolCallStream):
     def _close_block(self, body: str, events: list[StreamEvent]) -> None:
         decoded = _decode_call(body)
         self._in_block = False
+        self._searched = 0
         if decoded is None:
             self._emit_raw(self._block_space + HERMES_START + body + HERMES_END, events)
         else:
@@ -431,10 +477,11 @@ class _Llama3Stream(ToolCallStream):
     """Content streams once the reply's start shows it is not a call; calls wait for the end."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._text = ""
         self._mode: Literal["calls", "content", "undecided"] = "undecided"
 
-    def feed(self, delta_text: str) -> list[StreamEvent]:
+    def _feed(self, delta_text: str) -> list[StreamEvent]:
         if self._mode == "content":
             return [ContentDelta(delta_text)] if delta_text else []
         self._text += delta_text
@@ -445,7 +492,7 @@ class _Llama3Stream(ToolCallStream):
                 return [ContentDelta(text)]
         return []
 
-    def finish(self) -> list[StreamEvent]:
+    def _finish(self) -> list[StreamEvent]:
         text, self._text = self._text, ""
         calls = _parse_llama3_calls(text)
         if calls is None:
@@ -472,10 +519,10 @@ class NoToolParser(ToolCallParser):
 
 
 class _PassthroughStream(ToolCallStream):
-    def feed(self, delta_text: str) -> list[StreamEvent]:
+    def _feed(self, delta_text: str) -> list[StreamEvent]:
         return [ContentDelta(delta_text)] if delta_text else []
 
-    def finish(self) -> list[StreamEvent]:
+    def _finish(self) -> list[StreamEvent]:
         return []
 
 

@@ -11,7 +11,7 @@ them the items are deselected with a message, or, when ``CI=true``, they fail
 with that message (CI must never silently skip PostgreSQL). Use from a
 ``conftest.py``::
 
-    from pg import postgres_cluster, select_postgres_items  # noqa: F401
+    from tests.pg import postgres_cluster, select_postgres_items  # noqa: F401
 
     def pytest_collection_modifyitems(config, items):
         select_postgres_items(config, items)
@@ -41,7 +41,7 @@ POSTGRES_PARAM = "postgres"
 
 MISSING_MESSAGE = (
     "PostgreSQL server binaries (initdb, pg_ctl) not found in /usr/lib/postgresql/*/bin "
-    "or $PROXIMA_PG_BIN; install them with `apt-get install -y postgresql-15`"
+    "(or $PROXIMA_PG_BIN); install them with `apt-get install -y postgresql-15`"
 )
 _SUMMARY_KEY = pytest.StashKey[str]()
 
@@ -52,10 +52,21 @@ def is_ci() -> bool:
 
 
 def find_pg_bin() -> Path | None:
-    """The directory holding ``initdb`` and ``pg_ctl`` (newest version first), or ``None``."""
+    """The directory holding ``initdb`` and ``pg_ctl`` (newest version first), or ``None``.
+
+    ``$PROXIMA_PG_BIN``, when set, is the only place looked at (set it to a
+    non-existent path to run as if PostgreSQL were not installed).
+    """
+    env = os.environ.get("PROXIMA_PG_BIN")
+    candidates = [Path(env)] if env else _default_candidates()
+    for directory in candidates:
+        if (directory / "initdb").is_file() and (directory / "pg_ctl").is_file():
+            return directory
+    return None
+
+
+def _default_candidates() -> list[Path]:
     candidates: list[Path] = []
-    if env := os.environ.get("PROXIMA_PG_BIN"):
-        candidates.append(Path(env))
     versions = sorted(
         Path("/usr/lib/postgresql").glob("*/bin"),
         key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
@@ -64,10 +75,7 @@ def find_pg_bin() -> Path | None:
     candidates.extend(versions)
     if initdb := shutil.which("initdb"):
         candidates.append(Path(initdb).parent)
-    for directory in candidates:
-        if (directory / "initdb").is_file() and (directory / "pg_ctl").is_file():
-            return directory
-    return None
+    return candidates
 
 
 def _free_port() -> int:

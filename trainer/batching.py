@@ -211,7 +211,9 @@ def unpack(packed: PackedBatch, values: Tensor) -> list[list[float]]:
     from :func:`trainer.logprobs.forward_logprobs`, to store on ``Sample.prox_logprobs``.
     """
     if values.shape != packed.input_ids.shape:
-        raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(packed.input_ids.shape)}")
+        raise ValueError(
+            f"values has shape {tuple(values.shape)}, expected {tuple(packed.input_ids.shape)}"
+        )
     flat = values.detach().float().cpu().tolist()
     cu = packed.cu_seqlens.tolist()
     return [[0.0, *flat[cu[s] : cu[s + 1] - 1]] for s in range(len(cu) - 1)]

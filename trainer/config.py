@@ -166,7 +166,9 @@ class OptimConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> OptimConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optim.betas={self.betas}: both betas must be in [0, 1), e.g. [0.9, 0.999]")
+            raise ValueError(
+                f"optim.betas={self.betas}: both betas must be in [0, 1), e.g. [0.9, 0.999]"
+            )
         if self.grad_clip is not None and self.grad_clip <= 0.0:
             raise ValueError(
                 f"optim.grad_clip={self.grad_clip}: set a positive max norm (e.g. 1.0) or null to disable"
@@ -247,7 +249,9 @@ def load_config(path: str | Path) -> TrainerConfig:
             ) from exc
         data = yaml.safe_load(text)
     else:
-        raise ValueError(f"{path}: unknown config format {suffix!r}; use .json, .toml, .yaml or .yml")
+        raise ValueError(
+            f"{path}: unknown config format {suffix!r}; use .json, .toml, .yaml or .yml"
+        )
     if data is None:
         data = {}
     if not isinstance(data, dict):

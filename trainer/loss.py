@@ -110,7 +110,8 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float | Tensor 
     if isinstance(temperature, Tensor):
         if bool((temperature <= 0).any()):
             raise ValueError("temperature must be positive")
-        scaled = logits.float() / temperature.to(logits.device, torch.float32).unsqueeze(-1)  # (..., V)
+        temps = temperature.to(logits.device, torch.float32).unsqueeze(-1)  # (..., 1)
+        scaled = logits.float() / temps  # (..., V)
     else:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")

@@ -101,7 +101,9 @@ class Sample:
             lists["prox_logprobs"] = self.prox_logprobs
         for name, values in lists.items():
             if len(values) != n:
-                raise ValueError(f"Sample {self.session_id}: {name} has {len(values)} entries, expected {n}")
+                raise ValueError(
+                    f"Sample {self.session_id}: {name} has {len(values)} entries, expected {n}"
+                )
 
     @property
     def num_tokens(self) -> int:
@@ -177,7 +179,9 @@ def group_advantages(
         # statistics.* use exact rational arithmetic on floats: equal returns give sigma == 0.0
         # exactly, so the zero-variance test below is not at the mercy of rounding.
         sigma = statistics.pstdev(episode) if n > 1 else 0.0  # population std over the group
-        no_signal = baseline != "none" and (sigma == 0.0 or (baseline == "leave_one_out" and n == 1))
+        no_signal = baseline != "none" and (
+            sigma == 0.0 or (baseline == "leave_one_out" and n == 1)
+        )
         total = math.fsum(episode)
         group_mean = statistics.mean(episode)  # exact: equal returns give exactly that value
         for sid, own in zip(session_ids, episode, strict=True):

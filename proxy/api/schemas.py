@@ -55,6 +55,7 @@ class SamplingFields(_Open):
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    ignore_eos: bool = False  # extension (as in vLLM/SGLang): keep generating past the end token
 
     @field_validator("stop")
     @classmethod

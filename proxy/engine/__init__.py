@@ -11,10 +11,12 @@ for in-process use.
 
 from proxy.engine.app import create_engine_app, run_engine
 from proxy.engine.engine import Engine, EngineError, EngineUnavailableError, InvalidRequestError
+from proxy.engine.live import EngineServer
 
 __all__ = [
     "Engine",
     "EngineError",
+    "EngineServer",
     "EngineUnavailableError",
     "InvalidRequestError",
     "create_engine_app",

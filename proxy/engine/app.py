@@ -7,6 +7,7 @@ thread; routes receive the engine through :data:`EngineDep`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -57,7 +58,11 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> dict[str, Any] |
     """Generate for one prompt; SSE with cumulative chunks when ``stream`` is set."""
     prompt_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
     handle = engine.submit(
-        prompt_ids, body.sampling_params, rid=body.rid, top_logprobs_num=body.top_logprobs_num
+        prompt_ids,
+        body.sampling_params,
+        rid=body.rid,
+        top_logprobs_num=body.top_logprobs_num,
+        stream=body.stream,
     )
     if body.stream:
         return StreamingResponse(_sse_chunks(engine, handle, body), media_type="text/event-stream")
@@ -182,6 +187,7 @@ async def get_server_info(engine: EngineDep) -> dict[str, Any]:
         "weight_version": engine.weight_version,
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
+        "stats": dataclasses.asdict(engine.stats),
     }
 
 

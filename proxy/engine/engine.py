@@ -30,7 +30,7 @@ from proxy.engine.requests import DeltaSink, FinishReason, GenerationDelta, Work
 from proxy.engine.sampling import make_generator
 from proxy.engine.schemas import SamplingParams, UpdateWeightsResponse
 from proxy.engine.weights import WeightLoadError, load_checked_state_dict
-from proxy.engine.worker import EngineWorker
+from proxy.engine.worker import EngineWorker, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ class RequestHandle:
 
     async def result(self) -> GenerationState:
         """Wait for the request to finish and return its final state."""
-        async for _ in self.updates():
-            pass
+        while not self.finished:
+            self._apply(await self._sink.queue.get())
         return self.snapshot()
 
     async def abort(self) -> None:
@@ -125,13 +125,18 @@ class RequestHandle:
         self._weight_version = delta.weight_version
         if delta.finish_reason is not None:
             self._finish_reason = delta.finish_reason
-            self._engine._forget(self.rid)
 
 
 def _default_num_threads() -> int:
-    """torch's default thread count, capped at the CPUs this process may use."""
+    """Half the CPUs this process may use (at least one).
+
+    The engine shares the machine with the event loop, the proxy and usually
+    the trainer; intra-op threads that compete for busy cores spin and slow
+    every step down (on a loaded 2-core machine, 2 threads ran a tiny model
+    about 6x slower than 1).
+    """
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(torch.get_num_threads(), available or 1))
+    return max(1, (available or 1) // 2)
 
 
 class Engine:
@@ -176,7 +181,7 @@ class Engine:
             max_prefill_tokens=max_prefill_tokens,
         )
         self.max_running_requests = max_running_requests
-        self._active: dict[str, RequestHandle] = {}
+        self._active: set[str] = set()
         self._paused = False
         logger.info(
             "engine loaded %s (context %d, %d threads)",
@@ -229,6 +234,11 @@ class Engine:
         return self._paused
 
     @property
+    def stats(self) -> WorkerStats:
+        """The worker's counters (prefills, decode steps, peak batch size)."""
+        return self._worker.stats
+
+    @property
     def num_running(self) -> int:
         """Requests in the running batch (approximate)."""
         return self._worker.num_running
@@ -257,8 +267,12 @@ class Engine:
         *,
         rid: str | None = None,
         top_logprobs_num: int = 0,
+        stream: bool = False,
     ) -> RequestHandle:
         """Queue a request; must be called on the event loop that will read the handle.
+
+        With ``stream`` the handle's :meth:`~RequestHandle.updates` sees every
+        step; without it, only the final state arrives.
 
         Raises :class:`InvalidRequestError` for an empty or too-long prompt
         (``len(prompt_ids) >= context_length``), out-of-vocabulary ids or a rid
@@ -282,7 +296,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        sink = DeltaSink(asyncio.get_running_loop())
+        sink = DeltaSink(asyncio.get_running_loop(), on_finish=lambda: self._active.discard(rid))
         request = WorkerRequest(
             rid=rid,
             prompt_ids=list(prompt_ids),
@@ -292,14 +306,12 @@ class Engine:
             generator=make_generator(params.seed),
             stop_token_ids=frozenset(stop_ids),
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)),
+            stream=stream,
         )
         handle = RequestHandle(self, rid, len(prompt_ids), sink, top=top_logprobs_num > 0)
-        self._active[rid] = handle
+        self._active.add(rid)
         self._worker.send(cmd.Submit(request))
         return handle
-
-    def _forget(self, rid: str) -> None:
-        self._active.pop(rid, None)
 
     # ---- control --------------------------------------------------------------------
 

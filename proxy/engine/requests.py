@@ -57,13 +57,21 @@ class GenerationDelta:
 class DeltaSink:
     """Thread-safe delivery of deltas into an asyncio queue owned by one event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_finish: Callable[[], None] | None = None
+    ) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[GenerationDelta] = asyncio.Queue()
+        self._on_finish = on_finish
 
     def deliver(self, delta: GenerationDelta) -> None:
-        """Called on the event loop thread: enqueue one delta."""
+        """Called on the event loop thread: enqueue one delta; run ``on_finish`` on the last.
+
+        ``on_finish`` runs even if nobody reads the queue (a client that went away).
+        """
         self.queue.put_nowait(delta)
+        if delta.finish_reason is not None and self._on_finish is not None:
+            self._on_finish()
 
 
 def post_deltas(batch: list[tuple[DeltaSink, GenerationDelta]]) -> None:
@@ -96,6 +104,8 @@ class WorkerRequest:
     stop_token_ids: frozenset[int]
     max_new_tokens: int
     """``params.max_new_tokens`` capped so prompt + output fits the context."""
+    stream: bool = False
+    """Report tokens every step; otherwise only the final delta is sent (fewer event-loop wake-ups)."""
     output_ids: list[int] = field(default_factory=list)
     pending: list[SampledToken] = field(default_factory=list)
     """Tokens sampled since the last delta was sent."""

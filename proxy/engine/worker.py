@@ -94,6 +94,16 @@ class Shutdown:
 Command = Submit | Abort | Pause | Resume | UpdateWeights | Shutdown
 
 
+@dataclass
+class WorkerStats:
+    """Counters the worker updates (read from other threads for monitoring and tests)."""
+
+    prefills: int = 0
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    peak_batch_size: int = 0
+
+
 class EngineWorker:
     """Owns the model, the running batch and its KV cache; runs on its own thread."""
 
@@ -118,6 +128,7 @@ class EngineWorker:
         self._outbox: list[tuple[DeltaSink, GenerationDelta]] = []
         self._paused = False
         self._stopping = False
+        self.stats = WorkerStats()
         self._thread = threading.Thread(target=self._run, name="proxima-engine-worker", daemon=True)
 
     # ---- called from other threads -------------------------------------------------
@@ -253,6 +264,7 @@ class EngineWorker:
             request.finish_reason = finish_abort(f"engine error during prefill: {exc!r}")
             self._emit(request)
             return
+        self.stats.prefills += 1
         request.append(token, self._stop_decoder(request))
         if request.finish_reason is None:
             keys = [layer.keys for layer in prefill_cache.layers]  # each (1, H_kv, L, D)
@@ -276,6 +288,9 @@ class EngineWorker:
         )
         self._cache.commit()
         tokens = self._sample(rows, out.logits[:, -1])  # logits (B, V)
+        self.stats.decode_steps += 1
+        self.stats.decoded_tokens += len(rows)
+        self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(rows))
         for request, token in zip(rows, tokens, strict=True):
             request.append(token, self._stop_decoder(request))
             self._emit(request)
@@ -323,7 +338,13 @@ class EngineWorker:
             self._rows = [self._rows[i] for i in keep]
 
     def _emit(self, request: WorkerRequest) -> None:
-        if request.pending or request.finish_reason is not None:
+        """Queue the request's delta: every step when streaming, else only when it ended.
+
+        Each delivery wakes the event loop thread, which then competes with this
+        thread for the GIL; skipping per-step deltas of non-streaming requests
+        keeps the decode loop fast under load.
+        """
+        if request.finish_reason is not None or (request.stream and request.pending):
             self._outbox.append((request.sink, request.take_delta(self.weight_version)))
 
     def _flush(self) -> None:

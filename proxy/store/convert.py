@@ -37,7 +37,7 @@ def completion_row(record: CompletionRecord) -> CompletionRow:
     """Build a new row from a completion record, packing its token arrays.
 
     Raises:
-        ValueError: the per-token arrays disagree in length.
+        ValueError: the per-token arrays disagree in length, or a timestamp is naive.
     """
     n_out = len(record.output_ids)
     if len(record.output_logprobs) != n_out or len(record.output_versions) != n_out:
@@ -45,6 +45,9 @@ def completion_row(record: CompletionRecord) -> CompletionRow:
             "output_ids, output_logprobs and output_versions must have equal lengths "
             f"(got {n_out}, {len(record.output_logprobs)}, {len(record.output_versions)})"
         )
+    for name, value in (("created_at", record.created_at), ("finished_at", record.finished_at)):
+        if value is not None and value.tzinfo is None:
+            raise ValueError(f"completion {name} is a naive datetime; use an aware UTC time")
     return CompletionRow(
         id=record.id,
         session_id=record.session_id,

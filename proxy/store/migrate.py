@@ -113,7 +113,8 @@ async def downgrade_async(url: str, revision: str = "base") -> None:
 
 async def current_revision_async(url: str) -> str | None:
     """The revision the database at ``url`` is at (``None`` when unmigrated)."""
-    return await run_on_new_connection(url, _current)
+    revision: str | None = await run_on_new_connection(url, _current)
+    return revision
 
 
 async def ensure_schema(url: str) -> None:

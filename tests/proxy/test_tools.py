@@ -69,17 +69,8 @@ LLAMA3_CORPUS = [
 ]
 
 
-def run_stream(parser: ToolCallParser, chunks: list[str]) -> list[StreamEvent]:
-    stream = parser.stream()
-    events: list[StreamEvent] = []
-    for chunk in chunks:
-        events.extend(stream.feed(chunk))
-    events.extend(stream.finish())
-    return events
-
-
-def assemble(events: list[StreamEvent]) -> tuple[str, list[tuple[str, str]]]:
-    """Concatenated content and ``(name, arguments)`` per call, as a client rebuilds them."""
+def assemble(events: list[StreamEvent]) -> tuple[str, list[tuple[str, str, str]]]:
+    """Concatenated content and ``(id, name, arguments)`` per call, as a client rebuilds them."""
     content = ""
     calls: dict[int, list[str]] = {}
     for event in events:
@@ -89,14 +80,29 @@ def assemble(events: list[StreamEvent]) -> tuple[str, list[tuple[str, str]]]:
         if event.id is not None:
             assert event.index not in calls, "a call's header must come once"
             assert event.id.startswith("call_") and event.name
-            calls[event.index] = [event.name, ""]
-        calls[event.index][1] += event.arguments
+            calls[event.index] = [event.id, event.name, ""]
+        calls[event.index][2] += event.arguments
     assert sorted(calls) == list(range(len(calls))), "call indexes are 0, 1, 2, ..."
-    return content, [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+    return content, [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
 
 
-def expected(parsed: ParsedOutput) -> tuple[str, list[tuple[str, str]]]:
-    return parsed.content or "", [(call.name, call.arguments) for call in parsed.tool_calls]
+def check_stream(parser: ToolCallParser, chunks: list[str], parsed: ParsedOutput) -> None:
+    """Streaming ``chunks`` gives what ``parse`` gave for their concatenation.
+
+    The client's reassembled deltas match (ids aside), and ``result()`` is
+    ``parsed`` with the streamed ids.
+    """
+    stream = parser.stream()
+    events: list[StreamEvent] = []
+    for chunk in chunks:
+        events.extend(stream.feed(chunk))
+    events.extend(stream.finish())
+    content, calls = assemble(events)
+    assert content == (parsed.content or ""), chunks
+    assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in parsed.tool_calls]
+    result = stream.result()
+    assert result.content == parsed.content, chunks
+    assert [(c.id, c.name, c.arguments) for c in result.tool_calls] == calls
 
 
 def random_chunks(text: str, rng: random.Random) -> list[str]:
@@ -179,10 +185,9 @@ def test_hermes_keeps_non_ascii_arguments_readable() -> None:
 def test_stream_equals_parse_for_every_single_split(name: str) -> None:
     parser = get_tool_parser(name)
     for text in HERMES_CORPUS + LLAMA3_CORPUS:
-        want = expected(parser.parse(text))
+        parsed = parser.parse(text)
         for cut in range(len(text) + 1):
-            got = assemble(run_stream(parser, [text[:cut], text[cut:]]))
-            assert got == want, (text, cut)
+            check_stream(parser, [text[:cut], text[cut:]], parsed)
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "none"])
@@ -190,13 +195,12 @@ def test_stream_equals_parse_for_random_chunkings(name: str) -> None:
     parser = get_tool_parser(name)
     rng = random.Random(1234)
     for text in HERMES_CORPUS + LLAMA3_CORPUS:
-        want = expected(parser.parse(text))
-        assert assemble(run_stream(parser, list(text))) == want, text  # char by char
+        parsed = parser.parse(text)
+        check_stream(parser, list(text), parsed)  # character by character
         if len(text) < 2:
             continue
         for _ in range(60):
-            chunks = random_chunks(text, rng)
-            assert assemble(run_stream(parser, chunks)) == want, (text, chunks)
+            check_stream(parser, random_chunks(text, rng), parsed)
 
 
 def test_stream_holds_back_only_possible_markers() -> None:

@@ -64,6 +64,7 @@ from trainer.backends.megatron_compat import (
     init_distributed,
     init_model_parallel,
 )
+from trainer.batching import PackedBatch
 from trainer.config import OptimConfig
 from trainer.loss import token_logprobs
 
@@ -186,7 +187,7 @@ def transformer_config_from_hf(
     Fusions that need CUDA kernels (bias/activation, rope, masked softmax,
     persistent layer norm, gradient-accumulation) are off, so the same config
     runs on CPU; parameters are created on CPU there and on the current GPU
-    otherwise. Weights are not initialised: they are always loaded from HF.
+    otherwise.
     """
     shape = model_shape(hf_config, parallel)
     if gradient_checkpointing and not cuda_available():
@@ -220,7 +221,10 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         use_cpu_initialization=not cuda_available(),
-        perform_initialization=False,
+        # Weights are overwritten from HF right away, but megatron's initialisation is also
+        # what tags tensor-parallel weights (``tensor_model_parallel``), which the gradient
+        # norm needs to count each shard once.
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -240,7 +244,7 @@ def build_gpt_model(
     """A megatron ``GPTModel`` with the local layer spec, shaped like ``hf_config``.
 
     Needs :func:`~trainer.backends.megatron_compat.init_model_parallel` first.
-    Its parameters are uninitialised; load weights with :func:`load_hf_weights`.
+    Its parameters are randomly initialised; load weights with :func:`load_hf_weights`.
     """
     shape = model_shape(hf_config, parallel)
     config = transformer_config_from_hf(
@@ -601,6 +605,28 @@ class MicroBatch:
     temperature: float | Tensor = 1.0  # float or broadcastable to (B, T - 1)
     loss_inputs: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_packed(cls, packed: PackedBatch) -> MicroBatch:
+        """A trainer micro-batch as one packed row, with the PPO loss inputs.
+
+        ``loss_inputs`` match :func:`trainer.loss.decoupled_ppo_loss`'s tensor
+        arguments (``prox_logprobs`` falls back to ``behav_logprobs``, i.e.
+        standard PPO, when the batch carries none). The packed row's last
+        target slot is dropped: it ends a sequence, so its ``loss_mask`` is 0.
+        """
+        prox = packed.behav_logprobs if packed.prox_logprobs is None else packed.prox_logprobs
+        return cls(
+            input_ids=packed.input_ids[None],  # (1, T)
+            position_ids=packed.position_ids[None],  # (1, T)
+            temperature=packed.temperatures[None, :-1],  # (1, T-1)
+            loss_inputs={
+                "prox_logprobs": prox[None, :-1],
+                "behav_logprobs": packed.behav_logprobs[None, :-1],
+                "advantages": packed.advantages[None, :-1],
+                "loss_mask": packed.loss_mask[None, :-1],
+            },
+        )
+
 
 @dataclass
 class TrainStepResult(Generic[StatsT]):
@@ -735,6 +761,23 @@ class MegatronBackend:
         out = seg_logprobs.new_zeros(batch, length - 1)  # (B, T-1)
         return out.index_put(index, seg_logprobs[seg_index])
 
+    def forward_packed_logprobs(
+        self, packed: PackedBatch, temperature: float | Tensor | None = None
+    ) -> Tensor:
+        """Logprobs of a packed micro-batch's ``targets``, like ``trainer.logprobs.forward_logprobs``.
+
+        Shape: ``(T,)`` float32 on CPU, aligned with ``packed.targets``; a
+        sequence's last position is 0 (it has no target). ``temperature``
+        overrides ``packed.temperatures`` (float or ``(T,)``).
+        """
+        temps = packed.temperatures if temperature is None else temperature
+        if isinstance(temps, Tensor):
+            temps = torch.broadcast_to(temps, packed.input_ids.shape)[None, :-1]  # (1, T-1)
+        logprobs = self.forward_logprobs(
+            packed.input_ids[None], packed.position_ids[None], temps
+        )  # (1, T-1)
+        return F.pad(logprobs[0], (0, 1))  # (T,)
+
     def forward_logprobs(
         self,
         input_ids: Tensor,
@@ -821,8 +864,9 @@ class MegatronBackend:
             grads.append(param.grad)
             if param_is_not_tensor_parallel_duplicate(param):
                 squares = squares + param.grad.float().pow(2).sum()
-        if parallel_state.get_model_parallel_world_size() > 1:
-            dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        model_parallel_group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(model_parallel_group) > 1:
+            dist.all_reduce(squares, group=model_parallel_group)
         norm = float(squares.sqrt())
         if max_norm is not None and norm > max_norm:
             scale = max_norm / (norm + 1e-6)

@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from pg import (  # noqa: F401  (postgres_cluster is a fixture)
+
+from proxy.store import Store, ensure_schema
+from tests.pg import (  # noqa: F401  (postgres_cluster is a fixture)
     POSTGRES_PARAM,
     create_test_database,
     postgres_cluster,
     report_postgres_deselection,
     select_postgres_items,
 )
-
-from proxy.store import Store, ensure_schema
 
 BACKENDS = ["sqlite", POSTGRES_PARAM]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from factories import completion, key_hash
 
 from proxy.store import Conflict, NotFound, Store
+from tests.proxy.store.factories import completion, key_hash
 
 
 async def test_record_and_read_back_everything(store: Store) -> None:

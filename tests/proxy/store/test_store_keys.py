@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from factories import key_hash
 
 from proxy.store import Conflict, NotFound, Store
+from tests.proxy.store.factories import key_hash
 
 
 async def test_api_key_lifecycle(store: Store) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ async def _tables(url: str) -> set[str]:
     return set(names) - {"alembic_version"}
 
 
-async def _indexes(url: str, table: str) -> dict[str, tuple[list[str], bool]]:
+async def _indexes(url: str, table: str) -> dict[str | None, tuple[list[str | None], bool]]:
     engine = create_engine(url)
     try:
         async with engine.connect() as conn:
@@ -58,6 +59,12 @@ async def test_upgrade_downgrade_upgrade(db_url: str) -> None:
 async def test_ensure_schema_is_idempotent(db_url: str) -> None:
     await migrate.ensure_schema(db_url)
     await migrate.ensure_schema(db_url)
+    assert await _tables(db_url) == TABLES
+    assert await migrate.current_revision_async(db_url) == migrate.head_revision()
+
+
+async def test_concurrent_ensure_schema_calls_serialize(db_url: str) -> None:
+    await asyncio.gather(*(migrate.ensure_schema(db_url) for _ in range(3)))
     assert await _tables(db_url) == TABLES
     assert await migrate.current_revision_async(db_url) == migrate.head_revision()
 

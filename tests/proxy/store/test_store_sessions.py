@@ -6,9 +6,9 @@ import asyncio
 from datetime import UTC
 
 import pytest
-from factories import completion, key_hash
 
 from proxy.store import Conflict, NotFound, RewardAlreadySet, SessionKind, SessionStatus, Store
+from tests.proxy.store.factories import completion, key_hash
 
 
 async def test_create_and_get_session(store: Store) -> None:

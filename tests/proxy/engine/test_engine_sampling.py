@@ -1,0 +1,66 @@
+"""Token selection: truncation rules with hand-computed expectations, greedy, seeding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from proxy.engine.sampling import choose_token, make_generator, scaled_logprobs, truncated_probs
+from proxy.engine.schemas import SamplingParams
+
+PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
+LOGPROBS = PROBS.log()
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [
+        ({}, [0.05, 0.5, 0.15, 0.3]),
+        ({"top_k": 2}, [0.0, 0.5, 0.0, 0.3]),  # the two largest
+        ({"top_p": 0.7}, [0.0, 0.5, 0.0, 0.3]),  # mass before 0.3 is 0.5 < 0.7; before 0.15 is 0.8
+        ({"top_p": 0.45}, [0.0, 0.5, 0.0, 0.0]),  # mass before 0.3 is 0.5, not < 0.45
+        ({"min_p": 0.4}, [0.0, 0.5, 0.0, 0.3]),  # keep p >= 0.4 * 0.5 = 0.2
+        ({"top_k": 3, "min_p": 0.5}, [0.0, 0.5, 0.0, 0.3]),  # top 3, then p >= 0.25
+    ],
+)
+def test_truncation(options: dict[str, float], kept: list[float]) -> None:
+    probs = truncated_probs(LOGPROBS, SamplingParams(**options))
+    assert probs.tolist() == pytest.approx(kept, abs=1e-6)
+
+
+def test_scaled_logprobs_per_row_temperature() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    logprobs = scaled_logprobs(logits, torch.tensor([1.0, 0.5]))
+    # Row 2 is log_softmax([2, 4, 6]): log(e^6 / (e^2 + e^4 + e^6)).
+    assert float(logprobs[1, 2]) == pytest.approx(
+        6 - math.log(math.exp(2) + math.exp(4) + math.exp(6))
+    )
+    assert float(logprobs[0, 2]) == pytest.approx(
+        3 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    )
+
+
+def test_greedy_takes_argmax_and_reports_its_logprob() -> None:
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.5])
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token = choose_token(logits, logprobs, SamplingParams(temperature=0), make_generator(None), 2)
+    assert token.token_id == 1
+    assert token.logprob == pytest.approx(float(logprobs[1]))
+    assert token.top_logprobs is not None
+    assert [t for _, t in token.top_logprobs] == [1, 3]
+
+
+def test_sampling_respects_truncation_and_seed() -> None:
+    params = SamplingParams(temperature=1.0, top_k=2, seed=123)
+    draws = [
+        choose_token(LOGPROBS, LOGPROBS, params, generator, 0).token_id
+        for generator in [make_generator(123)]
+        for _ in range(200)
+    ]
+    assert set(draws) == {1, 3}
+    replay = make_generator(123)
+    assert [
+        choose_token(LOGPROBS, LOGPROBS, params, replay, 0).token_id for _ in range(200)
+    ] == draws

@@ -1,0 +1,1 @@
+"""Tests of the trajectory store (``proxy.store``) and its migrations."""
