@@ -152,7 +152,7 @@ def group_advantages(
 
     Args:
         returns_by_session: session id -> its per-turn returns ``G_1..G_T`` (``(T_i,)``).
-            Sessions with no turns are ignored.
+            Sessions with no turns are left out of the statistics (and get ``[]``).
         group_of: session id -> group id (sessions sharing a group id are compared).
         baseline: ``group_mean`` (GRPO), ``leave_one_out`` (RLOO) or ``none``.
         normalize_std: divide by the group's population std of episode returns ``G_1``.

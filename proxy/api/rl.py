@@ -48,7 +48,11 @@ async def create_session(
     async with lock:
         counts = await store.count_sessions_by_status(kind=SessionKind.TRAIN)
         decision = admit(
-            admitted_so_far=sum(counts.values()),
+            # Failed and dropped sessions never reach training: they must not use up
+            # capacity, or the trainer would wait for batches that never fill.
+            admitted_so_far=sum(counts.values())
+            - counts[SessionStatus.FAILED]
+            - counts[SessionStatus.DROPPED],
             open_sessions=counts.get(SessionStatus.OPEN, 0),
             version=pool.version,
             max_staleness=settings.max_staleness,

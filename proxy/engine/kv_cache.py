@@ -121,10 +121,20 @@ class BatchKVCache:
     # ---- one decode step -----------------------------------------------------------
 
     def step_attention_mask(self) -> torch.Tensor:
-        """Attention mask ``(B, length + 1)`` for a step that adds one token per row."""
+        """Additive attention mask ``(B, 1, 1, length + 1)`` for a step adding one token per row.
+
+        0 where a row attends, the dtype's minimum on padding. HF uses a 4D mask
+        as given, which skips its per-step mask construction (vmap-based and
+        slow for a padded batch); with one query per row there is no causal
+        part to add.
+        """
         self._ensure_capacity(self.length + 1)
         self.mask[:, self.length] = 1
-        return self.mask[:, : self.length + 1]
+        keep = self.mask[:, : self.length + 1].bool()  # (B, T + 1)
+        additive = torch.zeros(keep.shape, dtype=self.dtype).masked_fill_(
+            ~keep, torch.finfo(self.dtype).min
+        )
+        return additive[:, None, None, :]  # (B, 1, 1, T + 1)
 
     def write(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor

@@ -1,4 +1,4 @@
-"""Next-token selection for one batch row, with the logprob the trainer needs.
+"""Next-token selection for the rows of a batch, with the logprob the trainer needs.
 
 The recorded logprob is ``log_softmax(logits / T)`` at the chosen token: the
 distribution the token was drawn from *before* top-p / top-k / min-p
@@ -8,6 +8,7 @@ temperature). Greedy rows use ``T = 1``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,27 +52,57 @@ def truncated_probs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
-def choose_token(
-    logits: torch.Tensor,
-    logprobs: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    top_logprobs_num: int = 0,
-) -> SampledToken:
-    """Pick the next token of one row from its raw logits and scaled logprobs, both ``(V,)``.
+def _has_truncation(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
-    Greedy rows take the argmax of the raw logits, exactly as HF's greedy search.
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row drawn from unnormalised ``probs`` ``(B, V)`` with ``uniforms`` ``(B,)``.
+
+    The first index whose cumulative mass exceeds ``u * total``; zero-probability
+    entries are never chosen (float64 keeps rounding at the top end away).
     """
-    if params.is_greedy:
-        token_id = int(torch.argmax(logits))
-    else:
-        probs = truncated_probs(logprobs, params)
-        token_id = int(torch.multinomial(probs, 1, generator=generator))
-    top: list[tuple[float, int]] | None = None
-    if top_logprobs_num > 0:
-        values, ids = torch.topk(logprobs, min(top_logprobs_num, logprobs.shape[-1]))
-        top = [(float(v), int(i)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
-    return SampledToken(token_id=token_id, logprob=float(logprobs[token_id]), top_logprobs=top)
+    cdf = probs.double().cumsum(dim=-1)  # (B, V)
+    targets = uniforms.double() * cdf[:, -1]  # (B,)
+    index = torch.searchsorted(cdf, targets.unsqueeze(-1), right=True).squeeze(-1)  # (B,)
+    last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(index, last_nonzero)
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    top_logprobs_nums: Sequence[int],
+) -> list[SampledToken]:
+    """Choose the next token of every row. Shape: logits ``(B, V)``.
+
+    Greedy rows take the argmax of the raw logits, exactly as HF's greedy
+    search. Sampling rows draw one uniform from their own generator (so a
+    seeded request samples the same tokens whatever batch it runs in) and
+    invert the CDF of their truncated distribution, all rows at once.
+    """
+    logits = logits.float()
+    temperatures = torch.tensor([effective_temperature(p) for p in params])
+    logprobs = scaled_logprobs(logits, temperatures)  # (B, V)
+    tokens = logits.argmax(dim=-1)  # (B,)
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        probs = logprobs[sampled].exp()  # (S, V)
+        for row, i in enumerate(sampled):
+            if _has_truncation(params[i]):
+                probs[row] = truncated_probs(logprobs[i], params[i])
+        uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])  # (S,)
+        tokens[sampled] = _inverse_cdf(probs, uniforms)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()  # (B,)
+    results = []
+    for i, (token_id, logprob) in enumerate(zip(tokens.tolist(), chosen, strict=True)):
+        top: list[tuple[float, int]] | None = None
+        if top_logprobs_nums[i] > 0:
+            values, ids = torch.topk(logprobs[i], min(top_logprobs_nums[i], logprobs.shape[-1]))
+            top = list(zip(values.tolist(), ids.tolist(), strict=True))
+        results.append(SampledToken(token_id=token_id, logprob=logprob, top_logprobs=top))
+    return results
 
 
 def make_generator(seed: int | None) -> torch.Generator:

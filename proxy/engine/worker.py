@@ -37,7 +37,7 @@ from proxy.engine.requests import (
     finish_length,
     post_deltas,
 )
-from proxy.engine.sampling import SampledToken, choose_token, effective_temperature, scaled_logprobs
+from proxy.engine.sampling import SampledToken, sample_batch
 from proxy.engine.weights import apply_state_dict
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class EngineWorker:
         rows = self._rows
         input_ids = torch.tensor([[r.output_ids[-1]] for r in rows])  # (B, 1)
         position_ids = torch.tensor([[r.num_cached_tokens] for r in rows])  # (B, 1)
-        attention_mask = self._cache.step_attention_mask()  # (B, T + 1)
+        attention_mask = self._cache.step_attention_mask()  # (B, 1, 1, T + 1)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -297,13 +297,12 @@ class EngineWorker:
         self._drop_finished_rows()
 
     def _sample(self, requests: list[WorkerRequest], logits: torch.Tensor) -> list[SampledToken]:
-        logits = logits.float()  # (B, V)
-        temperatures = torch.tensor([effective_temperature(r.params) for r in requests])
-        logprobs = scaled_logprobs(logits, temperatures)  # (B, V)
-        return [
-            choose_token(logits[i], logprobs[i], r.params, r.generator, r.top_logprobs_num)
-            for i, r in enumerate(requests)
-        ]
+        return sample_batch(
+            logits,
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            [r.top_logprobs_num for r in requests],
+        )
 
     def _stop_decoder(self, request: WorkerRequest) -> Callable[[list[int]], str]:
         skip = request.params.skip_special_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -198,12 +199,10 @@ def test_micro_batched_step_equals_full_batch(tiny_model_dir: Path, attn: str) -
         behav = prox + 0.6 * torch.randn(s.num_tokens, generator=g)
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)
         with_prox.append(
-            Sample(
-                **{
-                    **{f: getattr(s, f) for f in Sample.__dataclass_fields__},
-                    "prox_logprobs": torch.where(mask, prox, 0.0).tolist(),
-                    "behav_logprobs": torch.where(mask, behav, 0.0).tolist(),
-                }
+            dataclasses.replace(
+                s,
+                prox_logprobs=torch.where(mask, prox, 0.0).tolist(),
+                behav_logprobs=torch.where(mask, behav, 0.0).tolist(),
             )
         )
     total = sum(s.num_loss_tokens for s in with_prox)

@@ -28,7 +28,9 @@ def test_step_writes_one_column_and_dropping_rows_trims_padding() -> None:
     cache.add_row(_row(2, 1.0), _row(2, 1.0))
     cache.add_row(_row(6, 2.0), _row(6, 2.0))
     mask = cache.step_attention_mask()
-    assert mask.tolist() == [[0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]
+    assert mask.shape == (2, 1, 1, 7)
+    padding = torch.finfo(torch.float32).min
+    assert mask[:, 0, 0].tolist() == [[padding] * 4 + [0.0] * 3, [0.0] * 7]
     new = torch.full((2, 2, 1, 4), 9.0)
     for layer in range(2):
         keys, values = cache.write(layer, new, new)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from proxy.engine.sampling import choose_token, make_generator, scaled_logprobs, truncated_probs
+from proxy.engine.sampling import make_generator, sample_batch, scaled_logprobs, truncated_probs
 from proxy.engine.schemas import SamplingParams
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
@@ -43,9 +43,9 @@ def test_scaled_logprobs_per_row_temperature() -> None:
 
 
 def test_greedy_takes_argmax_and_reports_its_logprob() -> None:
-    logits = torch.tensor([0.1, 2.0, -1.0, 1.5])
-    logprobs = torch.log_softmax(logits, dim=-1)
-    token = choose_token(logits, logprobs, SamplingParams(temperature=0), make_generator(None), 2)
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5]])
+    [token] = sample_batch(logits, [SamplingParams(temperature=0)], [make_generator(None)], [2])
+    logprobs = torch.log_softmax(logits[0], dim=-1)
     assert token.token_id == 1
     assert token.logprob == pytest.approx(float(logprobs[1]))
     assert token.top_logprobs is not None
@@ -54,13 +54,29 @@ def test_greedy_takes_argmax_and_reports_its_logprob() -> None:
 
 def test_sampling_respects_truncation_and_seed() -> None:
     params = SamplingParams(temperature=1.0, top_k=2, seed=123)
-    draws = [
-        choose_token(LOGPROBS, LOGPROBS, params, generator, 0).token_id
-        for generator in [make_generator(123)]
-        for _ in range(200)
-    ]
+    logits = LOGPROBS.unsqueeze(0)
+
+    def draw(generator: torch.Generator) -> list[int]:
+        return [sample_batch(logits, [params], [generator], [0])[0].token_id for _ in range(200)]
+
+    draws = draw(make_generator(123))
     assert set(draws) == {1, 3}
-    replay = make_generator(123)
-    assert [
-        choose_token(LOGPROBS, LOGPROBS, params, replay, 0).token_id for _ in range(200)
-    ] == draws
+    assert 0.5 < draws.count(1) / 200 < 0.8  # 0.5 / (0.5 + 0.3) = 0.625
+    assert draw(make_generator(123)) == draws
+
+
+def test_rows_sample_independently_of_their_batch() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.9),
+    ]
+    batch = sample_batch(
+        logits, params, [make_generator(7), make_generator(None), make_generator(9)], [0, 0, 0]
+    )
+    alone = sample_batch(logits[2:], params[2:], [make_generator(9)], [0])
+    assert batch[2] == alone[0]
+    assert batch[1].token_id == int(logits[1].argmax())
+    expected = torch.log_softmax(logits[0] / 0.8, dim=-1)[batch[0].token_id]
+    assert batch[0].logprob == pytest.approx(float(expected))
