@@ -12,19 +12,19 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
 
 from proxy.api import admin, openai, rl
 from proxy.backends.pool import BackendPool
 from proxy.completions import CompletionService
 from proxy.config import Settings
 from proxy.engine_process import EngineProcess
-from proxy.errors import error_envelope, install_error_handlers
+from proxy.errors import install_error_handlers
+from proxy.middleware import BodyLimitMiddleware
+from proxy.recorder import CompletionRecorder, SessionCache
 from proxy.store.migrate import ensure_schema
 from proxy.store.store import Store
 
@@ -67,13 +67,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.store = store
         app.state.pool = pool
         app.state.tokenizer = tokenizer
+        recorder = CompletionRecorder(store)
+        recorder.start()
+        app.state.cache = SessionCache()
         app.state.service = CompletionService(
             settings=settings, store=store, pool=pool, tokenizer=tokenizer,
-            context_length=_context_length(settings),
+            context_length=_context_length(settings), recorder=recorder, cache=app.state.cache,
         )
         app.state.admission_lock = asyncio.Lock()
         logger.info("proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version)
         yield
+        await recorder.close()
         await pool.close()
     finally:
         await http.aclose()
@@ -90,19 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"])
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(
-                error_envelope(
-                    f"Request body of {length} bytes exceeds the limit of {settings.max_body_bytes}.",
-                    "invalid_request_error",
-                ),
-                status_code=413,
-            )
-        return await call_next(request)
-
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(openai.router)
     app.include_router(rl.router)
     app.include_router(admin.router)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,8 @@ from jinja2 import TemplateError
 
 from proxy import errors
 from proxy.store.records import CompletionRecord
+
+_RENDER_CACHE_SIZE = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +283,8 @@ class ChatRenderer:
         self._tokenizer = tokenizer
         self.end_of_turn: str = marker
         self.end_of_turn_id: int = marker_ids[0]
+        self._renders: OrderedDict[str, str] = OrderedDict()
+        self._encodings: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def render_text(
         self,
@@ -288,21 +293,43 @@ class ChatRenderer:
         *,
         add_generation_prompt: bool,
     ) -> str:
-        """The chat template applied to ``messages`` and the OpenAI ``tools`` list."""
+        """The chat template applied to ``messages`` and the OpenAI ``tools`` list.
+
+        Renders are memoized (LRU): the sessions of one RL group share their
+        first prompt, and every turn re-renders its parent's conversation.
+        """
+        key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True, default=str)
+        cached = self._renders.get(key)
+        if cached is not None:
+            self._renders.move_to_end(key)
+            return cached
         try:
-            text = self._tokenizer.apply_chat_template(
-                list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+            text = str(
+                self._tokenizer.apply_chat_template(
+                    list(messages),
+                    tools=list(tools) if tools else None,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                )
             )
         except TemplateError as exc:
             raise InvalidMessages(f"The chat template rejected the messages: {exc}") from exc
-        return str(text)
+        self._renders[key] = text
+        if len(self._renders) > _RENDER_CACHE_SIZE:
+            self._renders.popitem(last=False)
+        return text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it become special tokens."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        cached = self._encodings.get(text)
+        if cached is not None:
+            self._encodings.move_to_end(text)
+            return list(cached)
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        self._encodings[text] = tuple(ids)
+        if len(self._encodings) > _RENDER_CACHE_SIZE:
+            self._encodings.popitem(last=False)
+        return ids
 
     def build_prompt(
         self,

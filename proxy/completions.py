@@ -33,6 +33,7 @@ from proxy.config import Settings
 from proxy.detokenize import IncrementalDetokenizer
 from proxy.errors import BadRequest, Conflict, ContextTooLong, NotFound, ProximaError
 from proxy.generation import GenerationParams, GenerationResult, TokenChunk, generate
+from proxy.recorder import CompletionRecorder, SessionCache
 from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
 from proxy.store.store import Store
 from proxy.tools import (
@@ -96,9 +97,13 @@ class CompletionService:
         pool: BackendPool,
         tokenizer: Any,
         context_length: int,
+        recorder: CompletionRecorder,
+        cache: SessionCache,
     ):
         self.settings = settings
         self.store = store
+        self.recorder = recorder
+        self.cache = cache
         self.pool = pool
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -245,8 +250,10 @@ class CompletionService:
         )
         choice = resolve_tool_choice(tool_choice_raw, tools)
         session = await self._session_for(principal, external_id or req.user)
-        history = await self.store.list_completions(session_id=session.id) if session else []
-        plan = await asyncio.to_thread(self.renderer.build_prompt, messages, tools, history)
+        history = await self._history(session) if session else []
+        # Inline, not in a thread: rendering is short and memoized, and a thread hop
+        # costs more in GIL hand-offs than it saves under load.
+        plan = self.renderer.build_prompt(messages, tools, history)
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = self._max_tokens(requested, len(plan.prompt_ids))
         params = self._params(req, max_tokens, req.top_logprobs or 0)
@@ -294,10 +301,19 @@ class CompletionService:
             backend=r.backend,
         )
 
+    async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
+        history = self.cache.history(session.id)
+        if history is None:
+            history = await self.store.list_completions(session_id=session.id)
+            self.cache.remember_history(session.id, history)
+        return history
+
     async def _commit(self, records: list[CompletionRecord | None]) -> None:
-        for record in records:
-            if record is not None:
-                await self.store.record_completion(completion=record)
+        """Make the completions durable (group commit), then visible to the next turn."""
+        done = [r for r in records if r is not None]
+        if done:
+            await self.recorder.record(done)
+            self.cache.add_completions(done)
 
     async def _run_choice(self, prep: _Prepared, choice: _Choice) -> None:
         async for _ in generate(
@@ -453,7 +469,7 @@ class CompletionService:
         session = await self._session_for(principal, external_id or req.user)
         parent_id = None
         if session is not None:
-            for c in reversed(await self.store.list_completions(session_id=session.id)):
+            for c in reversed(await self._history(session)):
                 prefix = c.prompt_ids + c.output_ids
                 if len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix:
                     parent_id = c.id

@@ -74,11 +74,15 @@ class Settings(BaseSettings):
             raise ValueError(f"--model {self.model}: no config.json there; pass an HF model directory")
         return self
 
+    @model_validator(mode="after")
+    def _default_name(self) -> Settings:
+        if not self.served_model_name:
+            self.served_model_name = self.model.resolve().name
+        return self
+
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model.resolve().name
+        return self.served_model_name or self.model.resolve().name
 
     def base_url(self, bound_port: int | None = None) -> str:
         if self.public_base_url:

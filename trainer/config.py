@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 DEFAULT_EPS_CLIP = 0.2
 
@@ -176,6 +176,92 @@ class OptimConfig(_Section):
         return self
 
 
+class MegatronConfig(_Section):
+    """How the megatron backend lays the model out (``backend = "megatron"``).
+
+    The random seed is :attr:`TrainerConfig.seed`;
+    ``trainer.backends.torch_backend.MegatronPPOBackend`` turns this section
+    into megatron's ``MegatronParallelConfig``.
+    """
+
+    tensor_parallel: int = Field(
+        1, ge=1, description="Tensor-parallel size; must divide the KV heads and the FFN width."
+    )
+    pipeline_parallel: int = Field(
+        1, ge=1, description="Pipeline-parallel size; only 1 is supported by the megatron backend."
+    )
+    make_vocab_size_divisible_by: int = Field(
+        128,
+        ge=1,
+        description="The embedding is padded to a multiple of this times tensor_parallel.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronConfig:
+        if self.pipeline_parallel != 1:
+            raise ValueError(
+                f"megatron.pipeline_parallel={self.pipeline_parallel}: the megatron backend runs "
+                "without pipeline parallelism; set pipeline_parallel = 1 and use tensor_parallel"
+            )
+        return self
+
+
+class LoopConfig(_Section):
+    """The training loop around the store and the proxy (``trainer.loop``)."""
+
+    trainer_id: str = Field(
+        "proxima-trainer",
+        min_length=1,
+        description=(
+            "Name this trainer claims sessions under. Keep it stable across restarts: sessions a "
+            "crashed run with the same id still holds are released at start-up. Two trainers on "
+            "one database need different ids."
+        ),
+    )
+    poll_interval_s: float = Field(
+        1.0, gt=0.0, description="Seconds between store polls while waiting for a full batch."
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many steps of this run; None runs until stopped."
+    )
+    push_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="Timeout of one POST /admin/weights (the proxy loads the weights on every "
+        "backend before answering).",
+    )
+    session_kinds: tuple[Literal["train", "production"], ...] = Field(
+        ("train", "production"),
+        min_length=1,
+        description="Kinds of sessions to train on: rollout-controller sessions (train) and "
+        "recorded production traffic (production).",
+    )
+
+
+class ConnectionConfig(_Section):
+    """Where the trainer finds the proxy, the store and the initial model (CLI flags override)."""
+
+    proxy_url: str | None = Field(
+        None, description="Base URL of the proxy, e.g. http://127.0.0.1:8000 (--proxy)."
+    )
+    db_url: str | None = Field(
+        None, description="SQLAlchemy URL of the trajectory store the proxy writes (--db)."
+    )
+    model_dir: Path | None = Field(
+        None, description="HF model directory of the initial policy, version 0 (--model)."
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Admin bearer token of the proxy (--admin-token or PROXIMA_ADMIN_TOKEN).",
+    )
+
+    def missing(self) -> list[str]:
+        """Names of the settings a run needs but that are unset (admin_token is optional)."""
+        return [
+            name for name in ("proxy_url", "db_url", "model_dir") if getattr(self, name) is None
+        ]
+
+
 class TrainerConfig(_Section):
     """The whole trainer configuration."""
 
@@ -187,6 +273,13 @@ class TrainerConfig(_Section):
         default_factory=BatchingConfig, description="Dynamic micro-batching."
     )
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimiser.")
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="Megatron layout (backend = megatron)."
+    )
+    loop: LoopConfig = Field(default_factory=LoopConfig, description="Training loop.")
+    connection: ConnectionConfig = Field(
+        default_factory=ConnectionConfig, description="Proxy, store and initial model."
+    )
     batch_size: int = Field(
         8, ge=1, description="Sessions per training step (B in the staleness rule)."
     )

@@ -16,6 +16,7 @@ from proxy.backends.pool import BackendPool
 from proxy.completions import CompletionService
 from proxy.config import Settings
 from proxy.errors import AuthenticationFailed
+from proxy.recorder import SessionCache
 from proxy.store.store import Store
 
 
@@ -41,9 +42,17 @@ PoolDep = Annotated[BackendPool, Depends(get_pool)]
 ServiceDep = Annotated[CompletionService, Depends(get_service)]
 
 
+def get_cache(request: Request) -> SessionCache:
+    return request.app.state.cache
+
+
+CacheDep = Annotated[SessionCache, Depends(get_cache)]
+
+
 async def get_principal(
     settings: SettingsDep,
     store: StoreDep,
+    cache: CacheDep,
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
     token = bearer_token(authorization)
@@ -51,13 +60,19 @@ async def get_principal(
     if is_admin_token(token, admin):
         return Principal(PrincipalKind.ADMIN)
     digest = hash_key(token)
+    principal = cache.principal(digest)
+    if principal is not None:
+        return principal
     session = await store.get_session_by_key_hash(api_key_hash=digest)
     if session is not None:
-        return Principal(PrincipalKind.SESSION, session=session)
-    api_key = await store.get_api_key_by_hash(key_hash=digest)
-    if api_key is not None:
-        return Principal(PrincipalKind.PRODUCTION, api_key=api_key)
-    raise AuthenticationFailed("Incorrect API key provided.")
+        principal = Principal(PrincipalKind.SESSION, session=session)
+    else:
+        api_key = await store.get_api_key_by_hash(key_hash=digest)
+        if api_key is None:
+            raise AuthenticationFailed("Incorrect API key provided.")
+        principal = Principal(PrincipalKind.PRODUCTION, api_key=api_key)
+    cache.remember_principal(digest, principal)
+    return principal
 
 
 async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from proxy.api.deps import AdminDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
+from proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
 from proxy.api.schemas import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -131,9 +131,14 @@ async def post_reward(
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(
-    session_id: str, principal: PrincipalDep, store: StoreDep, body: FinishRequest | None = None
+    session_id: str,
+    principal: PrincipalDep,
+    store: StoreDep,
+    cache: CacheDep,
+    body: FinishRequest | None = None,
 ) -> dict[str, Any]:
     session = await _owned_session(store, principal, session_id)
     status = SessionStatus(body.status) if body else SessionStatus.FINISHED
     session = await store.finish_session(session_id=session.id, status=status)
+    cache.forget_session(session.id)
     return _session_json(session)

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import httpx
@@ -159,10 +159,8 @@ class BackendPool:
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._health_task
-            except asyncio.CancelledError:
-                pass
 
     # -- weights ---------------------------------------------------------------
     async def update_weights(self, *, version: int, path: str) -> WeightUpdate:

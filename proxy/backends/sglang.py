@@ -107,12 +107,15 @@ class SGLangClient:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check(resp, "/generate")
+                done = False
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    if done or not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
                     if payload == "[DONE]":
-                        return
+                        # Read the body to its end so the connection goes back to the pool.
+                        done = True
+                        continue
                     chunk = json.loads(payload)
                     if "error" in chunk and "meta_info" not in chunk:
                         raise BackendRejected(_error_text(chunk["error"]), url=self.base_url)
@@ -140,8 +143,9 @@ class SGLangClient:
             raise BackendConnectionError(
                 f"/generate stream broke: {exc!r}", url=self.base_url
             ) from exc
-        # The stream ended without [DONE] and without a finish reason: the server went away.
-        raise BackendConnectionError("/generate stream ended early", url=self.base_url)
+        if not done:
+            # The stream ended without [DONE]: the server went away mid-generation.
+            raise BackendConnectionError("/generate stream ended early", url=self.base_url)
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
         body = AbortRequestBody(rid=rid, abort_all=abort_all).model_dump()

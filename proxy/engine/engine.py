@@ -145,6 +145,15 @@ class Engine:
     Construction loads the model (blocking; call it via ``asyncio.to_thread``
     from async code). :meth:`start` launches the worker thread and
     :meth:`stop` ends it, aborting whatever is still running.
+
+    Args:
+        model_dir: HF model directory (config, safetensors, tokenizer).
+        weight_version: version reported until the first weight update.
+        max_running_requests: rows in the decode batch; more requests wait.
+        max_prefill_tokens: prompt tokens prefilled per scheduler iteration
+            (at least one prompt), bounding the decode stall new prompts cause.
+        num_threads: torch intra-op threads (process-wide); default half the
+            available CPUs.
     """
 
     def __init__(

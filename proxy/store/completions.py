@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -23,20 +25,30 @@ class CompletionsMixin(StoreBase):
         completion id or a session a trainer already took, and ``ValueError``
         when the per-token arrays disagree in length or leave int32.
         """
-        row = completion_row(completion)
+        await self.record_completions(completions=[completion])
+
+    async def record_completions(self, *, completions: Sequence[CompletionRecord]) -> None:
+        """Store several completions in one transaction: all are committed, or none.
+
+        The proxy's recorder uses this for group commit under load; errors are
+        those of ``record_completion``.
+        """
+        rows = [completion_row(c) for c in completions]
         try:
             async with self._write() as db:
                 # A shared row lock keeps a concurrent claim from taking the
                 # session between this check and the insert (PostgreSQL).
-                session = await self._session_row(db, completion.session_id, share=True)
-                if SessionStatus(session.status) in CONSUMED_STATUSES:
-                    raise Conflict(
-                        f"session {session.id} was already taken by a trainer ({session.status})"
-                    )
-                db.add(row)
+                for session_id in dict.fromkeys(c.session_id for c in completions):
+                    session = await self._session_row(db, session_id, share=True)
+                    if SessionStatus(session.status) in CONSUMED_STATUSES:
+                        raise Conflict(
+                            f"session {session.id} was already taken by a trainer ({session.status})"
+                        )
+                db.add_all(rows)
                 await db.flush()
         except IntegrityError as exc:
-            raise Conflict(f"completion {completion.id} already recorded") from exc
+            ids = ", ".join(c.id for c in completions)
+            raise Conflict(f"completion already recorded (one of: {ids})") from exc
 
     async def get_completion(self, *, completion_id: str) -> CompletionRecord | None:
         """The completion with this id, or ``None``."""

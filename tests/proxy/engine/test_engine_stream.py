@@ -100,3 +100,21 @@ async def test_abort_all_ends_non_streaming_requests(live_url: str) -> None:
     for reply in replies:
         assert reply["meta_info"]["finish_reason"]["type"] == "abort"
         assert 1 <= len(reply["output_ids"]) < 1500
+
+
+async def test_client_leaving_a_stream_aborts_its_request(live_url: str) -> None:
+    body = {
+        "text": "bye",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True},
+    }
+    async with httpx.AsyncClient(base_url=live_url, timeout=30) as client:
+        async with client.stream("POST", "/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if line:
+                    break
+        deadline = time.monotonic() + 10
+        while (info := (await client.get("/get_server_info")).json())["num_running_reqs"] > 0:
+            assert time.monotonic() < deadline, "the abandoned request kept running"
+            await asyncio.sleep(0.02)
+    assert info["stats"]["decoded_tokens"] < 1000  # stopped early, not run to max_new_tokens

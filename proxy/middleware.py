@@ -1,0 +1,60 @@
+"""Pure ASGI middleware (no ``BaseHTTPMiddleware``: it splits responses into
+separate writes and re-wraps streams, which costs latency on every request)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.errors import error_envelope
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _reject(self, send: Send, size: Any) -> None:
+        body = json.dumps(
+            error_envelope(
+                f"Request body of {size} bytes exceeds the limit of {self.max_bytes}.",
+                "invalid_request_error",
+            )
+        ).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send, int(value))
+                return
+        received = 0
+        limit = self.max_bytes
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _TooLarge(received)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge as exc:
+            await self._reject(send, f"more than {exc.args[0]}")
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,611 @@
+"""Rollout controller: drive ``run_agent_return_reward(data)`` over a dataset.
+
+For every dataset item the controller runs the user's agent ``group_size``
+times, each run in its own proxy session (DESIGN.md, "Sessions and the agent
+contract")::
+
+    for item in dataset:                          # in order, bounded by max_concurrency
+        for k in range(group_size):
+            session = POST /rl/sessions {group_id, data_id, metadata}
+                      # 429 + Retry-After (staleness capacity): wait, retry
+            reward  = run_agent_return_reward(item + {base_url, api_key, ...})
+                      # bound to the session; raises or times out -> failed
+            POST /rl/sessions/{id}/reward  (final, or one per completion)
+            POST /rl/sessions/{id}/finish  {status: finished | failed}
+
+The agent module is not modified. In ``"inprocess"`` mode its HTTP requests
+to the proxy's ``/v1`` carry the session key through :mod:`trainer.binding`
+(a context variable plus an httpx hook), whatever ``api_key`` the agent
+passed; sync agents run in worker threads, which inherit the context. In
+``"subprocess"`` mode each run is a fresh ``python -c`` process with
+``OPENAI_BASE_URL``/``OPENAI_API_KEY`` set for its session, the item as JSON
+on stdin and the reward as JSON on stdout, for agents that read globals or
+must be killable.
+
+What an agent may return:
+
+- a number (``float``, ``int`` or ``bool``): the session's final reward;
+- a mapping ``{completion_id: reward, ..., "final": reward}``: per-turn
+  rewards for the named completions (chat response ``id``; ``{id}-{i}`` for
+  choice ``i > 0``) and an optional final reward.
+
+Anything else, an exception, a rejected reward, or running past ``timeout_s``
+finishes the session as ``failed``: it is counted in the report, never
+trained on, and the rollout goes on.
+
+Every pass (:meth:`RolloutController.run`) groups the runs of one item under
+``group_id = f"{data_id}@{tag}"`` with a fresh random ``tag`` (or the
+``group_tag`` given), so that the group-relative baseline never mixes runs
+of the same item from different passes (different policies); ``data_id`` is
+stored unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextvars
+import importlib
+import inspect
+import json
+import logging
+import math
+import numbers
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from trainer.binding import SessionBinding, bound_context
+
+logger = logging.getLogger(__name__)
+
+AgentFn = Callable[[dict[str, Any]], Any]
+Mode = Literal["inprocess", "subprocess"]
+Dataset = str | os.PathLike[str] | Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
+
+FINAL_KEY = "final"
+# How long a cancelled in-process agent gets to unwind before the run is given up on.
+CANCEL_GRACE_S = 5.0
+# Kept from a failed subprocess agent's stderr, for the report and the log.
+STDERR_TAIL_CHARS = 4000
+
+
+class RolloutError(Exception):
+    """The rollout cannot go on (proxy unreachable, bad admin token, bad agent spec)."""
+
+
+class AgentError(Exception):
+    """One agent run failed in a way that is the agent's doing; its session is failed."""
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class AgentReward:
+    """An agent's return value, normalised: a final reward and per-completion rewards."""
+
+    final: float | None
+    per_completion: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        """Sum of every reward the run posted (the final one included)."""
+        return (self.final or 0.0) + sum(self.per_completion.values())
+
+
+def _as_reward(value: Any, what: str) -> float:
+    if not isinstance(value, numbers.Real):
+        raise AgentError(f"{what} must be a number, got {type(value).__name__}: {value!r}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise AgentError(f"{what} must be finite, got {reward}")
+    return reward
+
+
+def parse_reward(value: Any) -> AgentReward:
+    """Normalise what ``run_agent_return_reward`` returned (see the module docstring)."""
+    if isinstance(value, Mapping):
+        final: float | None = None
+        per_completion: dict[str, float] = {}
+        for key, reward in value.items():
+            if not isinstance(key, str):
+                raise AgentError(f"reward keys must be completion ids (str), got {key!r}")
+            if key == FINAL_KEY:
+                final = _as_reward(reward, "the final reward")
+            else:
+                per_completion[key] = _as_reward(reward, f"the reward of completion {key}")
+        if final is None and not per_completion:
+            raise AgentError("the agent returned an empty reward mapping")
+        return AgentReward(final=final, per_completion=per_completion)
+    return AgentReward(final=_as_reward(value, "the reward"), per_completion={})
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One agent run (one session)."""
+
+    session_id: str
+    group_id: str
+    data_id: str
+    sample: int
+    status: Literal["finished", "failed"]
+    reward: float | None
+    """Total posted reward (final plus per-completion); ``None`` for a failed run."""
+    error: str | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class RolloutReport:
+    """Counters of one :meth:`RolloutController.run` (live while it runs)."""
+
+    items: int = 0
+    sessions_started: int = 0
+    sessions_rewarded: int = 0
+    sessions_failed: int = 0
+    timeouts: int = 0
+    waits_429: int = 0
+    """Times a session request was answered 429 (staleness capacity) and waited out."""
+    wait_seconds_429: float = 0.0
+    elapsed_s: float = 0.0
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def mean_reward(self) -> float | None:
+        """Mean total reward over the rewarded runs (``None`` if there are none)."""
+        rewards = [r.reward for r in self.runs if r.status == "finished" and r.reward is not None]
+        return sum(rewards) / len(rewards) if rewards else None
+
+    def summary(self) -> dict[str, Any]:
+        """The counters as a JSON-ready dict (without the per-run list)."""
+        out = {k: v for k, v in asdict(self).items() if k != "runs"}
+        out["mean_reward"] = self.mean_reward
+        return out
+
+
+# --------------------------------------------------------------------------- agent loading
+
+
+def resolve_agent(agent: str | AgentFn) -> AgentFn:
+    """Import ``"package.module:function"`` (or return a callable as is)."""
+    if callable(agent):
+        return agent
+    module_name, sep, attr = agent.partition(":")
+    if not sep or not module_name or not attr:
+        raise RolloutError(f"agent must be 'module:function', got {agent!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RolloutError(f"cannot import agent module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise RolloutError(f"{module_name!r} has no attribute {attr!r}") from exc
+    if not callable(target):
+        raise RolloutError(f"agent {agent!r} is not callable")
+    return target
+
+
+def agent_spec(agent: str | AgentFn) -> str:
+    """The ``"module:function"`` spelling of ``agent`` (for subprocess mode)."""
+    if isinstance(agent, str):
+        return agent
+    module, qualname = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise RolloutError(
+            f"subprocess mode needs an importable agent; pass 'module:function' instead of {agent!r}"
+        )
+    return f"{module}:{qualname}"
+
+
+# Runs one agent in a fresh interpreter: spec in argv, item JSON on stdin, reward JSON on the
+# original stdout. The agent's own prints go to stderr so they cannot corrupt the result.
+SUBPROCESS_RUNNER = """\
+import asyncio, importlib, inspect, json, os, sys
+result_out = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+module_name, _, attr = sys.argv[1].partition(":")
+fn = importlib.import_module(module_name)
+for part in attr.split("."):
+    fn = getattr(fn, part)
+data = json.load(sys.stdin)
+result = fn(data)
+if inspect.isawaitable(result):
+    async def _await(awaitable):
+        return await awaitable
+    result = asyncio.run(_await(result))
+json.dump({"reward": result}, result_out, default=float)
+result_out.flush()
+"""
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+async def iter_dataset(dataset: Dataset) -> AsyncIterator[dict[str, Any]]:
+    """Items of a JSONL file (path) or of any iterable / async iterable of mappings."""
+    if isinstance(dataset, str | os.PathLike):
+        path = Path(dataset)
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise RolloutError(f"{path}:{lineno}: a dataset line must be a JSON object")
+                yield item
+    elif isinstance(dataset, AsyncIterable):
+        async for item in dataset:
+            yield dict(item)
+    else:
+        for item in dataset:
+            yield dict(item)
+
+
+def item_id(item: Mapping[str, Any], index: int) -> str:
+    """The item's ``id`` (or ``data_id``), else its position in the dataset."""
+    value = item.get("id", item.get("data_id"))
+    return str(value) if value is not None else str(index)
+
+
+def _retry_after(response: httpx.Response, default: float = 1.0) -> float:
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return default
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class RolloutController:
+    """Runs an unmodified agent over a dataset, one proxy session per run.
+
+    Args:
+        proxy_url: the proxy's root URL (``http://host:port``, no ``/v1``).
+        admin_token: bearer token allowed to open sessions (``POST /rl/sessions``).
+        agent: ``run_agent_return_reward`` itself or ``"module:function"``;
+            async or sync (sync ones run in worker threads).
+        group_size: runs (sessions) per item, sharing one ``group_id``.
+        max_concurrency: runs in flight at once (waiting for a session included).
+        timeout_s: wall-clock limit of one agent run; past it the run is
+            cancelled (in-process) or killed (subprocess) and its session failed.
+        mode: ``"inprocess"`` or ``"subprocess"`` (see the module docstring).
+        model: if given, added to each item as ``data["model"]`` (unless the
+            item has one) and exported as ``OPENAI_MODEL`` to subprocesses.
+        env: extra environment for subprocess runs (e.g. ``PYTHONPATH``).
+        group_tag: suffix of this controller's group ids (random per pass if unset).
+        http_timeout_s: timeout of the controller's own calls to the proxy.
+        python: interpreter for subprocess runs.
+    """
+
+    def __init__(
+        self,
+        proxy_url: str,
+        admin_token: str,
+        agent: str | AgentFn,
+        *,
+        group_size: int = 1,
+        max_concurrency: int = 8,
+        timeout_s: float = 600.0,
+        mode: Mode = "inprocess",
+        model: str | None = None,
+        env: Mapping[str, str] | None = None,
+        group_tag: str | None = None,
+        http_timeout_s: float = 60.0,
+        python: str = sys.executable,
+    ) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if mode not in ("inprocess", "subprocess"):
+            raise ValueError(f"mode must be 'inprocess' or 'subprocess', got {mode!r}")
+        self.proxy_url = proxy_url.rstrip("/")
+        self.admin_token = admin_token
+        self.group_size = group_size
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.mode: Mode = mode
+        self.model = model
+        self.env = dict(env or {})
+        self.group_tag = group_tag
+        self.http_timeout_s = http_timeout_s
+        self.python = python
+        # Fail at construction, not on the first run, when the agent cannot be found.
+        if mode == "inprocess":
+            self._agent_fn: AgentFn | None = resolve_agent(agent)
+            self._agent_spec: str | None = None
+        else:
+            self._agent_fn = None
+            self._agent_spec = agent_spec(agent)
+            resolve_agent(self._agent_spec)
+        self._report = RolloutReport()
+        self._stopping: asyncio.Event | None = None
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def progress(self) -> RolloutReport:
+        """The report of the current (or last) pass, updated live."""
+        return self._report
+
+    def stop(self) -> None:
+        """Start no new runs and stop waiting for capacity; runs in flight finish.
+
+        Call it from the event loop that runs :meth:`run`.
+        """
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def run(self, dataset: Dataset) -> RolloutReport:
+        """Run the agent ``group_size`` times on every item of ``dataset``; see the module docs."""
+        report = self._report = RolloutReport()
+        self._stopping = asyncio.Event()
+        tag = self.group_tag or secrets.token_hex(4)
+        started = time.monotonic()
+        slots = asyncio.Semaphore(self.max_concurrency)
+        executor = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="agent")
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        try:
+            async with (
+                httpx.AsyncClient(
+                    base_url=self.proxy_url, headers=headers, timeout=self.http_timeout_s
+                ) as client,
+                asyncio.TaskGroup() as runs,
+            ):
+                index = -1
+                async for item in iter_dataset(dataset):
+                    index += 1
+                    if self._stopping.is_set():
+                        break
+                    report.items += 1
+                    data_id = item_id(item, index)
+                    for sample in range(self.group_size):
+                        await slots.acquire()  # items start in dataset order
+                        if self._stopping.is_set():
+                            slots.release()
+                            break
+                        runs.create_task(
+                            self._run_one(
+                                client, executor, slots, item,
+                                data_id=data_id, group_id=f"{data_id}@{tag}",
+                                sample=sample, index=index, tag=tag,
+                            )
+                        )
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            report.elapsed_s = time.monotonic() - started
+        logger.info("rollout finished", extra={"rollout": report.summary()})
+        return report
+
+    # -- one run --------------------------------------------------------------------------
+
+    async def _run_one(
+        self,
+        client: httpx.AsyncClient,
+        executor: ThreadPoolExecutor,
+        slots: asyncio.Semaphore,
+        item: dict[str, Any],
+        *,
+        data_id: str,
+        group_id: str,
+        sample: int,
+        index: int,
+        tag: str,
+    ) -> None:
+        report = self._report
+        try:
+            metadata = {"sample": sample, "item_index": index, "rollout": tag}
+            opened = await self._open_session(client, group_id=group_id, data_id=data_id, metadata=metadata)
+            if opened is None:
+                return
+            report.sessions_started += 1
+            session_id = opened["session_id"]
+            result = RunResult(session_id, group_id, data_id, sample, status="failed", reward=None)
+            t0 = time.monotonic()
+            try:
+                result = await self._agent_run(client, executor, item, opened, result)
+            finally:
+                result.seconds = time.monotonic() - t0
+                await asyncio.shield(self._finish(client, session_id, result.status))
+                report.runs.append(result)
+                if result.status == "finished":
+                    report.sessions_rewarded += 1
+                else:
+                    report.sessions_failed += 1
+                    report.timeouts += result.timed_out
+        finally:
+            slots.release()
+
+    async def _agent_run(
+        self,
+        client: httpx.AsyncClient,
+        executor: ThreadPoolExecutor,
+        item: dict[str, Any],
+        opened: dict[str, Any],
+        result: RunResult,
+    ) -> RunResult:
+        session_id, api_key, base_url = opened["session_id"], opened["api_key"], opened["base_url"]
+        data = {**item, "base_url": base_url, "api_key": api_key, "session_id": session_id}
+        if self.model is not None:
+            data.setdefault("model", self.model)
+        binding = SessionBinding(
+            session_id=session_id, api_key=api_key, base_url=base_url,
+            prefixes=(self.proxy_url + "/v1",),
+        )
+        if self.mode == "inprocess":
+            agent_call = self._call_inprocess(executor, data)
+        else:
+            agent_call = self._call_subprocess(data, binding)
+        task = asyncio.create_task(agent_call, context=bound_context(binding))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+            if not done:
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+                result.timed_out = True
+                result.error = f"agent timed out after {self.timeout_s:g}s"
+                logger.warning("agent timed out", extra={"session_id": session_id, "timeout_s": self.timeout_s})
+                return result
+            reward = parse_reward(task.result())
+            await self._post_rewards(client, session_id, reward)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - the agent contract: any agent failure fails its session
+            result.error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "agent run failed", extra={"session_id": session_id, "error": result.error},
+                exc_info=not isinstance(exc, AgentError),
+            )
+            return result
+        result.status, result.reward = "finished", reward.total
+        return result
+
+    async def _call_inprocess(self, executor: ThreadPoolExecutor, data: dict[str, Any]) -> Any:
+        fn = self._agent_fn
+        assert fn is not None
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+            return await fn(data)
+        loop = asyncio.get_running_loop()
+        # The worker thread runs in a copy of this task's context: the session binding follows.
+        value = await loop.run_in_executor(executor, contextvars.copy_context().run, fn, data)
+        if inspect.isawaitable(value):
+            value = await value
+        return value
+
+    async def _call_subprocess(self, data: dict[str, Any], binding: SessionBinding) -> Any:
+        assert self._agent_spec is not None
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": binding.base_url,
+            "OPENAI_API_KEY": binding.api_key,
+            "PROXIMA_SESSION_ID": binding.session_id,
+            **self.env,
+        }
+        if self.model is not None:
+            env["OPENAI_MODEL"] = self.model
+        proc = await asyncio.create_subprocess_exec(
+            self.python, "-c", SUBPROCESS_RUNNER, self._agent_spec,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+        )
+        try:
+            out, err = await proc.communicate(json.dumps(data).encode())
+        finally:
+            if proc.returncode is None:  # timed out or cancelled: kill the agent and its children
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await proc.wait()
+        stderr = err.decode(errors="replace")
+        if proc.returncode != 0:
+            raise AgentError(
+                f"agent process exited with {proc.returncode}: {stderr[-STDERR_TAIL_CHARS:]}"
+            )
+        try:
+            return json.loads(out)["reward"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AgentError(f"agent process wrote no reward: {out[:200]!r}") from exc
+
+    # -- proxy calls ----------------------------------------------------------------------
+
+    async def _open_session(
+        self, client: httpx.AsyncClient, *, group_id: str, data_id: str, metadata: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """``POST /rl/sessions``, waiting out 429s; ``None`` once :meth:`stop` was called."""
+        stopping = self._stopping
+        assert stopping is not None
+        body = {"group_id": group_id, "data_id": data_id, "metadata": metadata}
+        while not stopping.is_set():
+            try:
+                resp = await client.post("/rl/sessions", json=body)
+            except httpx.HTTPError as exc:
+                raise RolloutError(f"cannot open a session at {self.proxy_url}: {exc!r}") from exc
+            if resp.status_code == 429:
+                delay = _retry_after(resp)
+                self._report.waits_429 += 1
+                self._report.wait_seconds_429 += delay
+                logger.debug("no capacity for a new session; waiting", extra={"retry_after": delay})
+                try:
+                    await asyncio.wait_for(stopping.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+                continue
+            if resp.status_code != 200:
+                raise RolloutError(f"POST /rl/sessions answered {resp.status_code}: {resp.text}")
+            return resp.json()
+        return None
+
+    async def _post_rewards(self, client: httpx.AsyncClient, session_id: str, reward: AgentReward) -> None:
+        posts = [{"reward": r, "completion_id": cid} for cid, r in reward.per_completion.items()]
+        if reward.final is not None:
+            posts.append({"reward": reward.final})
+        for body in posts:
+            resp = await client.post(f"/rl/sessions/{session_id}/reward", json=body)
+            if 400 <= resp.status_code < 500:
+                raise AgentError(f"reward {body} rejected ({resp.status_code}): {resp.text}")
+            resp.raise_for_status()
+
+    async def _finish(self, client: httpx.AsyncClient, session_id: str, status: str) -> None:
+        resp = await client.post(f"/rl/sessions/{session_id}/finish", json={"status": status})
+        if resp.status_code != 200:
+            raise RolloutError(f"finishing session {session_id} answered {resp.status_code}: {resp.text}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.rollout``: run an agent over a JSONL dataset, print the report."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.rollout", description=main.__doc__)
+    parser.add_argument("--proxy", required=True, help="proxy root URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--admin-token", default=os.environ.get("PROXIMA_ADMIN_TOKEN"),
+                        help="admin bearer token (default: $PROXIMA_ADMIN_TOKEN)")
+    parser.add_argument("--agent", required=True, help="module:function")
+    parser.add_argument("--dataset", required=True, type=Path, help="JSONL file, one item per line")
+    parser.add_argument("--group-size", type=int, default=1)
+    parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per agent run")
+    parser.add_argument("--mode", choices=["inprocess", "subprocess"], default="inprocess")
+    parser.add_argument("--model", default=None, help="model name given to the agent")
+    args = parser.parse_args(argv)
+    if not args.admin_token:
+        parser.error("--admin-token or PROXIMA_ADMIN_TOKEN is required")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    controller = RolloutController(
+        args.proxy, args.admin_token, args.agent, group_size=args.group_size,
+        max_concurrency=args.max_concurrency, timeout_s=args.timeout, mode=args.mode, model=args.model,
+    )
+    report = asyncio.run(controller.run(args.dataset))
+    print(json.dumps(report.summary(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

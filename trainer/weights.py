@@ -1,0 +1,410 @@
+"""Weight versions on disk, the push to the proxy, checkpoints, and the recovery rule.
+
+Layout of ``output_dir``::
+
+    weights/v{n}/               HF checkpoint of policy version n (config, safetensors, tokenizer)
+    checkpoints/step-{s:08d}/   trainer_state.json + state.pt (model and optimizer)
+    pending.json                the step being pushed: its version and the sessions it trains
+    train_log.jsonl             one record per step (``trainer.log``)
+    .tmp-*                      partial writes; removed at start-up
+
+Every directory is written under a temporary name in the same parent, its
+files fsynced, then renamed into place (``os.rename`` is atomic within one
+file system), so a reader (the proxy loading ``weights/v{n}``, a restarted
+trainer reading a checkpoint) never sees a partial one.
+
+Recovery rule (applied at start-up by ``trainer.loop``). Let ``P`` be the
+newest policy version recorded in the store (the proxy records a version only
+after its backends loaded it, so ``P`` is the last pushed version) and ``C``
+the newest checkpoint (version ``c``, step ``s``):
+
+1. Pending step. ``pending.json`` is written before a push and removed once
+   the step's sessions are marked TRAINED. If it names version ``n <= P``,
+   the push landed but the trainer died before marking: its sessions (still
+   CLAIMED by this trainer) are marked TRAINED into ``n`` now. If ``n > P``
+   the push never landed: ``weights/v{n}`` is deleted and the sessions are
+   released by step 2 and trained again (no pushed version contains them).
+2. ``release_claims(trainer_id)``: sessions of a step that died before its
+   push go back to FINISHED and are claimed again.
+3. Weights and version (:func:`plan_resume`):
+
+   - no checkpoint and ``P = 0``: the initial model, version 0, step 0;
+   - ``c = P``: model and optimizer from ``C``;
+   - ``c < P``, or no checkpoint and ``P > 0`` (the trainer pushed steps after
+     its last checkpoint): the model from the pushed weights of ``P``
+     (``weights/vP``, else the path the store recorded), the optimizer from
+     ``C`` when there is one (AdamW moments ``P - c`` steps old) or fresh;
+     version ``P``, step ``s + (P - c)``;
+   - ``c > P``: refused. The checkpoint is ahead of what the proxy serves
+     (another database, or a reset store); resuming would push a version
+     the proxy rejects or skip versions.
+
+So a restarted trainer's next push is ``P + 1`` (never the same version
+twice), no pushed step is lost (its weights are on disk), and no session is
+trained twice (TRAINED sessions are never claimable again, and released
+sessions are in no pushed version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+import torch
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_DIR = "weights"
+CHECKPOINTS_DIR = "checkpoints"
+PENDING_FILE = "pending.json"
+STATE_FILE = "trainer_state.json"
+TENSORS_FILE = "state.pt"
+_TMP_PREFIX = ".tmp-"
+_PUSH_ATTEMPTS = 3
+
+
+class WeightPushError(RuntimeError):
+    """The proxy did not take a new weight version (the message has its answer)."""
+
+
+class RecoveryError(RuntimeError):
+    """The trainer's saved state and the proxy's version cannot be reconciled."""
+
+
+# --------------------------------------------------------------------------- atomic directories
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory next to ``final``; on success rename it to ``final``.
+
+    An existing ``final`` is replaced (removed first). On an exception the
+    temporary directory is removed and ``final`` is left as it was.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_partial_writes(output_dir: Path) -> int:
+    """Delete ``.tmp-*`` leftovers of a crashed run; how many were removed."""
+    removed = 0
+    for parent in (output_dir, output_dir / WEIGHTS_DIR, output_dir / CHECKPOINTS_DIR):
+        if not parent.is_dir():
+            continue
+        for path in parent.glob(f"{_TMP_PREFIX}*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+# --------------------------------------------------------------------------- weight versions
+
+
+def weights_dir(output_dir: Path, version: int) -> Path:
+    """Where policy ``version`` is exported: ``<output_dir>/weights/v{version}``."""
+    return output_dir / WEIGHTS_DIR / f"v{version}"
+
+
+def export_weights(output_dir: Path, version: int, write: Callable[[Path], None]) -> Path:
+    """Export policy ``version`` atomically; ``write(dir)`` writes the HF files into ``dir``."""
+    final = weights_dir(output_dir, version).resolve()
+    with atomic_dir(final) as tmp:
+        write(tmp)
+        if not any(tmp.glob("*.safetensors")) or not (tmp / "config.json").is_file():
+            raise RuntimeError(f"export of version {version} wrote no config.json/*.safetensors")
+    return final
+
+
+def exported_versions(output_dir: Path) -> list[int]:
+    """Versions with a complete ``weights/v{n}`` directory, ascending."""
+    root = output_dir / WEIGHTS_DIR
+    if not root.is_dir():
+        return []
+    versions = []
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith("v") and path.name[1:].isdigit():
+            versions.append(int(path.name[1:]))
+    return sorted(versions)
+
+
+def prune_weights(output_dir: Path, *, keep: int, served_version: int) -> list[int]:
+    """Delete exported versions but the newest ``keep`` and ``served_version``; return deleted."""
+    versions = exported_versions(output_dir)
+    kept = set(versions[-keep:]) | {served_version}
+    deleted = [v for v in versions if v not in kept]
+    for version in deleted:
+        shutil.rmtree(weights_dir(output_dir, version), ignore_errors=True)
+    if deleted:
+        logger.info("pruned weight versions", extra={"deleted": deleted})
+    return deleted
+
+
+# --------------------------------------------------------------------------- the push
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A weight version the proxy now serves."""
+
+    version: int
+    path: str
+    proxy_seconds: float  # the proxy's own time to interrupt, load everywhere and resume
+    http_seconds: float  # wall time of the request(s), as the trainer saw it
+
+
+class WeightSink(Protocol):
+    """Where new weight versions go (the proxy, in production)."""
+
+    async def push(self, *, version: int, path: Path) -> PushResult:
+        """Make ``version`` (HF directory ``path``) the served policy, or raise."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...
+
+
+class ProxyWeightSink:
+    """``POST {proxy}/admin/weights {version, path}`` with the admin token.
+
+    Transport errors (including a timeout) are retried; a 409 answer is
+    success if the proxy already serves ``version`` (an earlier attempt
+    landed) and an error otherwise (another trainer is pushing).
+    """
+
+    def __init__(
+        self, proxy_url: str, *, admin_token: str | None, timeout_s: float = 600.0
+    ) -> None:
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.proxy_url = proxy_url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            base_url=self.proxy_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+        )
+
+    async def push(self, *, version: int, path: Path) -> PushResult:
+        """Push ``version`` and wait until every backend of the proxy loaded it."""
+        started = time.monotonic()
+        body = {"version": version, "path": str(path)}
+        for attempt in range(1, _PUSH_ATTEMPTS + 1):
+            try:
+                resp = await self._client.post("/admin/weights", json=body)
+            except httpx.TransportError as exc:
+                if attempt == _PUSH_ATTEMPTS:
+                    raise WeightPushError(
+                        f"POST {self.proxy_url}/admin/weights failed {attempt} times: {exc!r}"
+                    ) from exc
+                logger.warning("weight push failed, retrying: %r", exc)
+                await asyncio.sleep(2.0**attempt)
+                continue
+            if resp.status_code == 200:
+                answer = resp.json()
+                return PushResult(
+                    version=version,
+                    path=str(path),
+                    proxy_seconds=float(answer.get("seconds", 0.0)),
+                    http_seconds=time.monotonic() - started,
+                )
+            if resp.status_code == 409:
+                served = await self.served_version()
+                if served == version:
+                    return PushResult(version, str(path), 0.0, time.monotonic() - started)
+                raise WeightPushError(
+                    f"the proxy refused version {version}: it serves version {served}; is another "
+                    "trainer pushing to this proxy?"
+                )
+            raise WeightPushError(
+                f"POST {self.proxy_url}/admin/weights answered {resp.status_code}: {resp.text}"
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def served_version(self) -> int:
+        """The version ``GET /health`` reports."""
+        resp = await self._client.get("/health")
+        resp.raise_for_status()
+        return int(resp.json()["version"])
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.aclose()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where a trainer is: the policy version its weights are, and steps taken."""
+
+    trainer_id: str
+    version: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory on disk."""
+
+    path: Path
+    state: TrainerState
+
+    def load_tensors(self) -> dict[str, Any]:
+        """The backend state (model + optimizer) on the CPU."""
+        return torch.load(self.path / TENSORS_FILE, map_location="cpu", weights_only=True)
+
+
+def save_checkpoint(output_dir: Path, state: TrainerState, backend_state: dict[str, Any]) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically, then delete older checkpoints."""
+    final = output_dir / CHECKPOINTS_DIR / f"step-{state.step:08d}"
+    with atomic_dir(final) as tmp:
+        torch.save(backend_state, tmp / TENSORS_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state)), encoding="utf-8")
+    for older in (output_dir / CHECKPOINTS_DIR).glob("step-*"):
+        if older.is_dir() and older.name < final.name:
+            shutil.rmtree(older, ignore_errors=True)
+    logger.info("checkpoint saved", extra={"path": str(final), **asdict(state)})
+    return final
+
+
+def latest_checkpoint(output_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint, or None."""
+    root = output_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return None
+    for path in sorted(root.glob("step-*"), reverse=True):
+        state_file = path / STATE_FILE
+        if path.is_dir() and state_file.is_file() and (path / TENSORS_FILE).is_file():
+            state = TrainerState(**json.loads(state_file.read_text(encoding="utf-8")))
+            return Checkpoint(path=path, state=state)
+    return None
+
+
+# --------------------------------------------------------------------------- pending step
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step between its weight export and marking its sessions TRAINED."""
+
+    trainer_id: str
+    version: int
+    session_ids: list[str]
+
+
+def write_pending(output_dir: Path, pending: PendingStep) -> None:
+    """Record the step about to push (atomically: write a temp file, then rename)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f"{_TMP_PREFIX}{PENDING_FILE}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(asdict(pending), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, output_dir / PENDING_FILE)
+
+
+def read_pending(output_dir: Path) -> PendingStep | None:
+    """The pending step of a run that died mid-push, or None."""
+    path = output_dir / PENDING_FILE
+    if not path.is_file():
+        return None
+    return PendingStep(**json.loads(path.read_text(encoding="utf-8")))
+
+
+def clear_pending(output_dir: Path) -> None:
+    """The step is complete (sessions marked)."""
+    (output_dir / PENDING_FILE).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What the trainer loads at start-up (rule 3 of the module docstring)."""
+
+    source: Literal["initial", "checkpoint", "pushed"]
+    version: int
+    step: int
+    checkpoint: Checkpoint | None  # model+optimizer ("checkpoint") or optimizer only ("pushed")
+    weights_path: Path | None  # HF weights to load ("pushed")
+
+
+def plan_resume(
+    *,
+    output_dir: Path,
+    checkpoint: Checkpoint | None,
+    pushed_version: int,
+    pushed_paths: Sequence[tuple[int, str | None]] = (),
+) -> ResumePlan:
+    """Apply the recovery rule; ``pushed_paths`` are the store's ``(version, path)`` records."""
+    if checkpoint is None and pushed_version == 0:
+        return ResumePlan("initial", 0, 0, None, None)
+    if checkpoint is not None:
+        c = checkpoint.state.version
+        if c > pushed_version:
+            raise RecoveryError(
+                f"checkpoint {checkpoint.path} is at version {c} but the proxy's store has "
+                f"version {pushed_version}: the trainer is pointed at another database (or the "
+                "store was reset); use the matching --db, or another output_dir to start over"
+            )
+        if c == pushed_version:
+            return ResumePlan("checkpoint", c, checkpoint.state.step, checkpoint, None)
+    local = weights_dir(output_dir, pushed_version)
+    recorded = dict(pushed_paths).get(pushed_version)
+    if (local / "config.json").is_file():
+        path = local
+    elif recorded is not None and Path(recorded).is_dir():
+        path = Path(recorded)
+    else:
+        raise RecoveryError(
+            f"the proxy serves version {pushed_version} but its weights are neither in {local} "
+            f"nor at the recorded path {recorded!r}; restore that directory to resume"
+        )
+    step = (
+        checkpoint.state.step + (pushed_version - checkpoint.state.version)
+        if checkpoint is not None
+        else pushed_version
+    )
+    return ResumePlan("pushed", pushed_version, step, checkpoint, path)
