@@ -32,7 +32,9 @@ test: venv postgres
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: venv
-	$(PY) -m proxy.cli demo
+	@if $(PY) -m proxy.cli train --help >/dev/null 2>&1; then \
+		$(PY) -m proxy.cli train --config agents_examples/demo.toml; \
+	else echo "make demo: not yet: the training demo lands with the rollout controller and trainer"; fi
 
 lint: venv
 	$(VENV)/bin/ruff check proxy trainer agents_examples tests bench

@@ -117,27 +117,30 @@ class SGLangClient:
                         done = True
                         continue
                     chunk = json.loads(payload)
-                    if "error" in chunk and "meta_info" not in chunk:
-                        raise BackendRejected(_error_text(chunk["error"]), url=self.base_url)
-                    out = GenerateResponse.model_validate(chunk)
-                    meta = out.meta_info
-                    ids = out.output_ids
-                    cumulative = len(ids) == meta.completion_tokens and len(ids) >= seen
-                    new_ids = ids[seen:] if cumulative else ids
-                    lps = meta.output_token_logprobs or []
-                    new_lps = lps[seen:] if cumulative else lps
-                    tops = meta.output_top_logprobs or []
-                    new_tops = tops[seen:] if cumulative else tops
+                    meta = chunk.get("meta_info")
+                    if meta is None:
+                        raise BackendRejected(_error_text(chunk.get("error", chunk)), url=self.base_url)
+                    # Plain dict access, not pydantic: default SGLang chunks are cumulative,
+                    # so validating each one would cost O(n^2) over a generation.
+                    ids = chunk.get("output_ids") or []
+                    cumulative = len(ids) == meta.get("completion_tokens", -1) and len(ids) >= seen
+                    start = seen if cumulative else 0
+                    new_ids = ids[start:]
+                    lps = meta.get("output_token_logprobs") or []
+                    new_lps = lps[start:] if cumulative else lps
+                    tops = meta.get("output_top_logprobs") or []
+                    new_tops = tops[start:] if cumulative else tops
                     seen = len(ids) if cumulative else seen + len(ids)
                     if len(new_lps) != len(new_ids):
                         new_lps = new_lps[-len(new_ids) :] if new_ids else []
+                    finish = meta.get("finish_reason")
                     yield GenerateDelta(
-                        token_ids=list(new_ids),
+                        token_ids=new_ids,
                         logprobs=[float(e[0]) for e in new_lps],
                         top_logprobs=[_top_pairs(e) for e in new_tops],
-                        weight_version=meta.weight_version,
-                        finish_reason=meta.finish_reason,
-                        prompt_tokens=meta.prompt_tokens,
+                        weight_version=meta.get("weight_version"),
+                        finish_reason=FinishReason.model_validate(finish) if finish else None,
+                        prompt_tokens=meta.get("prompt_tokens", 0),
                     )
         except httpx.HTTPError as exc:
             raise BackendConnectionError(

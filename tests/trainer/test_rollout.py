@@ -1,0 +1,314 @@
+"""The rollout controller against a live proxy with the tiny model.
+
+Agents here are written like user code: they create their own OpenAI /
+LangChain clients with a placeholder key, and the controller binds them to
+their sessions. Every reward is checked in the store through the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from openai import AsyncOpenAI, OpenAI
+
+from proxy.testing.live import LiveProxy
+from trainer.rollout import (
+    AgentError,
+    AgentReward,
+    RolloutController,
+    RolloutError,
+    item_id,
+    parse_reward,
+)
+
+SHORT = {"max_tokens": 8, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+    work = tmp_path_factory.mktemp("rollout-proxy")
+    live = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log")
+    live.start()
+    yield live
+    live.stop()
+
+
+def controller(proxy: LiveProxy, agent: Any, **kw: Any) -> RolloutController:
+    kw.setdefault("timeout_s", 60.0)
+    return RolloutController(proxy.url, proxy.admin_token, agent, model=proxy.model_name, **kw)
+
+
+def expected_reward(item: dict[str, Any]) -> float:
+    return float(item["n"]) / 4
+
+
+async def sdk_agent(data: dict[str, Any]) -> float:
+    """An async user agent: its own client, a placeholder key, the proxy's /v1 from ``data``."""
+    client = AsyncOpenAI(base_url=data["base_url"], api_key="not-a-real-key", max_retries=0)
+    await client.chat.completions.create(
+        model=data["model"], messages=[{"role": "user", "content": data["question"]}], **SHORT
+    )
+    await client.close()
+    return expected_reward(data)
+
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_parse_reward_shapes() -> None:
+    assert parse_reward(1) == AgentReward(final=1.0, per_completion={})
+    assert parse_reward(True) == AgentReward(final=1.0, per_completion={})
+    assert parse_reward(0.25).total == 0.25
+    mixed = parse_reward({"chatcmpl-a": 0.5, "chatcmpl-a-1": -0.5, "final": 2})
+    assert mixed == AgentReward(final=2.0, per_completion={"chatcmpl-a": 0.5, "chatcmpl-a-1": -0.5})
+    assert mixed.total == 2.0
+    assert parse_reward({"chatcmpl-b": 1.0}).final is None
+    for bad in (None, "1.0", float("nan"), float("inf"), {}, {"final": "x"}, {1: 1.0}, [1.0]):
+        with pytest.raises(AgentError):
+            parse_reward(bad)
+
+
+def test_item_ids_and_constructor_checks(tiny_model_dir: Path) -> None:
+    assert item_id({"id": 7}, 3) == "7"
+    assert item_id({"data_id": "q-1"}, 3) == "q-1"
+    assert item_id({"question": "?"}, 3) == "3"
+    with pytest.raises(ValueError, match="group_size"):
+        RolloutController("http://x", "t", sdk_agent, group_size=0)
+    with pytest.raises(ValueError, match="mode"):
+        RolloutController("http://x", "t", sdk_agent, mode="threads")  # type: ignore[arg-type]
+    with pytest.raises(RolloutError, match="module:function"):
+        RolloutController("http://x", "t", "no_colon_here")
+    with pytest.raises(RolloutError, match="cannot import"):
+        RolloutController("http://x", "t", "no_such_module_xyz:run")
+    with pytest.raises(RolloutError, match="importable"):
+        RolloutController("http://x", "t", lambda d: 1.0, mode="subprocess")
+
+
+# --------------------------------------------------------------------------- live
+
+
+async def test_items_times_group_every_reward_reaches_the_store(proxy: LiveProxy, tmp_path: Path) -> None:
+    items = [{"id": f"item-{i}", "question": f"What is {i} + 1?", "n": i} for i in range(3)]
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps(item) + "\n" for item in items))
+
+    report = await controller(proxy, sdk_agent, group_size=2, max_concurrency=3).run(dataset)
+
+    assert (report.items, report.sessions_started, report.sessions_rewarded) == (3, 6, 6)
+    assert (report.sessions_failed, report.timeouts, report.waits_429) == (0, 0, 0)
+    assert report.mean_reward == pytest.approx(sum(expected_reward(i) for i in items) / 3)
+    assert report.elapsed_s > 0
+    by_item = {item["id"]: item for item in items}
+    groups: dict[str, set[str]] = {}
+    for run in report.runs:
+        stored = proxy.trajectory(run.session_id)
+        item = by_item[stored["data_id"]]
+        assert stored["status"] == "finished"
+        assert stored["reward"] == run.reward == expected_reward(item)
+        assert stored["group_id"] == run.group_id
+        assert len(stored["completions"]) == 1  # the agent's request carried this session's key
+        groups.setdefault(stored["group_id"], set()).add(stored["data_id"])
+    assert len(groups) == 3 and all(len(ids) == 1 for ids in groups.values())
+    assert sorted(run.sample for run in report.runs) == [0, 0, 0, 1, 1, 1]
+
+
+async def test_raising_hanging_and_invalid_agents_fail_only_their_sessions(proxy: LiveProxy) -> None:
+    async def agent(data: dict[str, Any]) -> Any:
+        kind = data["kind"]
+        await sdk_agent({**data, "n": 0})
+        if kind == "raise":
+            raise ValueError("agent bug")
+        if kind == "hang":
+            await asyncio.sleep(3600)
+        if kind == "invalid":
+            return "yes"
+        return 1.0
+
+    items = [{"id": kind, "kind": kind, "question": "hi"} for kind in ("ok", "raise", "hang", "invalid", "ok2")]
+    started = time.monotonic()
+    report = await controller(proxy, agent, timeout_s=3.0, max_concurrency=5).run(items)
+    assert time.monotonic() - started < 30
+
+    assert (report.sessions_started, report.sessions_rewarded) == (5, 2)
+    assert (report.sessions_failed, report.timeouts) == (3, 1)
+    assert report.mean_reward == 1.0
+    runs = {run.data_id: run for run in report.runs}
+    assert "ValueError: agent bug" in (runs["raise"].error or "")
+    assert runs["hang"].timed_out and "timed out" in (runs["hang"].error or "")
+    assert "must be a number" in (runs["invalid"].error or "")
+    for kind, run in runs.items():
+        stored = proxy.trajectory(run.session_id)
+        want = "finished" if kind.startswith("ok") else "failed"
+        assert stored["status"] == run.status == want
+        assert stored["reward"] == (1.0 if want == "finished" else None)
+        assert len(stored["completions"]) == 1  # failed runs keep their record, untrained
+
+
+async def test_per_completion_rewards_and_async_iterable_dataset(proxy: LiveProxy) -> None:
+    async def agent(data: dict[str, Any]) -> dict[str, float]:
+        client = AsyncOpenAI(base_url=data["base_url"], api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "Count."}]
+        first = await client.chat.completions.create(model=data["model"], messages=messages, n=2, **SHORT)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": "Again."}]
+        second = await client.chat.completions.create(model=data["model"], messages=messages, **SHORT)
+        await client.close()
+        return {first.id: 0.5, f"{first.id}-1": -0.5, second.id: 0.25, "final": 1.0}
+
+    async def items() -> AsyncIterator[dict[str, Any]]:
+        for i in range(2):
+            yield {"id": f"turns-{i}"}
+
+    report = await controller(proxy, agent).run(items())
+    assert report.sessions_rewarded == 2 and report.sessions_failed == 0
+    for run in report.runs:
+        assert run.reward == pytest.approx(1.25)
+        stored = proxy.trajectory(run.session_id)
+        assert stored["reward"] == 1.0
+        rewards = sorted(c["reward"] for c in stored["completions"])
+        assert rewards == [-0.5, 0.25, 0.5]
+
+
+async def test_unknown_completion_id_fails_the_run(proxy: LiveProxy) -> None:
+    report = await controller(proxy, lambda data: {"chatcmpl-unknown": 1.0}).run([{"id": "bad-id"}])
+    (run,) = report.runs
+    assert run.status == "failed" and "rejected (404)" in (run.error or "")
+    assert proxy.trajectory(run.session_id)["status"] == "failed"
+
+
+def _sync_langchain_and_sdk_agent(proxy_v1: str) -> Any:
+    def agent(data: dict[str, Any]) -> float:
+        # Runs in a worker thread; both clients are built here with a placeholder key.
+        OpenAI(base_url=proxy_v1, api_key="dummy", max_retries=0).chat.completions.create(
+            model=data["model"], messages=[{"role": "user", "content": "sync sdk"}], **SHORT
+        )
+        llm = ChatOpenAI(model=data["model"], base_url=proxy_v1, api_key="dummy", max_retries=0,  # type: ignore[arg-type]
+                         max_tokens=8)
+        llm.invoke("sync langchain")
+        return 1.0
+
+    return agent
+
+
+def _async_langchain_and_sdk_agent(proxy_v1: str) -> Any:
+    async def agent(data: dict[str, Any]) -> float:
+        client = AsyncOpenAI(base_url=proxy_v1, api_key="dummy", max_retries=0)
+        await client.chat.completions.create(
+            model=data["model"], messages=[{"role": "user", "content": "async sdk"}], **SHORT
+        )
+        await client.close()
+        llm = ChatOpenAI(model=data["model"], base_url=proxy_v1, api_key="dummy", max_retries=0,  # type: ignore[arg-type]
+                         max_tokens=8)
+        # A task the agent spawns itself inherits the binding too.
+        await asyncio.create_task(llm.ainvoke("async langchain"))
+        return 1.0
+
+    return agent
+
+
+@pytest.mark.parametrize("make_agent", [_sync_langchain_and_sdk_agent, _async_langchain_and_sdk_agent])
+async def test_inprocess_binding_of_clients_created_inside_the_agent(proxy: LiveProxy, make_agent: Any) -> None:
+    agent = make_agent(proxy.base_url)
+    report = await controller(proxy, agent, group_size=3, max_concurrency=3).run([{"id": "bind"}])
+    assert report.sessions_rewarded == 3, [r.error for r in report.runs]
+    prompts = set()
+    for run in report.runs:
+        completions = proxy.trajectory(run.session_id)["completions"]
+        assert len(completions) == 2  # each run's two requests landed in its own session
+        prompts.update(c["request_messages"][-1]["content"] for c in completions)
+    assert len(prompts) == 2
+    # Outside a bound run the placeholder key is just a bad key.
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=proxy.base_url, api_key="dummy", max_retries=0).chat.completions.create(
+            model=proxy.model_name, messages=[{"role": "user", "content": "unbound"}], **SHORT
+        )
+
+
+SUBPROCESS_AGENTS = textwrap.dedent('''
+    import time
+    from openai import OpenAI
+
+    def from_env(data):
+        """Reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, like most scripts do."""
+        import os
+        print("agent chatter on stdout must not break the protocol")
+        OpenAI(max_retries=0).chat.completions.create(
+            model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": data["question"]}],
+            max_tokens=8,
+        )
+        return 0.75
+
+    async def boom(data):
+        raise RuntimeError("subprocess agent bug")
+
+    def hang(data):
+        time.sleep(600)
+''')
+
+
+async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
+    (tmp_path / "sub_agents.py").write_text(SUBPROCESS_AGENTS)
+    env = {"PYTHONPATH": f"{tmp_path}:{Path.cwd()}"}
+    sys.path.insert(0, str(tmp_path))  # the constructor checks that the spec imports
+    try:
+        ok = controller(proxy, "sub_agents:from_env", mode="subprocess", env=env, group_size=2)
+        report = await ok.run([{"id": "sub", "question": "What is 2 + 2?"}])
+        assert report.sessions_rewarded == 2, [r.error for r in report.runs]
+        for run in report.runs:
+            stored = proxy.trajectory(run.session_id)
+            assert stored["reward"] == 0.75 and len(stored["completions"]) == 1
+
+        started = time.monotonic()
+        failing = [
+            await controller(proxy, spec, mode="subprocess", env=env, timeout_s=5.0).run([{"id": spec}])
+            for spec in ("sub_agents:boom", "sub_agents:hang")
+        ]
+        assert time.monotonic() - started < 40  # the hanging process was killed at its timeout
+    finally:
+        sys.path.remove(str(tmp_path))
+    boom, hang = (r.runs[0] for r in failing)
+    assert boom.status == "failed" and "subprocess agent bug" in (boom.error or "")
+    assert hang.status == "failed" and hang.timed_out
+    for run in (boom, hang):
+        assert proxy.trajectory(run.session_id)["status"] == "failed"
+
+
+async def test_staleness_429s_are_waited_out(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """eta = 0, B = 2: two sessions per policy version; a stand-in trainer bumps the version."""
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log",
+        extra_args=["--max-staleness", "0", "--train-batch-size", "2"],
+    ).start()
+    try:
+        ctl = controller(live, sdk_agent, group_size=2, max_concurrency=4)
+        items = [{"id": f"s-{i}", "question": "hi", "n": 1} for i in range(3)]
+        rollout = asyncio.create_task(ctl.run(items))
+        versions = []
+        async with httpx.AsyncClient(base_url=live.url, headers=live.admin_headers(), timeout=120) as client:
+            version, deadline = 0, time.monotonic() + 120
+            while not rollout.done() and time.monotonic() < deadline:
+                # The trainer: once a batch of B finished sessions exists, train on it and push.
+                if ctl.progress.sessions_rewarded >= (version + 1) * 2 and version < 2:
+                    version += 1
+                    resp = await client.post("/admin/weights", json={"version": version, "path": str(tiny_model_dir)})
+                    assert resp.status_code == 200, resp.text
+                    versions.append(version)
+                await asyncio.sleep(0.1)
+        ctl.stop()  # a no-op when every run completed; ends the waiting otherwise
+        report = await asyncio.wait_for(rollout, timeout=60)
+    finally:
+        live.stop()
+    assert versions == [1, 2]
+    assert report.waits_429 > 0 and report.wait_seconds_429 > 0
+    assert (report.sessions_started, report.sessions_rewarded, report.sessions_failed) == (6, 6, 0)

@@ -1,0 +1,193 @@
+"""Per-step training records: one JSON line each in ``train_log.jsonl``, and a console line.
+
+A step record (:class:`StepRecord`) carries what tells whether asynchronous
+RL is healthy: rewards, advantage moments, the PPO statistics
+(``PPOStats.as_dict`` plus gradient norms), the staleness histogram (how many
+policy versions behind the trained tokens were), what was dropped, the
+throughput, and where the step's wall time went (waiting for data,
+proximal-logprob recompute, training, weight export + push).
+
+Other events (start-up recovery, stop) are JSON lines with an ``event`` field
+other than ``"step"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from trainer.samples import Sample
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds spent in each phase of a step."""
+
+    wait: float = 0.0  # polling the store until a full batch was claimed
+    prox: float = 0.0  # recomputing proximal logprobs
+    train: float = 0.0  # PPO minibatch updates
+    export: float = 0.0  # writing the HF weights of the new version
+    push: float = 0.0  # POST /admin/weights until every backend loaded them
+    proxy_update: float = 0.0  # the proxy's own report of the load (part of push)
+    total: float = 0.0  # the whole step, wall clock
+
+    @property
+    def weight_sync(self) -> float:
+        """Export + push: the cost of getting new weights to the inference backends."""
+        return self.export + self.push
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step, as logged."""
+
+    step: int
+    version: int  # policy version after the step (the one pushed, or unchanged if none)
+    pushed: bool  # False when every sample of the batch was dropped
+    sessions: int  # sessions claimed
+    trained_sessions: int
+    dropped_sessions: int  # sessions with no sample left (stale or empty)
+    samples: int  # samples trained
+    dropped_samples: int  # samples dropped as stale
+    tokens: int  # tokens of the trained samples (prompt + generated)
+    loss_tokens: int  # generated tokens trained
+    reward_mean: float | None  # mean total reward of the claimed sessions
+    advantage_mean: float  # over trained tokens
+    advantage_std: float
+    staleness: dict[int, int]  # version lag (current - token version) -> trained tokens
+    ppo: dict[str, float] = field(default_factory=dict)  # StepStats.as_dict()
+    times: StepTimes = field(default_factory=StepTimes)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput: tokens over proximal recompute + training time."""
+        busy = self.times.prox + self.times.train
+        return self.tokens / busy if busy > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON record (``event = "step"``)."""
+        data = asdict(self)
+        data["staleness"] = {str(lag): n for lag, n in sorted(self.staleness.items())}
+        data["times"] = {**asdict(self.times), "weight_sync": self.times.weight_sync}
+        return {"event": "step", **data, "tokens_per_s": self.tokens_per_s}
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def staleness_histogram(samples: Sequence[Sample], current_version: int) -> dict[int, int]:
+    """Trained tokens per version lag ``current_version - token version``."""
+    lags: Counter[int] = Counter()
+    for sample in samples:
+        for version, trained in zip(sample.versions, sample.loss_mask, strict=True):
+            if trained:
+                lags[current_version - version] += 1
+    return dict(sorted(lags.items()))
+
+
+def advantage_moments(samples: Sequence[Sample]) -> tuple[float, float]:
+    """Mean and (population) std of the advantage over trained tokens; (0, 0) if none."""
+    values = [
+        a
+        for sample in samples
+        for a, trained in zip(sample.advantages, sample.loss_mask, strict=True)
+        if trained
+    ]
+    if not values:
+        return 0.0, 0.0
+    mean = math.fsum(values) / len(values)
+    var = math.fsum((a - mean) ** 2 for a in values) / len(values)
+    return mean, math.sqrt(var)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def console_line(record: StepRecord) -> str:
+    """One human-readable line per step."""
+    t = record.times
+    reward = "n/a" if record.reward_mean is None else f"{record.reward_mean:.3f}"
+    parts = [
+        f"step {record.step} v{record.version}",
+        f"sessions {record.trained_sessions}/{record.sessions} (dropped {record.dropped_sessions})",
+        f"reward {reward}",
+    ]
+    if record.ppo:
+        parts.append(
+            f"loss {record.ppo['loss']:+.4f} clip {record.ppo['clip_fraction']:.3f} "
+            f"kl {record.ppo['approx_kl']:.2e} |g| {record.ppo['grad_norm']:.3f}"
+        )
+    parts += [
+        f"tokens {record.tokens} ({record.tokens_per_s:,.0f}/s)",
+        f"wait {t.wait:.1f}s prox {t.prox:.2f}s train {t.train:.2f}s push {t.weight_sync:.2f}s",
+    ]
+    return " | ".join(parts)
+
+
+class TrainLog:
+    """Appends step records to ``<output_dir>/train_log.jsonl`` and shows them on the console.
+
+    With ``console`` on, a tqdm bar counts steps (out of ``total_steps`` when
+    known) and each step's :func:`console_line` is written above it.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        console: bool = True,
+        total_steps: int | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = output_dir / LOG_FILE
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._stream = stream or sys.stderr
+        self._bar: tqdm[Any] | None = None
+        if console:
+            self._bar = tqdm(
+                total=total_steps, unit="step", desc="train", file=self._stream, dynamic_ncols=True
+            )
+
+    def step(self, record: StepRecord) -> None:
+        """Write one step's record and console line."""
+        self._write(record.as_dict())
+        if self._bar is not None:
+            self._bar.write(console_line(record), file=self._stream)
+            self._bar.update(1)
+        logger.info("train step", extra={"step": record.step, "version": record.version})
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Write a non-step record (``{"event": name, **fields}``)."""
+        self._write({"event": name, **fields})
+
+    def _write(self, data: dict[str, Any]) -> None:
+        self._file.write(json.dumps(data, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file and the bar."""
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()
+
+
+def read_log(output_dir: Path) -> list[dict[str, Any]]:
+    """All records of ``<output_dir>/train_log.jsonl`` (for tests, benchmarks, analysis)."""
+    path = output_dir / LOG_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]

@@ -1,0 +1,501 @@
+"""The training loop: claim a batch, build samples, proximal logprobs, PPO updates, push weights.
+
+One step (:meth:`Trainer.step`), top to bottom:
+
+1. Wait until ``batch_size`` rewarded, finished sessions are claimed, oldest
+   finished first. ``Store.claim_sessions`` is atomic, so each session goes
+   to exactly one trainer; claims accumulate over polls until the batch is
+   full.
+2. Load their completions and build samples (returns, group-relative
+   advantages; ``trainer.samples``).
+3. Drop samples older than ``current_version - max_staleness`` (counted), and
+   samples longer than ``batching.max_tokens_per_mb`` (counted, with a
+   warning). Sessions with no sample left are marked DROPPED.
+4. Proximal logprobs: the current weights (the policy before this step) at
+   each sample's sampling temperature; ``prox = behav`` when
+   ``ppo.decoupled`` is false.
+5. PPO minibatch updates (``backend.train_step``).
+6. Export the weights as version ``v + 1`` and push them to the proxy.
+7. Mark the sessions TRAINED into ``v + 1``; checkpoint every
+   ``checkpoint_every`` steps; log the step.
+
+Start-up applies the recovery rule of ``trainer.weights`` (settle a pending
+push, release this trainer's stale claims, resume at the last pushed
+version). Stopping (``stop_event``, set by SIGINT/SIGTERM in the CLI): a step
+that is still waiting for data or recomputing proximal logprobs is abandoned;
+one that has started training is finished through its push, so the weights
+in memory always equal a pushed version. Then claims are released and a
+checkpoint is written.
+
+Model work runs on one dedicated thread so the event loop stays responsive
+(the stop signal, store polling); every backend call happens on that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from proxy.store import SessionKind, SessionRecord, SessionStatus, Store
+from proxy.store.records import CompletionRecord
+from trainer.backends.torch_backend import PPOBackend, StepStats, build_backend
+from trainer.config import TrainerConfig
+from trainer.log import StepRecord, StepTimes, TrainLog, advantage_moments, staleness_histogram
+from trainer.samples import Sample, build_samples, filter_stale
+from trainer.weights import (
+    PendingStep,
+    ProxyWeightSink,
+    PushResult,
+    ResumePlan,
+    TrainerState,
+    WeightSink,
+    clear_pending,
+    export_weights,
+    latest_checkpoint,
+    plan_resume,
+    prune_weights,
+    read_pending,
+    remove_partial_writes,
+    save_checkpoint,
+    weights_dir,
+    write_pending,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Trainer:
+    """A running trainer: its backend, its place in the version sequence, its store and proxy.
+
+    Build it with :meth:`start`, drive it with :meth:`run` (or :meth:`step`),
+    and always :meth:`close` it (``run`` does).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        *,
+        store: Store,
+        sink: WeightSink,
+        backend: PPOBackend,
+        state: TrainerState,
+        log: TrainLog,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.sink = sink
+        self.backend = backend
+        self.state = state
+        self.log = log
+        self._executor = executor
+        self._checkpointed_step = state.step
+        self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
+
+    # ------------------------------------------------------------------ start-up
+
+    @classmethod
+    async def start(
+        cls, cfg: TrainerConfig, *, store: Store, sink: WeightSink, console: bool = True
+    ) -> Trainer:
+        """Recover (``trainer.weights`` rule), load the backend, and resume at the pushed version."""
+        model_dir = cfg.connection.model_dir
+        if model_dir is None:
+            raise ValueError("connection.model_dir is not set: pass --model DIR")
+        output_dir = cfg.output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_writes(output_dir)
+        trainer_id = cfg.loop.trainer_id
+
+        pushed_version = await store.current_policy_version()
+        settled = await _settle_pending_step(store, output_dir, pushed_version)
+        checkpoint = latest_checkpoint(output_dir)
+        released = await store.release_claims(trainer_id=trainer_id)
+        if checkpoint is not None and checkpoint.state.trainer_id != trainer_id:
+            logger.warning(
+                "checkpoint was written by trainer %r, now running as %r; releasing both's claims",
+                checkpoint.state.trainer_id,
+                trainer_id,
+            )
+            released += await store.release_claims(trainer_id=checkpoint.state.trainer_id)
+        records = await store.list_policy_versions()
+        plan = plan_resume(
+            output_dir=output_dir,
+            checkpoint=checkpoint,
+            pushed_version=pushed_version,
+            pushed_paths=[(r.version, r.path) for r in records],
+        )
+
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+        loop = asyncio.get_running_loop()
+        backend = await loop.run_in_executor(
+            executor, functools.partial(_load_backend, cfg, model_dir, plan)
+        )
+        state = TrainerState(trainer_id=trainer_id, version=plan.version, step=plan.step)
+        log = TrainLog(output_dir, console=console, total_steps=cfg.loop.max_steps)
+        log.event(
+            "start",
+            trainer_id=trainer_id,
+            version=plan.version,
+            step=plan.step,
+            source=plan.source,
+            checkpoint=str(plan.checkpoint.path) if plan.checkpoint else None,
+            checkpoint_version=plan.checkpoint.state.version if plan.checkpoint else None,
+            weights=str(plan.weights_path) if plan.weights_path else None,
+            released_claims=released,
+            settled_pending=settled,
+        )
+        logger.info(
+            "trainer resumed",
+            extra={"version": plan.version, "step": plan.step, "source": plan.source},
+        )
+        return cls(
+            cfg,
+            store=store,
+            sink=sink,
+            backend=backend,
+            state=state,
+            log=log,
+            executor=executor,
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Train until ``stop`` is set or ``loop.max_steps`` steps ran; then :meth:`close`."""
+        steps = 0
+        max_steps = self.cfg.loop.max_steps
+        try:
+            while not stop.is_set() and (max_steps is None or steps < max_steps):
+                if await self.step(stop) is None:
+                    break
+                steps += 1
+        finally:
+            await self.close()
+        return steps
+
+    async def step(self, stop: asyncio.Event | None = None) -> StepRecord | None:
+        """One training step (module docstring); None when ``stop`` abandoned it."""
+        stop = stop or asyncio.Event()
+        cfg = self.cfg
+        started = time.monotonic()
+        version = self.state.version
+
+        # 1. Wait for a full batch of rewarded, finished sessions and claim it.
+        sessions = await self._claim_batch(stop)
+        if sessions is None:
+            return None
+        wait_s = time.monotonic() - started
+
+        # 2. Trajectories -> samples with returns and group-relative advantages.
+        batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
+        samples = build_samples(batch, cfg.advantage)
+
+        # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch.
+        samples, stale = filter_stale(samples, version, cfg.max_staleness)
+        samples, too_long = _drop_too_long(samples, cfg.batching.max_tokens_per_mb)
+        trained_ids = list(dict.fromkeys(s.session_id for s in samples))
+        trained = set(trained_ids)
+        dropped_ids = [s.id for s in sessions if s.id not in trained]
+        await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
+        metrics = _BatchMetrics.of(batch, samples, version, stale + too_long)
+        if not samples:
+            return self._log_step(metrics, dropped_ids, None, None, StepTimes(wait=wait_s))
+        if stop.is_set():
+            return None  # abandoned before training: the claims are released on close
+
+        # 4. Proximal logprobs: the policy before this step, at each sample's temperature.
+        t = time.monotonic()
+        samples = await self._with_prox_logprobs(samples)
+        prox_s = time.monotonic() - t
+        if stop.is_set():
+            return None
+
+        # 5. PPO minibatch updates.
+        t = time.monotonic()
+        self._weights_ahead = True
+        stats = await self._compute(self.backend.train_step, samples)
+        train_s = time.monotonic() - t
+
+        # 6. The new weights become version v + 1 on every inference backend.
+        new_version = version + 1
+        t = time.monotonic()
+        path = await self._compute(
+            export_weights, cfg.output_dir, new_version, self.backend.export_hf
+        )
+        export_s = time.monotonic() - t
+        write_pending(cfg.output_dir, PendingStep(self.state.trainer_id, new_version, trained_ids))
+        push = await self.sink.push(version=new_version, path=path)
+        push_s = time.monotonic() - t - export_s
+        self._weights_ahead = False
+
+        # 7. The sessions are consumed by v + 1; checkpoint; log.
+        await self.store.mark_sessions(
+            session_ids=trained_ids, status=SessionStatus.TRAINED, trained_version=new_version
+        )
+        clear_pending(cfg.output_dir)
+        self.state = dataclasses.replace(self.state, version=new_version, step=self.state.step + 1)
+        prune_weights(cfg.output_dir, keep=cfg.keep_versions, served_version=new_version)
+        if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
+            await self.checkpoint()
+        times = StepTimes(
+            wait=wait_s,
+            prox=prox_s,
+            train=train_s,
+            export=export_s,
+            push=push_s,
+            proxy_update=push.proxy_seconds,
+            total=time.monotonic() - started,
+        )
+        return self._log_step(metrics, dropped_ids, stats, push, times)
+
+    async def checkpoint(self) -> Path | None:
+        """Save model, optimizer and state now (skipped while weights are ahead of the proxy)."""
+        if self._weights_ahead:
+            logger.warning("not checkpointing: trained weights were never pushed")
+            return None
+        state = self.state
+        path = await self._compute(
+            lambda: save_checkpoint(self.cfg.output_dir, state, self.backend.state_dict())
+        )
+        self._checkpointed_step = state.step
+        return path
+
+    async def close(self) -> None:
+        """Release this trainer's claims, checkpoint if due, stop the compute thread."""
+        try:
+            released = await self.store.release_claims(trainer_id=self.state.trainer_id)
+            if self.cfg.checkpoint_every and self.state.step > self._checkpointed_step:
+                await self.checkpoint()
+            self.log.event(
+                "stop", version=self.state.version, step=self.state.step, released_claims=released
+            )
+        finally:
+            self.log.close()
+            self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _claim_batch(self, stop: asyncio.Event) -> list[SessionRecord] | None:
+        """Claim until ``batch_size`` sessions are held; None if ``stop`` is set first."""
+        size = self.cfg.batch_size
+        kinds = [SessionKind(k) for k in self.cfg.loop.session_kinds]
+        claimed: list[SessionRecord] = []
+        while True:
+            claimed += await self.store.claim_sessions(
+                limit=size - len(claimed), trainer_id=self.state.trainer_id, kinds=kinds
+            )
+            if len(claimed) >= size:
+                return claimed
+            if await _stopped_within(stop, self.cfg.loop.poll_interval_s):
+                return None
+
+    async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
+        """Samples carrying proximal logprobs (recomputed, or the behaviour ones)."""
+        if not self.cfg.ppo.decoupled:
+            return [dataclasses.replace(s, prox_logprobs=list(s.behav_logprobs)) for s in samples]
+        prox = await self._compute(self.backend.compute_logprobs, samples)
+        return [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(samples, prox, strict=True)]
+
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run model work on the compute thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _log_step(
+        self,
+        metrics: _BatchMetrics,
+        dropped_ids: Sequence[str],
+        stats: StepStats | None,
+        push: PushResult | None,
+        times: StepTimes,
+    ) -> StepRecord:
+        record = StepRecord(
+            step=self.state.step,
+            version=self.state.version,
+            pushed=push is not None,
+            sessions=metrics.sessions,
+            trained_sessions=metrics.sessions - len(dropped_ids),
+            dropped_sessions=len(dropped_ids),
+            samples=metrics.samples,
+            dropped_samples=metrics.dropped_samples,
+            tokens=metrics.tokens,
+            loss_tokens=metrics.loss_tokens,
+            reward_mean=metrics.reward_mean,
+            advantage_mean=metrics.advantage_mean,
+            advantage_std=metrics.advantage_std,
+            staleness=metrics.staleness,
+            ppo=stats.as_dict() if stats is not None else {},
+            times=times,
+        )
+        self.log.step(record)
+        return record
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+async def run_trainer(
+    cfg: TrainerConfig,
+    *,
+    stop_event: asyncio.Event | None = None,
+    sink: WeightSink | None = None,
+    console: bool = True,
+) -> int:
+    """Run the trainer until ``stop_event`` is set or ``cfg.loop.max_steps`` steps ran.
+
+    Opens the store at ``cfg.connection.db_url`` and pushes to
+    ``cfg.connection.proxy_url`` (unless another ``sink`` is given). Returns
+    the number of steps this run took. This is what ``proxima trainer`` and
+    ``proxima train`` call.
+    """
+    conn = cfg.connection
+    missing = [m for m in conn.missing() if not (m == "proxy_url" and sink is not None)]
+    if missing:
+        flags = {"proxy_url": "--proxy URL", "db_url": "--db URL", "model_dir": "--model DIR"}
+        raise ValueError(
+            "the trainer needs " + ", ".join(f"connection.{m} ({flags[m]})" for m in missing)
+        )
+    assert conn.db_url is not None
+    store = await Store.open(conn.db_url)
+    own_sink = sink is None
+    if sink is None:
+        assert conn.proxy_url is not None
+        token = conn.admin_token.get_secret_value() if conn.admin_token else None
+        sink = ProxyWeightSink(conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s)
+    try:
+        trainer = await Trainer.start(cfg, store=store, sink=sink, console=console)
+        return await trainer.run(stop_event or asyncio.Event())
+    finally:
+        if own_sink:
+            await sink.aclose()
+        await store.close()
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _load_backend(cfg: TrainerConfig, model_dir: Path, plan: ResumePlan) -> PPOBackend:
+    """Build the backend from the initial model and bring it to ``plan``'s state."""
+    backend = build_backend(cfg, model_dir)
+    if plan.checkpoint is not None:
+        backend.load_state_dict(plan.checkpoint.load_tensors())
+    if plan.weights_path is not None:
+        backend.load_hf_weights(plan.weights_path)
+    return backend
+
+
+async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:
+    """Rule 1 of ``trainer.weights``: finish or undo a step that died around its push.
+
+    Returns the number of sessions marked TRAINED now.
+    """
+    pending = read_pending(output_dir)
+    if pending is None:
+        return 0
+    marked = 0
+    if pending.version <= pushed_version:
+        still_claimed = []
+        for session_id in pending.session_ids:
+            session = await store.get_session(session_id=session_id)
+            if (
+                session is not None
+                and session.status == SessionStatus.CLAIMED
+                and session.claimed_by == pending.trainer_id
+            ):
+                still_claimed.append(session_id)
+        await store.mark_sessions(
+            session_ids=still_claimed,
+            status=SessionStatus.TRAINED,
+            trained_version=pending.version,
+        )
+        marked = len(still_claimed)
+        logger.info(
+            "pending step settled: its push landed",
+            extra={"version": pending.version, "marked": marked},
+        )
+    else:
+        undo = weights_dir(output_dir, pending.version)
+        if undo.exists():
+            shutil.rmtree(undo)
+        logger.info("pending step undone: its push never landed", extra={"version": pending.version})
+    clear_pending(output_dir)
+    return marked
+
+
+def _drop_too_long(samples: list[Sample], max_tokens: int) -> tuple[list[Sample], int]:
+    kept = [s for s in samples if s.num_tokens <= max_tokens]
+    if len(kept) < len(samples):
+        longest = max(s.num_tokens for s in samples)
+        logger.warning(
+            "dropped %d samples longer than batching.max_tokens_per_mb=%d (longest %d tokens); "
+            "raise max_tokens_per_mb or cap the agent's context",
+            len(samples) - len(kept),
+            max_tokens,
+            longest,
+        )
+    return kept, len(samples) - len(kept)
+
+
+async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``stop``; True if it is set."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchMetrics:
+    """Batch statistics that do not depend on training."""
+
+    sessions: int
+    samples: int
+    dropped_samples: int
+    tokens: int
+    loss_tokens: int
+    reward_mean: float | None
+    advantage_mean: float
+    advantage_std: float
+    staleness: dict[int, int]
+
+    @classmethod
+    def of(
+        cls,
+        batch: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]],
+        samples: Sequence[Sample],
+        version: int,
+        dropped_samples: int,
+    ) -> _BatchMetrics:
+        rewards = [_total_reward(session, completions) for session, completions in batch]
+        adv_mean, adv_std = advantage_moments(samples)
+        return cls(
+            sessions=len(batch),
+            samples=len(samples),
+            dropped_samples=dropped_samples,
+            tokens=sum(s.num_tokens for s in samples),
+            loss_tokens=sum(s.num_loss_tokens for s in samples),
+            reward_mean=math.fsum(rewards) / len(rewards) if rewards else None,
+            advantage_mean=adv_mean,
+            advantage_std=adv_std,
+            staleness=staleness_histogram(samples, version),
+        )
+
+
+def _total_reward(session: SessionRecord, completions: Sequence[CompletionRecord]) -> float:
+    """Session reward plus per-turn rewards (unset = 0)."""
+    turns = math.fsum(c.reward for c in completions if c.reward is not None)
+    return (session.reward or 0.0) + turns
+
