@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
     from proxy.config import Settings
+    from proxy.serving import bind_socket
 
     overrides = {
         k: v for k, v in {
@@ -46,12 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
             print(f"proxima serve: {loc}: {err['msg']}", file=sys.stderr)
         return 2
-    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle + delayed
-    # ACK add ~40 ms to every response).
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    sock = bind_socket(settings.host, settings.port)
     app = create_app(settings)
     app.state.bound_port = sock.getsockname()[1]
     print(f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",

@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-token", help=f"the proxy's admin token (default: ${ADMIN_TOKEN_ENV})"
     )
     parser.add_argument("--output-dir", type=Path, help="weights, checkpoints and train_log.jsonl")
-    parser.add_argument("--trainer-id", help="claim sessions under this id (stable across restarts)")
+    parser.add_argument(
+        "--trainer-id", help="claim sessions under this id (stable across restarts)"
+    )
     parser.add_argument("--max-steps", type=int, help="stop after N steps")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar or console lines"
@@ -73,8 +75,6 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if token:
         connection["admin_token"] = token
-    elif connection["admin_token"] is not None:
-        connection["admin_token"] = base.connection.admin_token.get_secret_value()  # type: ignore[union-attr]
     for key, value in (("proxy_url", args.proxy), ("db_url", args.db), ("model_dir", args.model)):
         if value is not None:
             connection[key] = value
@@ -96,9 +96,7 @@ def run(args: argparse.Namespace) -> int:
     missing = cfg.connection.missing()
     if missing:
         flags = {"proxy_url": "--proxy", "db_url": "--db", "model_dir": "--model"}
-        print(
-            "proxima trainer: missing " + ", ".join(flags[m] for m in missing), file=sys.stderr
-        )
+        print("proxima trainer: missing " + ", ".join(flags[m] for m in missing), file=sys.stderr)
         return 2
     try:
         asyncio.run(_run_until_signal(cfg, progress=not args.no_progress))

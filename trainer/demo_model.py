@@ -40,6 +40,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = "proxima_conversion.json"
 SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence."
 SAMPLE_MAX_NEW_TOKENS = 32
+IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
 
 class DemoModelError(RuntimeError):
@@ -145,11 +146,23 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if not tokenizer.chat_template:
         raise DemoModelError(f"{gguf_path.name} carries no chat template")
+    # The GGUF's tokenizer metadata names <|im_start|> as eos; the chat template ends an
+    # assistant turn with <|im_end|>, which is what the original HF checkpoint calls eos
+    # (and what the proxy uses as the end-of-turn marker).
+    tokenizer.add_special_tokens({
+        "bos_token": IM_START, "eos_token": IM_END, "pad_token": IM_END, "unk_token": END_OF_TEXT,
+    })
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (IM_START, IM_END, END_OF_TEXT)}
+    if len(set(ids.values())) != 3 or len(tokenizer) != len(tokenizer.get_vocab()):
+        raise DemoModelError(f"unexpected special tokens in {gguf_path.name}: {ids}")
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # Stop on the end of the assistant turn as well as the end of text.
-    eos_ids = sorted({i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None})
+    model.config.bos_token_id, model.config.eos_token_id = ids[IM_START], ids[IM_END]
+    model.config.pad_token_id = ids[IM_END]
+    # Stop at the end of the assistant turn, and at the end of text.
+    eos_ids = [ids[IM_END], ids[END_OF_TEXT]]
+    model.generation_config.bos_token_id = ids[IM_START]
     model.generation_config.eos_token_id = eos_ids
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = ids[IM_END]
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {

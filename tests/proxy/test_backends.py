@@ -1,0 +1,121 @@
+"""SGLang client and backend pool against SGLang-protocol fakes (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from proxy.backends.errors import BackendConnectionError, BackendOperationFailed, BackendRejected
+from proxy.backends.pool import BackendPool
+from proxy.backends.protocol import GenerateRequest, SamplingParams
+from proxy.backends.sglang import SGLangClient
+from proxy.generation import GenerationParams, GenerationResult, generate
+from proxy.serving import ThreadedServer
+from proxy.testing.fake_sglang import FakeBackend, create_fake_app
+
+
+def _client(apps: dict[str, Any]) -> httpx.AsyncClient:
+    return httpx.AsyncClient(mounts={url: httpx.ASGITransport(app=app) for url, app in apps.items()})
+
+
+def _incremental_app() -> FastAPI:
+    """Speaks SGLang's --incremental-streaming-output mode: chunks carry only new tokens."""
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def gen(request: Request) -> StreamingResponse:
+        body = json.loads(await request.body())
+        n = body["sampling_params"]["max_new_tokens"]
+
+        async def events():  # type: ignore[no-untyped-def]
+            for i in range(n):
+                meta = {"id": "r", "completion_tokens": i + 1, "prompt_tokens": 3, "weight_version": "7",
+                        "finish_reason": {"type": "length", "length": n} if i == n - 1 else None,
+                        "output_token_logprobs": [[-0.5, 100 + i, None]]}
+                yield f"data: {json.dumps({'text': 'x', 'output_ids': [100 + i], 'meta_info': meta})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+async def test_stream_accepts_cumulative_and_incremental_chunks() -> None:
+    req = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True),
+                          return_logprob=True)
+    async with _client({"http://cum": create_fake_app(FakeBackend(seed=1)), "http://inc": _incremental_app()}) as http:
+        for url in ("http://cum", "http://inc"):
+            deltas = [d async for d in SGLangClient(url, http=http).generate_stream(req)]
+            ids = [t for d in deltas for t in d.token_ids]
+            assert len(ids) == 5 == sum(len(d.logprobs) for d in deltas)
+            assert deltas[-1].finish_reason is not None and deltas[-1].finish_reason.type == "length"
+        assert ids == [100, 101, 102, 103, 104]
+        assert deltas[0].weight_version == "7"
+
+
+async def test_client_errors_are_typed() -> None:
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def bad() -> Any:
+        from fastapi.responses import JSONResponse
+        return JSONResponse({"error": {"message": "prompt too long"}}, status_code=400)
+
+    @app.post("/update_weights_from_disk")
+    async def refuse() -> dict[str, Any]:
+        return {"success": False, "message": "no such dir"}
+
+    async with _client({"http://b": app}) as http:
+        client = SGLangClient("http://b", http=http)
+        with pytest.raises(BackendRejected, match="prompt too long"):
+            await client.generate(GenerateRequest(input_ids=[1]))
+        with pytest.raises(BackendOperationFailed, match="no such dir"):
+            await client.update_weights_from_disk(model_path="/x", weight_version="1")
+        with pytest.raises(BackendConnectionError):
+            await SGLangClient("http://127.0.0.1:1", http=http).flush_cache()
+
+
+async def test_pool_sticky_and_least_loaded() -> None:
+    async with _client({"http://a": create_fake_app(), "http://b": create_fake_app()}) as http:
+        pool = BackendPool(["http://a", "http://b"], http=http)
+        first = pool.choose("session-1")
+        with pool.lease(first):
+            # Least loaded: the other backend takes a new session...
+            other = pool.choose("session-2")
+            assert other is not first
+            # ...but session-1 stays where its prefix cache is.
+            assert pool.choose("session-1") is first
+        pool.mark_failed(first, RuntimeError("down"))
+        assert pool.choose("session-1") is other  # failover
+        await pool.check_health()  # the fake answers /health: it rejoins
+        assert first.healthy
+
+
+async def test_weight_update_interrupts_and_generation_resumes() -> None:
+    fake = FakeBackend(tokens_per_s=400, seed=3)
+    # A real loopback server: ASGITransport would buffer the stream.
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([server.url], http=http)
+            result = GenerationResult()
+            params = GenerationParams(max_new_tokens=60, ignore_eos=True)
+
+            async def run() -> None:
+                async for _ in generate(pool, prompt_ids=[1, 2], params=params, result=result):
+                    pass
+
+            task = asyncio.create_task(run())
+            while len(result.output_ids) < 10:
+                await asyncio.sleep(0.01)
+            update = await pool.update_weights(version=1, path="/weights/v1")
+            await task
+            assert update.version == pool.version == 1
+            assert len(result.output_ids) == len(result.versions) == len(result.logprobs) == 60
+            assert result.versions[0] == 0 and result.versions[-1] == 1
+            assert result.interruptions >= 1 and result.finish_reason == "length"
