@@ -25,6 +25,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -98,7 +99,7 @@ def calculator(expression: str) -> str:
         return f"error: {exc}"
 
 
-def build_graph(llm: ChatOpenAI) -> Any:
+def build_graph(llm: BaseChatModel) -> Any:
     """The ReAct graph: ``agent`` -> (``tools`` -> ``agent``)* -> end."""
     model = llm.bind_tools([calculator])
 
@@ -114,13 +115,17 @@ def build_graph(llm: ChatOpenAI) -> Any:
     return graph.compile()
 
 
-async def solve(data: dict[str, Any]) -> tuple[float, list[BaseMessage]]:
-    """Run the graph on one problem; returns the reward and the messages."""
-    ep = endpoint(data)
-    llm = ChatOpenAI(
-        model=await resolve_model(ep), base_url=ep.base_url, api_key=ep.api_key,  # type: ignore[arg-type]
-        max_retries=0, **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
-    )
+async def solve(data: dict[str, Any], llm: BaseChatModel | None = None) -> tuple[float, list[BaseMessage]]:
+    """Run the graph on one problem; returns the reward and the messages.
+
+    ``llm`` defaults to ``ChatOpenAI`` on the run's endpoint (see ``agents_examples.common``).
+    """
+    if llm is None:
+        ep = endpoint(data)
+        llm = ChatOpenAI(
+            model=await resolve_model(ep), base_url=ep.base_url, api_key=ep.api_key,  # type: ignore[arg-type]
+            max_retries=0, **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
+        )
     messages: list[BaseMessage] = [SystemMessage(SYSTEM_PROMPT), HumanMessage(str(data["question"]))]
     # Each model call and each tool call is one graph step.
     limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS))

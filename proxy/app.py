@@ -23,6 +23,8 @@ from proxy.completions import CompletionService
 from proxy.config import Settings
 from proxy.engine_process import EngineProcess
 from proxy.errors import install_error_handlers
+from proxy.logs import RequestIdMiddleware
+from proxy.metrics import Metrics, MetricsMiddleware
 from proxy.middleware import BodyLimitMiddleware
 from proxy.recorder import CompletionRecorder, SessionCache
 from proxy.store.migrate import ensure_schema
@@ -73,6 +75,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.service = CompletionService(
             settings=settings, store=store, pool=pool, tokenizer=tokenizer,
             context_length=_context_length(settings), recorder=recorder, cache=app.state.cache,
+            metrics=app.state.metrics,
         )
         app.state.admission_lock = asyncio.Lock()
         logger.info("proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version)
@@ -94,7 +97,11 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["*"], allow_headers=["*"])
 
+    app.state.metrics = Metrics()
+    # Added innermost first: RequestId wraps Metrics wraps BodyLimit wraps the app.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(openai.router)
     app.include_router(rl.router)
     app.include_router(admin.router)

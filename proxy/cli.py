@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from proxy.logs import configure_logging
 
 DEFAULT_DB = "sqlite:///proxima.db"
 
@@ -51,7 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     app.state.bound_port = sock.getsockname()[1]
     print(f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
           flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=30)
+    # log_config=None: uvicorn keeps the structured handler configured above.
+    config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=30)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxima", description="Train unmodified LLM agents with "
                                      "asynchronous RL through an OpenAI-compatible proxy.")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one structured object per line (default); text: for humans")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible proxy (and the embedded engine)")
@@ -160,8 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, json_logs=args.log_format == "json")
     if args.command == "serve" and args.model is None:
         print("proxima serve: --model DIR is required (or PROXIMA_MODEL)", file=sys.stderr)
         return 2

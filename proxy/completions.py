@@ -33,6 +33,8 @@ from proxy.config import Settings
 from proxy.detokenize import IncrementalDetokenizer
 from proxy.errors import BadRequest, Conflict, ContextTooLong, NotFound, ProximaError
 from proxy.generation import GenerationParams, GenerationResult, TokenChunk, generate
+from proxy.logs import session_id_var
+from proxy.metrics import Metrics
 from proxy.recorder import CompletionRecorder, SessionCache
 from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
 from proxy.store.store import Store
@@ -99,7 +101,9 @@ class CompletionService:
         context_length: int,
         recorder: CompletionRecorder,
         cache: SessionCache,
+        metrics: Metrics,
     ):
+        self.metrics = metrics
         self.settings = settings
         self.store = store
         self.recorder = recorder
@@ -250,6 +254,8 @@ class CompletionService:
         )
         choice = resolve_tool_choice(tool_choice_raw, tools)
         session = await self._session_for(principal, external_id or req.user)
+        if session is not None:
+            session_id_var.set(session.id)
         history = await self._history(session) if session else []
         # Inline, not in a thread: rendering is short and memoized, and a thread hop
         # costs more in GIL hand-offs than it saves under load.
@@ -314,6 +320,21 @@ class CompletionService:
         if done:
             await self.recorder.record(done)
             self.cache.add_completions(done)
+            current = self.pool.version
+            for r in done:
+                self.metrics.completions.labels(self._kind_of(r)).inc()
+                if r.output_versions:
+                    self.metrics.staleness.observe(current - min(r.output_versions))
+
+    def _kind_of(self, record: CompletionRecord) -> str:
+        return "chat" if record.request_messages is not None else "text"
+
+    def _account(self, prompt_len: int, choices: list[_Choice]) -> None:
+        self.metrics.tokens.labels("prompt").inc(prompt_len)
+        self.metrics.tokens.labels("completion").inc(sum(len(c.result.output_ids) for c in choices))
+        interruptions = sum(c.result.interruptions for c in choices)
+        if interruptions:
+            self.metrics.interruptions.inc(interruptions)
 
     async def _run_choice(self, prep: _Prepared, choice: _Choice) -> None:
         async for _ in generate(
@@ -387,6 +408,7 @@ class CompletionService:
                     "finish_reason": finish,
                 }
             )
+        self._account(len(prep.prompt_ids), choices)
         await self._commit(records)
         completion_tokens = sum(len(c.result.output_ids) for c in choices)
         return {
@@ -444,6 +466,7 @@ class CompletionService:
                 records.append(self._record(prep, c, text=text, message=_assistant_message(parsed), finish=finish))
                 finals.append(chunk(c.index, {}, finish=finish))
             # Commit before the client sees the end of the response.
+            self._account(len(prep.prompt_ids), choices)
             await self._commit(records)
             for final in finals:
                 yield final
@@ -467,6 +490,8 @@ class CompletionService:
             raise BadRequest("suffix is not supported.", param="suffix")
         prompt_ids = self._text_prompt_ids(req.prompt)
         session = await self._session_for(principal, external_id or req.user)
+        if session is not None:
+            session_id_var.set(session.id)
         parent_id = None
         if session is not None:
             for c in reversed(await self._history(session)):
@@ -532,6 +557,7 @@ class CompletionService:
                     "finish_reason": finish,
                 }
             )
+        self._account(len(prep.prompt_ids), choices)
         await self._commit(records)
         return {
             "id": prep.response_id,
@@ -559,6 +585,7 @@ class CompletionService:
                 tail = detoks[c.index].finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
                 records.append(self._record(prep, c, text=detoks[c.index].text, message=None, finish=r.finish_reason or "stop"))
                 finals.append(sse({**head, "choices": [{"index": c.index, "text": tail, "logprobs": None, "finish_reason": r.finish_reason or "stop"}]}))
+            self._account(len(prep.prompt_ids), choices)
             await self._commit(records)
             for final in finals:
                 yield final

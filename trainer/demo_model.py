@@ -152,6 +152,8 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     tokenizer.add_special_tokens({
         "bos_token": IM_START, "eos_token": IM_END, "pad_token": IM_END, "unk_token": END_OF_TEXT,
     })
+    # GGUF asks for a BOS on every encode; the chat template writes its own <|im_start|>s.
+    tokenizer.add_bos_token = False
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (IM_START, IM_END, END_OF_TEXT)}
     if len(set(ids.values())) != 3 or len(tokenizer) != len(tokenizer.get_vocab()):
         raise DemoModelError(f"unexpected special tokens in {gguf_path.name}: {ids}")

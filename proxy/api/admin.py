@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from proxy.api.deps import AdminDep, PoolDep, StoreDep
 from proxy.api.schemas import WeightsRequest
 from proxy.backends.errors import BackendError
 from proxy.errors import BadRequest, Conflict
+from proxy.store.records import SessionKind
 
 router = APIRouter(tags=["admin"])
 
 
 @router.post("/admin/weights")
 async def update_weights(
-    body: WeightsRequest, _: AdminDep, pool: PoolDep, store: StoreDep
+    body: WeightsRequest, request: Request, _: AdminDep, pool: PoolDep, store: StoreDep
 ) -> dict[str, Any]:
     """Interrupt generation, load ``path`` as policy ``version`` everywhere, resume."""
     if body.version <= pool.version:
@@ -28,6 +30,7 @@ async def update_weights(
         update = await pool.update_weights(version=body.version, path=body.path)
     except BackendError as exc:
         raise BadRequest(f"Loading weights from {body.path} failed: {exc}", param="path") from exc
+    request.app.state.metrics.weight_updates.observe(update.seconds)
     await store.record_policy_version(version=body.version, path=body.path)
     return {
         "version": update.version,
@@ -48,3 +51,18 @@ async def health(pool: PoolDep) -> dict[str, Any]:
             for b in pool.backends
         ],
     }
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request, pool: PoolDep, store: StoreDep) -> Response:
+    """Prometheus exposition; gauges are read from the pool and the store at scrape time."""
+    m = request.app.state.metrics
+    m.policy_version.set(pool.version)
+    for backend in pool.backends:
+        m.backend_healthy.labels(backend.url).set(1 if backend.healthy else 0)
+        m.backend_in_flight.labels(backend.url).set(backend.in_flight)
+    for kind in SessionKind:
+        counts = await store.count_sessions_by_status(kind=kind)
+        for status, count in counts.items():
+            m.sessions.labels(kind.value, status.value).set(count)
+    return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
