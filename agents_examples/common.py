@@ -47,11 +47,15 @@ async def resolve_model(ep: Endpoint) -> str:
     if ep.model:
         return ep.model
     async with httpx.AsyncClient(timeout=30.0) as client:
-        resp = await client.get(f"{ep.base_url}/models", headers={"Authorization": f"Bearer {ep.api_key}"})
+        resp = await client.get(
+            f"{ep.base_url}/models", headers={"Authorization": f"Bearer {ep.api_key}"}
+        )
         resp.raise_for_status()
         models = resp.json()["data"]
     if not models:
-        raise RuntimeError(f"{ep.base_url}/models lists no model; pass one with data['model'] or OPENAI_MODEL")
+        raise RuntimeError(
+            f"{ep.base_url}/models lists no model; pass one with data['model'] or OPENAI_MODEL"
+        )
     return str(models[0]["id"])
 
 
@@ -82,8 +86,11 @@ def cli_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", DEFAULT_BASE_URL))
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", PLACEHOLDER_API_KEY))
-    parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL"),
-                        help="model name (default: the first one the server lists)")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("OPENAI_MODEL"),
+        help="model name (default: the first one the server lists)",
+    )
     parser.add_argument("--question", default="What is 7 + 5?")
     parser.add_argument("--answer", type=int, default=12)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -94,8 +101,12 @@ def cli_parser(description: str) -> argparse.ArgumentParser:
 def cli_data(args: argparse.Namespace) -> dict[str, Any]:
     """The ``data`` item a standalone run passes to ``run_agent_return_reward``."""
     data: dict[str, Any] = {
-        "base_url": args.base_url, "api_key": args.api_key, "model": args.model,
-        "question": args.question, "answer": args.answer, "temperature": args.temperature,
+        "base_url": args.base_url,
+        "api_key": args.api_key,
+        "model": args.model,
+        "question": args.question,
+        "answer": args.answer,
+        "temperature": args.temperature,
     }
     if args.max_tokens is not None:
         data["max_tokens"] = args.max_tokens

@@ -76,12 +76,18 @@ def arithmetic_problems(n: int, *, difficulty: str = "easy", seed: int = 0) -> l
         if question in seen:
             continue
         seen.add(question)
-        items.append({
-            "id": f"arith-{difficulty}-{len(items):05d}", "question": question,
-            "answer": answer, "difficulty": difficulty,
-        })
+        items.append(
+            {
+                "id": f"arith-{difficulty}-{len(items):05d}",
+                "question": question,
+                "answer": answer,
+                "difficulty": difficulty,
+            }
+        )
     if len(items) < n:
-        raise ValueError(f"difficulty {difficulty!r} has fewer than {n} distinct problems ({len(items)} found)")
+        raise ValueError(
+            f"difficulty {difficulty!r} has fewer than {n} distinct problems ({len(items)} found)"
+        )
     return items
 
 
@@ -116,7 +122,12 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def write_arithmetic_splits(
-    out_dir: str | Path, *, difficulty: str = "easy", n_train: int = 400, n_test: int = 50, seed: int = 0
+    out_dir: str | Path,
+    *,
+    difficulty: str = "easy",
+    n_train: int = 400,
+    n_test: int = 50,
+    seed: int = 0,
 ) -> dict[str, Path]:
     """Write ``arith-{difficulty}-{train,test}.jsonl`` under ``out_dir``; returns the paths."""
     splits = arithmetic_splits(difficulty=difficulty, n_train=n_train, n_test=n_test, seed=seed)
@@ -128,7 +139,9 @@ def write_arithmetic_splits(
 
 def main(argv: list[str] | None = None) -> None:
     """Write a seeded arithmetic train/held-out split as JSONL."""
-    parser = argparse.ArgumentParser(prog="python -m agents_examples.datasets", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m agents_examples.datasets", description=main.__doc__
+    )
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default="easy")
     parser.add_argument("--train", type=int, default=400, help="train problems")
@@ -136,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     paths = write_arithmetic_splits(
-        args.out_dir, difficulty=args.difficulty, n_train=args.train, n_test=args.test, seed=args.seed
+        args.out_dir,
+        difficulty=args.difficulty,
+        n_train=args.train,
+        n_test=args.test,
+        seed=args.seed,
     )
     for name, path in paths.items():
         print(f"{name}: {path}")

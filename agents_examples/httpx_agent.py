@@ -17,7 +17,14 @@ from typing import Any
 
 import httpx
 
-from agents_examples.common import cli_data, cli_parser, endpoint, is_correct, resolve_model, sampling
+from agents_examples.common import (
+    cli_data,
+    cli_parser,
+    endpoint,
+    is_correct,
+    resolve_model,
+    sampling,
+)
 
 DEFAULT_MAX_TOKENS = 64
 
@@ -32,7 +39,8 @@ async def ask(data: dict[str, Any]) -> str:
     }
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
         resp = await client.post(
-            f"{ep.base_url}/chat/completions", json=body,
+            f"{ep.base_url}/chat/completions",
+            json=body,
             headers={"Authorization": f"Bearer {ep.api_key}"},
         )
         resp.raise_for_status()
@@ -49,7 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     args = cli_parser(main.__doc__ or "").parse_args(argv)
     data = cli_data(args)
     reply = asyncio.run(ask(data))
-    print(json.dumps({"reward": 1.0 if is_correct(reply, data["answer"]) else 0.0, "reply": reply}, indent=2))
+    print(
+        json.dumps(
+            {"reward": 1.0 if is_correct(reply, data["answer"]) else 0.0, "reply": reply}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

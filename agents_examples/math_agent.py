@@ -21,7 +21,14 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from agents_examples.common import cli_data, cli_parser, endpoint, is_correct, resolve_model, sampling
+from agents_examples.common import (
+    cli_data,
+    cli_parser,
+    endpoint,
+    is_correct,
+    resolve_model,
+    sampling,
+)
 
 FEEDBACK = "That is not correct, try again."
 DEFAULT_MAX_TURNS = 3
@@ -42,7 +49,9 @@ async def solve(data: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
             if turn:
                 messages.append({"role": "user", "content": FEEDBACK})
             response = await client.chat.completions.create(
-                model=model, messages=messages, **sampling(data, max_tokens=DEFAULT_MAX_TOKENS)  # type: ignore[arg-type]
+                model=model,
+                messages=messages,
+                **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
             )
             reply = response.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": reply})

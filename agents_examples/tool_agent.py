@@ -32,8 +32,16 @@ from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from pydantic import SecretStr
 
-from agents_examples.common import cli_data, cli_parser, endpoint, is_correct, resolve_model, sampling
+from agents_examples.common import (
+    cli_data,
+    cli_parser,
+    endpoint,
+    is_correct,
+    resolve_model,
+    sampling,
+)
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Use the calculator tool for any arithmetic, "
@@ -50,7 +58,10 @@ _BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
 }
-_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
 
 
 class CalculatorError(ValueError):
@@ -115,7 +126,9 @@ def build_graph(llm: BaseChatModel) -> Any:
     return graph.compile()
 
 
-async def solve(data: dict[str, Any], llm: BaseChatModel | None = None) -> tuple[float, list[BaseMessage]]:
+async def solve(
+    data: dict[str, Any], llm: BaseChatModel | None = None
+) -> tuple[float, list[BaseMessage]]:
     """Run the graph on one problem; returns the reward and the messages.
 
     ``llm`` defaults to ``ChatOpenAI`` on the run's endpoint (see ``agents_examples.common``).
@@ -123,10 +136,16 @@ async def solve(data: dict[str, Any], llm: BaseChatModel | None = None) -> tuple
     if llm is None:
         ep = endpoint(data)
         llm = ChatOpenAI(
-            model=await resolve_model(ep), base_url=ep.base_url, api_key=ep.api_key,  # type: ignore[arg-type]
-            max_retries=0, **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
+            model=await resolve_model(ep),
+            base_url=ep.base_url,
+            api_key=SecretStr(ep.api_key),
+            max_retries=0,
+            **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
         )
-    messages: list[BaseMessage] = [SystemMessage(SYSTEM_PROMPT), HumanMessage(str(data["question"]))]
+    messages: list[BaseMessage] = [
+        SystemMessage(SYSTEM_PROMPT),
+        HumanMessage(str(data["question"])),
+    ]
     # Each model call and each tool call is one graph step.
     limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS))
     try:
@@ -135,7 +154,9 @@ async def solve(data: dict[str, Any], llm: BaseChatModel | None = None) -> tuple
         return 0.0, messages
     messages = state["messages"]
     final = messages[-1]
-    answer = final.content if isinstance(final, AIMessage) and isinstance(final.content, str) else ""
+    answer = (
+        final.content if isinstance(final, AIMessage) and isinstance(final.content, str) else ""
+    )
     return (1.0 if is_correct(answer, data["answer"]) else 0.0), messages
 
 
@@ -151,7 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(question="What is 384 * 27?", answer=384 * 27)
     args = parser.parse_args(argv)
     reward, messages = asyncio.run(solve(cli_data(args)))
-    print(json.dumps({"reward": reward, "messages": [m.model_dump() for m in messages]}, indent=2, default=str))
+    print(
+        json.dumps(
+            {"reward": reward, "messages": [m.model_dump() for m in messages]},
+            indent=2,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from proxy.generation import GenerationParams, GenerationResult, TokenChunk, gen
 from proxy.logs import session_id_var
 from proxy.metrics import Metrics
 from proxy.recorder import CompletionRecorder, SessionCache
-from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxy.store.store import Store
 from proxy.tools import (
     ContentDelta,
@@ -659,6 +659,3 @@ async def _gather_or_cancel(coros: list[Any]) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-
-def session_kind_of(session: SessionRecord | None) -> SessionKind | None:
-    return session.kind if session else None

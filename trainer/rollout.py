@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import importlib
 import inspect
@@ -391,9 +392,15 @@ class RolloutController:
                             break
                         runs.create_task(
                             self._run_one(
-                                client, executor, slots, item,
-                                data_id=data_id, group_id=f"{data_id}@{tag}",
-                                sample=sample, index=index, tag=tag,
+                                client,
+                                executor,
+                                slots,
+                                item,
+                                data_id=data_id,
+                                group_id=f"{data_id}@{tag}",
+                                sample=sample,
+                                index=index,
+                                tag=tag,
                             )
                         )
         finally:
@@ -420,7 +427,9 @@ class RolloutController:
         report = self._report
         try:
             metadata = {"sample": sample, "item_index": index, "rollout": tag}
-            opened = await self._open_session(client, group_id=group_id, data_id=data_id, metadata=metadata)
+            opened = await self._open_session(
+                client, group_id=group_id, data_id=data_id, metadata=metadata
+            )
             if opened is None:
                 return
             report.sessions_started += 1
@@ -454,7 +463,9 @@ class RolloutController:
         if self.model is not None:
             data.setdefault("model", self.model)
         binding = SessionBinding(
-            session_id=session_id, api_key=api_key, base_url=base_url,
+            session_id=session_id,
+            api_key=api_key,
+            base_url=base_url,
             prefixes=(self.proxy_url + "/v1",),
         )
         if self.mode == "inprocess":
@@ -469,7 +480,9 @@ class RolloutController:
                 await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
                 result.timed_out = True
                 result.error = f"agent timed out after {self.timeout_s:g}s"
-                logger.warning("agent timed out", extra={"session_id": session_id, "timeout_s": self.timeout_s})
+                logger.warning(
+                    "agent timed out", extra={"session_id": session_id, "timeout_s": self.timeout_s}
+                )
                 return result
             reward = parse_reward(task.result())
             await self._post_rewards(client, session_id, reward)
@@ -479,7 +492,8 @@ class RolloutController:
         except Exception as exc:  # noqa: BLE001 - the agent contract: any agent failure fails its session
             result.error = f"{type(exc).__name__}: {exc}"
             logger.warning(
-                "agent run failed", extra={"session_id": session_id, "error": result.error},
+                "agent run failed",
+                extra={"session_id": session_id, "error": result.error},
                 exc_info=not isinstance(exc, AgentError),
             )
             return result
@@ -489,7 +503,7 @@ class RolloutController:
     async def _call_inprocess(self, executor: ThreadPoolExecutor, data: dict[str, Any]) -> Any:
         fn = self._agent_fn
         assert fn is not None
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             return await fn(data)
         loop = asyncio.get_running_loop()
         # The worker thread runs in a copy of this task's context: the session binding follows.
@@ -510,18 +524,22 @@ class RolloutController:
         if self.model is not None:
             env["OPENAI_MODEL"] = self.model
         proc = await asyncio.create_subprocess_exec(
-            self.python, "-c", SUBPROCESS_RUNNER, self._agent_spec,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+            self.python,
+            "-c",
+            SUBPROCESS_RUNNER,
+            self._agent_spec,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
         )
         try:
             out, err = await proc.communicate(json.dumps(data).encode())
         finally:
             if proc.returncode is None:  # timed out or cancelled: kill the agent and its children
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 await proc.wait()
         stderr = err.decode(errors="replace")
         if proc.returncode != 0:
@@ -552,17 +570,17 @@ class RolloutController:
                 self._report.waits_429 += 1
                 self._report.wait_seconds_429 += delay
                 logger.debug("no capacity for a new session; waiting", extra={"retry_after": delay})
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), timeout=delay)
-                except TimeoutError:
-                    pass
                 continue
             if resp.status_code != 200:
                 raise RolloutError(f"POST /rl/sessions answered {resp.status_code}: {resp.text}")
             return resp.json()
         return None
 
-    async def _post_rewards(self, client: httpx.AsyncClient, session_id: str, reward: AgentReward) -> None:
+    async def _post_rewards(
+        self, client: httpx.AsyncClient, session_id: str, reward: AgentReward
+    ) -> None:
         posts = [{"reward": r, "completion_id": cid} for cid, r in reward.per_completion.items()]
         if reward.final is not None:
             posts.append({"reward": reward.final})
@@ -575,7 +593,9 @@ class RolloutController:
     async def _finish(self, client: httpx.AsyncClient, session_id: str, status: str) -> None:
         resp = await client.post(f"/rl/sessions/{session_id}/finish", json={"status": status})
         if resp.status_code != 200:
-            raise RolloutError(f"finishing session {session_id} answered {resp.status_code}: {resp.text}")
+            raise RolloutError(
+                f"finishing session {session_id} answered {resp.status_code}: {resp.text}"
+            )
 
 
 # --------------------------------------------------------------------------- CLI
@@ -585,8 +605,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.rollout``: run an agent over a JSONL dataset, print the report."""
     parser = argparse.ArgumentParser(prog="python -m trainer.rollout", description=main.__doc__)
     parser.add_argument("--proxy", required=True, help="proxy root URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--admin-token", default=os.environ.get("PROXIMA_ADMIN_TOKEN"),
-                        help="admin bearer token (default: $PROXIMA_ADMIN_TOKEN)")
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("PROXIMA_ADMIN_TOKEN"),
+        help="admin bearer token (default: $PROXIMA_ADMIN_TOKEN)",
+    )
     parser.add_argument("--agent", required=True, help="module:function")
     parser.add_argument("--dataset", required=True, type=Path, help="JSONL file, one item per line")
     parser.add_argument("--group-size", type=int, default=1)
@@ -599,8 +622,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--admin-token or PROXIMA_ADMIN_TOKEN is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     controller = RolloutController(
-        args.proxy, args.admin_token, args.agent, group_size=args.group_size,
-        max_concurrency=args.max_concurrency, timeout_s=args.timeout, mode=args.mode, model=args.model,
+        args.proxy,
+        args.admin_token,
+        args.agent,
+        group_size=args.group_size,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.timeout,
+        mode=args.mode,
+        model=args.model,
     )
     report = asyncio.run(controller.run(args.dataset))
     print(json.dumps(report.summary(), indent=2))

@@ -26,7 +26,9 @@ def test_problems_are_well_formed_and_answers_right(difficulty: str) -> None:
     problems = arithmetic_problems(60, difficulty=difficulty, seed=3)
     assert len({p["question"] for p in problems}) == len({p["id"] for p in problems}) == 60
     for p in problems:
-        a, op, b = QUESTION.match(p["question"]).groups()  # type: ignore[union-attr]
+        match = QUESTION.match(p["question"])
+        assert match is not None, p
+        a, op, b = match.groups()
         a_int, b_int = int(a), int(b)
         assert op in level.operators
         assert p["answer"] == {"+": a_int + b_int, "-": a_int - b_int, "*": a_int * b_int}[op]
@@ -38,7 +40,9 @@ def test_generation_is_deterministic_and_seeded() -> None:
     assert first == arithmetic_splits(difficulty="easy", n_train=100, n_test=20, seed=0)
     assert first != arithmetic_splits(difficulty="easy", n_train=100, n_test=20, seed=1)
     # The held-out part does not depend on how many train problems are drawn.
-    assert first["test"] == arithmetic_splits(difficulty="easy", n_train=10, n_test=20, seed=0)["test"]
+    assert (
+        first["test"] == arithmetic_splits(difficulty="easy", n_train=10, n_test=20, seed=0)["test"]
+    )
 
 
 def test_splits_are_disjoint_and_sized() -> None:
@@ -58,14 +62,32 @@ def test_too_few_distinct_problems_and_unknown_level_are_errors() -> None:
 
 
 def test_write_and_cli_give_the_same_files(tmp_path: Path) -> None:
-    paths = write_arithmetic_splits(tmp_path / "api", difficulty="medium", n_train=30, n_test=10, seed=5)
+    paths = write_arithmetic_splits(
+        tmp_path / "api", difficulty="medium", n_train=30, n_test=10, seed=5
+    )
     assert [p["id"] for p in read_jsonl(paths["test"])] == [
-        p["id"] for p in arithmetic_splits(difficulty="medium", n_train=30, n_test=10, seed=5)["test"]
+        p["id"]
+        for p in arithmetic_splits(difficulty="medium", n_train=30, n_test=10, seed=5)["test"]
     ]
     out = subprocess.run(
-        [sys.executable, "-m", "agents_examples.datasets", "--out-dir", str(tmp_path / "cli"),
-         "--difficulty", "medium", "--train", "30", "--test", "10", "--seed", "5"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "agents_examples.datasets",
+            "--out-dir",
+            str(tmp_path / "cli"),
+            "--difficulty",
+            "medium",
+            "--train",
+            "30",
+            "--test",
+            "10",
+            "--seed",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "arith-medium-train.jsonl" in out
     for name in ("train", "test"):

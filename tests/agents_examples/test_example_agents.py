@@ -28,7 +28,9 @@ from trainer.rollout import RolloutController
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
     work = tmp_path_factory.mktemp("agents-proxy")
-    live = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log")
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+    )
     live.start()
     yield live
     live.stop()
@@ -49,14 +51,25 @@ def test_endpoint_prefers_data_then_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("OPENAI_BASE_URL", "http://env/v1/")
     monkeypatch.setenv("OPENAI_API_KEY", "env-key")
     monkeypatch.setenv("OPENAI_MODEL", "env-model")
-    assert endpoint({}) == endpoint({"base_url": None}) == type(endpoint({}))("http://env/v1", "env-key", "env-model")
+    assert (
+        endpoint({})
+        == endpoint({"base_url": None})
+        == type(endpoint({}))("http://env/v1", "env-key", "env-model")
+    )
     ep = endpoint({"base_url": "http://data/v1", "api_key": "k", "model": "m"})
     assert (ep.base_url, ep.api_key, ep.model) == ("http://data/v1", "k", "m")
 
 
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("1 + 2 * 3", 7), ("(1 + 2) * 3", 9), ("384 * 27", 10368), ("-4 / 8", -0.5), ("+2 - -3", 5), ("2.5*4", 10)],
+    [
+        ("1 + 2 * 3", 7),
+        ("(1 + 2) * 3", 9),
+        ("384 * 27", 10368),
+        ("-4 / 8", -0.5),
+        ("+2 - -3", 5),
+        ("2.5*4", 10),
+    ],
 )
 def test_calculator_evaluates_arithmetic(expression: str, value: float) -> None:
     assert evaluate(expression) == value
@@ -64,8 +77,21 @@ def test_calculator_evaluates_arithmetic(expression: str, value: float) -> None:
 
 @pytest.mark.parametrize(
     "expression",
-    ["__import__('os').system('true')", "x + 1", "2 ** 10", "9 ** 9 ** 9", "abs(-1)", "1 if 1 else 2",
-     "'a' * 3", "[1] * 3", "1 / 0", "1" * 300, "999999999 * 999999999", "1 +", "True + 1"],
+    [
+        "__import__('os').system('true')",
+        "x + 1",
+        "2 ** 10",
+        "9 ** 9 ** 9",
+        "abs(-1)",
+        "1 if 1 else 2",
+        "'a' * 3",
+        "[1] * 3",
+        "1 / 0",
+        "1" * 300,
+        "999999999 * 999999999",
+        "1 +",
+        "True + 1",
+    ],
 )
 def test_calculator_refuses_everything_else(expression: str) -> None:
     with pytest.raises(CalculatorError):
@@ -86,10 +112,17 @@ class ScriptedChatModel(GenericFakeChatModel):
 
 
 async def test_tool_agent_graph_calls_the_calculator_then_answers() -> None:
-    script = iter([
-        AIMessage("", tool_calls=[{"name": "calculator", "args": {"expression": "384 * 27"}, "id": "call-1"}]),
-        AIMessage("384 * 27 = 10368"),
-    ])
+    script = iter(
+        [
+            AIMessage(
+                "",
+                tool_calls=[
+                    {"name": "calculator", "args": {"expression": "384 * 27"}, "id": "call-1"}
+                ],
+            ),
+            AIMessage("384 * 27 = 10368"),
+        ]
+    )
     reward, messages = await tool_agent.solve(
         {"question": "What is 384 * 27?", "answer": 10368}, llm=ScriptedChatModel(messages=script)
     )
@@ -112,8 +145,14 @@ async def test_tool_agent_out_of_steps_is_a_wrong_answer() -> None:
 
 async def test_math_agent_retries_with_feedback(proxy: LiveProxy) -> None:
     session = proxy.new_session(group_id="math-direct")
-    data = {**session, "model": proxy.model_name, "question": "What is 7 + 5?", "answer": 12,
-            "max_turns": 3, "max_tokens": 12}
+    data = {
+        **session,
+        "model": proxy.model_name,
+        "question": "What is 7 + 5?",
+        "answer": 12,
+        "max_turns": 3,
+        "max_tokens": 12,
+    }
     reward, messages = await math_agent.solve(data)
     completions = proxy.trajectory(session["session_id"])["completions"]
     assert isinstance(reward, float)
@@ -121,21 +160,31 @@ async def test_math_agent_retries_with_feedback(proxy: LiveProxy) -> None:
     assert len(completions) == len(assistant_turns) in (1, 2, 3)
     assert (reward == 1.0) == is_correct(assistant_turns[-1]["content"], 12)
     if len(completions) > 1:  # a wrong answer was followed by the checker's feedback
-        assert completions[1]["request_messages"][-1] == {"role": "user", "content": math_agent.FEEDBACK}
+        assert completions[1]["request_messages"][-1] == {
+            "role": "user",
+            "content": math_agent.FEEDBACK,
+        }
         assert completions[1]["parent_id"] == completions[0]["id"]  # token-exact continuation
 
 
 @pytest.mark.parametrize(
     ("agent", "item"),
     [
-        (math_agent.run_agent_return_reward, {"question": "What is 3 + 4?", "answer": 7, "max_turns": 2}),
+        (
+            math_agent.run_agent_return_reward,
+            {"question": "What is 3 + 4?", "answer": 7, "max_turns": 2},
+        ),
         (tool_agent.run_agent_return_reward, {"question": "What is 384 * 27?", "answer": 10368}),
         (httpx_agent.run_agent_return_reward, {"question": "What is 3 + 4?", "answer": 7}),
     ],
     ids=["math", "tool", "httpx"],
 )
-async def test_agent_runs_under_the_controller(proxy: LiveProxy, agent: Any, item: dict[str, Any]) -> None:
-    ctl = RolloutController(proxy.url, proxy.admin_token, agent, group_size=2, timeout_s=120, model=proxy.model_name)
+async def test_agent_runs_under_the_controller(
+    proxy: LiveProxy, agent: Any, item: dict[str, Any]
+) -> None:
+    ctl = RolloutController(
+        proxy.url, proxy.admin_token, agent, group_size=2, timeout_s=120, model=proxy.model_name
+    )
     report = await ctl.run([{"id": "q", "max_tokens": 12, **item}])
     assert report.sessions_rewarded == 2, [run.error for run in report.runs]
     for run in report.runs:
@@ -149,9 +198,20 @@ async def test_agent_runs_under_the_controller(proxy: LiveProxy, agent: Any, ite
 def test_agents_run_standalone(proxy: LiveProxy, module: str) -> None:
     session = proxy.new_session(group_id=f"cli-{module}")
     out = subprocess.run(
-        [sys.executable, "-m", f"agents_examples.{module}", "--base-url", session["base_url"],
-         "--api-key", session["api_key"], "--max-tokens", "8"],  # no --model: the first served one
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            f"agents_examples.{module}",
+            "--base-url",
+            session["base_url"],
+            "--api-key",
+            session["api_key"],
+            "--max-tokens",
+            "8",
+        ],  # no --model: the first served one
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

@@ -73,7 +73,7 @@ def _cfg(tmp_path: Path, model_dir: Path, **overrides: Any) -> TrainerConfig:
         "connection": {"db_url": "unused-here", "model_dir": model_dir},
     }
     for key, value in overrides.items():
-        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return TrainerConfig.model_validate(data)
 
 

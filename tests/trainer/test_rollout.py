@@ -21,6 +21,7 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
+from pydantic import SecretStr
 
 from proxy.testing.live import LiveProxy
 from trainer.rollout import (
@@ -38,7 +39,9 @@ SHORT = {"max_tokens": 8, "temperature": 1.0}
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
     work = tmp_path_factory.mktemp("rollout-proxy")
-    live = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log")
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+    )
     live.start()
     yield live
     live.stop()
@@ -98,7 +101,9 @@ def test_item_ids_and_constructor_checks(tiny_model_dir: Path) -> None:
 # --------------------------------------------------------------------------- live
 
 
-async def test_items_times_group_every_reward_reaches_the_store(proxy: LiveProxy, tmp_path: Path) -> None:
+async def test_items_times_group_every_reward_reaches_the_store(
+    proxy: LiveProxy, tmp_path: Path
+) -> None:
     items = [{"id": f"item-{i}", "question": f"What is {i} + 1?", "n": i} for i in range(3)]
     dataset = tmp_path / "data.jsonl"
     dataset.write_text("".join(json.dumps(item) + "\n" for item in items))
@@ -123,7 +128,9 @@ async def test_items_times_group_every_reward_reaches_the_store(proxy: LiveProxy
     assert sorted(run.sample for run in report.runs) == [0, 0, 0, 1, 1, 1]
 
 
-async def test_raising_hanging_and_invalid_agents_fail_only_their_sessions(proxy: LiveProxy) -> None:
+async def test_raising_hanging_and_invalid_agents_fail_only_their_sessions(
+    proxy: LiveProxy,
+) -> None:
     async def agent(data: dict[str, Any]) -> Any:
         kind = data["kind"]
         await sdk_agent({**data, "n": 0})
@@ -135,7 +142,10 @@ async def test_raising_hanging_and_invalid_agents_fail_only_their_sessions(proxy
             return "yes"
         return 1.0
 
-    items = [{"id": kind, "kind": kind, "question": "hi"} for kind in ("ok", "raise", "hang", "invalid", "ok2")]
+    items = [
+        {"id": kind, "kind": kind, "question": "hi"}
+        for kind in ("ok", "raise", "hang", "invalid", "ok2")
+    ]
     started = time.monotonic()
     report = await controller(proxy, agent, timeout_s=3.0, max_concurrency=5).run(items)
     assert time.monotonic() - started < 30
@@ -159,10 +169,16 @@ async def test_per_completion_rewards_and_async_iterable_dataset(proxy: LiveProx
     async def agent(data: dict[str, Any]) -> dict[str, float]:
         client = AsyncOpenAI(base_url=data["base_url"], api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "Count."}]
-        first = await client.chat.completions.create(model=data["model"], messages=messages, n=2, **SHORT)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                     {"role": "user", "content": "Again."}]
-        second = await client.chat.completions.create(model=data["model"], messages=messages, **SHORT)
+        first = await client.chat.completions.create(
+            model=data["model"], messages=messages, n=2, **SHORT
+        )
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "Again."},
+        ]
+        second = await client.chat.completions.create(
+            model=data["model"], messages=messages, **SHORT
+        )
         await client.close()
         return {first.id: 0.5, f"{first.id}-1": -0.5, second.id: 0.25, "final": 1.0}
 
@@ -193,8 +209,13 @@ def _sync_langchain_and_sdk_agent(proxy_v1: str) -> Any:
         OpenAI(base_url=proxy_v1, api_key="dummy", max_retries=0).chat.completions.create(
             model=data["model"], messages=[{"role": "user", "content": "sync sdk"}], **SHORT
         )
-        llm = ChatOpenAI(model=data["model"], base_url=proxy_v1, api_key="dummy", max_retries=0,  # type: ignore[arg-type]
-                         max_tokens=8)
+        llm = ChatOpenAI(
+            model=data["model"],
+            base_url=proxy_v1,
+            api_key=SecretStr("dummy"),
+            max_retries=0,
+            max_tokens=8,
+        )
         llm.invoke("sync langchain")
         return 1.0
 
@@ -208,8 +229,13 @@ def _async_langchain_and_sdk_agent(proxy_v1: str) -> Any:
             model=data["model"], messages=[{"role": "user", "content": "async sdk"}], **SHORT
         )
         await client.close()
-        llm = ChatOpenAI(model=data["model"], base_url=proxy_v1, api_key="dummy", max_retries=0,  # type: ignore[arg-type]
-                         max_tokens=8)
+        llm = ChatOpenAI(
+            model=data["model"],
+            base_url=proxy_v1,
+            api_key=SecretStr("dummy"),
+            max_retries=0,
+            max_tokens=8,
+        )
         # A task the agent spawns itself inherits the binding too.
         await asyncio.create_task(llm.ainvoke("async langchain"))
         return 1.0
@@ -217,8 +243,12 @@ def _async_langchain_and_sdk_agent(proxy_v1: str) -> Any:
     return agent
 
 
-@pytest.mark.parametrize("make_agent", [_sync_langchain_and_sdk_agent, _async_langchain_and_sdk_agent])
-async def test_inprocess_binding_of_clients_created_inside_the_agent(proxy: LiveProxy, make_agent: Any) -> None:
+@pytest.mark.parametrize(
+    "make_agent", [_sync_langchain_and_sdk_agent, _async_langchain_and_sdk_agent]
+)
+async def test_inprocess_binding_of_clients_created_inside_the_agent(
+    proxy: LiveProxy, make_agent: Any
+) -> None:
     agent = make_agent(proxy.base_url)
     report = await controller(proxy, agent, group_size=3, max_concurrency=3).run([{"id": "bind"}])
     assert report.sessions_rewarded == 3, [r.error for r in report.runs]
@@ -271,7 +301,9 @@ async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
 
         started = time.monotonic()
         failing = [
-            await controller(proxy, spec, mode="subprocess", env=env, timeout_s=5.0).run([{"id": spec}])
+            await controller(proxy, spec, mode="subprocess", env=env, timeout_s=5.0).run(
+                [{"id": spec}]
+            )
             for spec in ("sub_agents:boom", "sub_agents:hang")
         ]
         assert time.monotonic() - started < 40  # the hanging process was killed at its timeout
@@ -287,7 +319,9 @@ async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
 async def test_staleness_429s_are_waited_out(tiny_model_dir: Path, tmp_path: Path) -> None:
     """eta = 0, B = 2: two sessions per policy version; a stand-in trainer bumps the version."""
     live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log",
+        tiny_model_dir,
+        db_url=f"sqlite:///{tmp_path / 'store.db'}",
+        log_path=tmp_path / "serve.log",
         extra_args=["--max-staleness", "0", "--train-batch-size", "2"],
     ).start()
     try:
@@ -295,13 +329,17 @@ async def test_staleness_429s_are_waited_out(tiny_model_dir: Path, tmp_path: Pat
         items = [{"id": f"s-{i}", "question": "hi", "n": 1} for i in range(3)]
         rollout = asyncio.create_task(ctl.run(items))
         versions = []
-        async with httpx.AsyncClient(base_url=live.url, headers=live.admin_headers(), timeout=120) as client:
+        async with httpx.AsyncClient(
+            base_url=live.url, headers=live.admin_headers(), timeout=120
+        ) as client:
             version, deadline = 0, time.monotonic() + 120
             while not rollout.done() and time.monotonic() < deadline:
                 # The trainer: once a batch of B finished sessions exists, train on it and push.
                 if ctl.progress.sessions_rewarded >= (version + 1) * 2 and version < 2:
                     version += 1
-                    resp = await client.post("/admin/weights", json={"version": version, "path": str(tiny_model_dir)})
+                    resp = await client.post(
+                        "/admin/weights", json={"version": version, "path": str(tiny_model_dir)}
+                    )
                     assert resp.status_code == 200, resp.text
                     versions.append(version)
                 await asyncio.sleep(0.1)

@@ -1,0 +1,251 @@
+"""The trainer against a real ``proxima serve`` (embedded engine, tiny model), driven like a user.
+
+1. In-process: sessions made with the OpenAI SDK are trained in one step whose
+   weight push lands while another completion is streaming; the stream
+   carries tokens of both versions.
+2. Crash: the trainer CLI is SIGKILLed mid-run and restarted; it resumes at
+   the pushed version, and every rewarded session ends TRAINED or DROPPED
+   exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from proxy.store import SessionStatus, Store
+from proxy.testing.live import LiveProxy
+from trainer.config import TrainerConfig
+from trainer.log import read_log
+from trainer.loop import Trainer
+from trainer.weights import ProxyWeightSink, weights_dir
+
+
+@pytest.fixture
+def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LiveProxy]:
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log"
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+def run_session(proxy: LiveProxy, *, group: str, reward: float, tokens: int = 8) -> str:
+    """One agent run: a chat completion through the SDK, then reward and finish with its key."""
+    session = proxy.new_session(group_id=group)
+    client = OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+    client.chat.completions.create(
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": f"Say something, {group}."}],
+        max_tokens=tokens,
+        extra_body={"ignore_eos": True},
+    )
+    sid, key = session["session_id"], {"Authorization": f"Bearer {session['api_key']}"}
+    httpx.post(
+        f"{proxy.url}/rl/sessions/{sid}/reward", json={"reward": reward}, headers=key
+    ).raise_for_status()
+    httpx.post(f"{proxy.url}/rl/sessions/{sid}/finish", headers=key).raise_for_status()
+    return sid
+
+
+def served_version(proxy: LiveProxy) -> int:
+    return int(httpx.get(proxy.url + "/health").json()["version"])
+
+
+def trainer_config(proxy: LiveProxy, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "batch_size": 4,
+        "output_dir": str(tmp_path / "trainer"),
+        "optim": {"lr": 1e-3},
+        "loop": {"poll_interval_s": 0.1, "trainer_id": "live-trainer"},
+        "connection": {
+            "proxy_url": proxy.url,
+            "db_url": proxy.db_url,
+            "model_dir": str(proxy.model_dir),
+            "admin_token": proxy.admin_token,
+        },
+        **extra,
+    }
+
+
+async def test_one_step_pushes_while_a_completion_streams(proxy: LiveProxy, tmp_path: Path) -> None:
+    ids = [run_session(proxy, group=f"g{i // 2}", reward=float(i % 2)) for i in range(4)]
+    cfg = TrainerConfig.model_validate(trainer_config(proxy, tmp_path))
+    store = await Store.open(proxy.db_url)
+    sink = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token)
+    trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
+
+    # A long completion streams while the step trains and pushes.
+    long_session = proxy.new_session(group_id="streaming")
+    client = OpenAI(base_url=long_session["base_url"], api_key=long_session["api_key"])
+    streaming, result = threading.Event(), {}
+
+    def stream() -> None:
+        chunks = client.chat.completions.create(
+            model=proxy.model_name,
+            messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=1800,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for n, chunk in enumerate(chunks):
+            if n == 3:
+                streaming.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                result["finish"] = chunk.choices[0].finish_reason
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert await asyncio.to_thread(streaming.wait, 60)
+    try:
+        record = await trainer.step()
+    finally:
+        await trainer.close()
+        await sink.aclose()
+    await asyncio.to_thread(reader.join, 120)
+
+    assert record is not None and record.version == 1 and record.pushed
+    assert served_version(proxy) == 1
+    assert result["finish"] == "length"
+    (completion,) = proxy.trajectory(long_session["session_id"])["completions"]
+    versions = completion["output_versions"]
+    assert len(versions) == 1800 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions)
+    for sid in ids:
+        session = await store.get_session(session_id=sid)
+        assert session is not None and session.status == SessionStatus.TRAINED
+        assert session.trained_version == 1
+    records = await store.list_policy_versions()
+    assert [(r.version, r.path) for r in records] == [
+        (1, str(weights_dir(cfg.output_dir, 1).resolve()))
+    ]
+
+    # Pushing the served version again (a retried request whose first attempt landed) is
+    # accepted; an older version is refused with the proxy's answer.
+    sink = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token)
+    try:
+        again = await sink.push(version=1, path=weights_dir(cfg.output_dir, 1).resolve())
+        assert again.version == 1
+    finally:
+        await sink.aclose()
+    await store.close()
+
+
+def _trainer_process(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "--log-level",
+        "warning",
+        "--config",
+        str(config),
+        "--no-progress",
+    ]
+    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _session_states(
+    db_url: str, ids: list[str]
+) -> dict[str, tuple[SessionStatus, int | None]]:
+    store = await Store.open(db_url)
+    try:
+        out = {}
+        for sid in ids:
+            session = await store.get_session(session_id=sid)
+            assert session is not None
+            out[sid] = (session.status, session.trained_version)
+        return out
+    finally:
+        await store.close()
+
+
+async def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
+    proxy: LiveProxy, tmp_path: Path
+) -> None:
+    ids = [run_session(proxy, group=f"g{i // 2}", reward=float(i % 2)) for i in range(16)]
+    config = tmp_path / "trainer.json"
+    config.write_text(json.dumps(trainer_config(proxy, tmp_path, batch_size=2, checkpoint_every=2)))
+    log = tmp_path / "trainer.log"
+    output_dir = tmp_path / "trainer"
+
+    first = _trainer_process(config, log)
+    try:
+        _wait_for(lambda: served_version(proxy) >= 3 or first.poll() is not None, 90, "3 pushes")
+        assert first.poll() is None, log.read_text()
+        first.send_signal(signal.SIGKILL)  # mid-run: somewhere in a step after the third push
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    pushed_before_restart = served_version(proxy)
+
+    second = _trainer_process(config, log)
+    try:
+
+        def all_consumed() -> bool:
+            states = asyncio.run(_session_states(proxy.db_url, ids))
+            return all(
+                s in (SessionStatus.TRAINED, SessionStatus.DROPPED) for s, _ in states.values()
+            )
+
+        _wait_for(lambda: second.poll() is not None or all_consumed(), 90, "every session consumed")
+        assert second.poll() is None, log.read_text()
+        os.kill(second.pid, signal.SIGTERM)  # clean stop
+        assert second.wait(30) == 0, log.read_text()
+    finally:
+        if second.poll() is None:
+            second.kill()
+
+    states = await _session_states(proxy.db_url, ids)
+    final_version = served_version(proxy)
+    store = await Store.open(proxy.db_url)
+    try:
+        pushed = [r.version for r in await store.list_policy_versions()]
+        counts = await store.count_sessions_by_status()
+    finally:
+        await store.close()
+    # Versions were pushed one by one, none twice, and the restart went on from the last one.
+    assert pushed == list(range(1, final_version + 1))
+    events = read_log(output_dir)
+    starts = [e for e in events if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["version"] == pushed_before_restart
+    assert starts[1]["source"] in ("checkpoint", "pushed")
+    second_run_steps = [e for e in events[events.index(starts[1]) :] if e["event"] == "step"]
+    assert second_run_steps[0]["version"] == pushed_before_restart + 1
+    assert events[-1]["event"] == "stop"
+    # Every rewarded session ended TRAINED or DROPPED once: nothing left claimed or finished.
+    assert counts[SessionStatus.CLAIMED] == counts[SessionStatus.FINISHED] == 0
+    trained_into: dict[int, int] = {}
+    for status, version in states.values():
+        assert status in (SessionStatus.TRAINED, SessionStatus.DROPPED)
+        if status == SessionStatus.TRAINED:
+            assert version is not None and 1 <= version <= final_version
+            trained_into[version] = trained_into.get(version, 0) + 1
+    # Each logged step trained exactly the sessions the store says went into its version.
+    for step in (e for e in events if e["event"] == "step" and e["pushed"]):
+        assert trained_into.get(step["version"], 0) == step["trained_sessions"], step
+    assert all(n <= 2 for n in trained_into.values())  # batch_size sessions per version at most
