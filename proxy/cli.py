@@ -106,6 +106,21 @@ def _keys(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _trainer(args: argparse.Namespace) -> int:
+    from trainer.cli import run
+
+    return run(args)
+
+
+def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    # Imported lazily where it runs; the flags themselves are the trainer's own.
+    from trainer.cli import add_arguments
+
+    p = sub.add_parser("trainer", help="train on rewarded sessions and push weights to the proxy")
+    add_arguments(p)
+    p.set_defaults(func=_trainer)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxima", description="Train unmodified LLM agents with "
                                      "asynchronous RL through an OpenAI-compatible proxy.")
@@ -137,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--weight-version", default="0")
     p.set_defaults(func=_engine)
+
+    _add_trainer(sub)
 
     p = sub.add_parser("db", help="trajectory store schema (Alembic migrations)")
     dsub = p.add_subparsers(dest="db_command", required=True)

@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import contextvars
 import importlib
+import importlib.machinery
 import inspect
 import json
 import logging
@@ -212,6 +213,41 @@ def agent_spec(agent: str | AgentFn) -> str:
     return f"{module}:{qualname}"
 
 
+def check_importable(spec: str, pythonpath: str = "") -> None:
+    """Raise :class:`RolloutError` unless ``spec``'s top-level module can be found (not imported).
+
+    The search covers ``sys.path`` and the ``pythonpath`` entries a subprocess will get.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise RolloutError(f"agent must be 'module:function', got {spec!r}")
+    top = module_name.split(".")[0]
+    if top in sys.modules or top in sys.builtin_module_names:
+        return
+    search = [p for p in pythonpath.split(os.pathsep) if p] + sys.path
+    if importlib.machinery.PathFinder.find_spec(top, search) is None:
+        raise RolloutError(f"cannot find agent module {module_name!r} (searched sys.path and PYTHONPATH)")
+
+
+def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The error to raise for a failed task group: its first :class:`RolloutError`, else
+    its only exception, else the group itself."""
+    leaves: list[BaseException] = []
+
+    def collect(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                collect(inner)
+        else:
+            leaves.append(exc)
+
+    collect(group)
+    rollout_errors = [e for e in leaves if isinstance(e, RolloutError)]
+    if rollout_errors:
+        return rollout_errors[0]
+    return leaves[0] if len(leaves) == 1 else group
+
+
 # Runs one agent in a fresh interpreter: spec in argv, item JSON on stdin, reward JSON on the
 # original stdout. The agent's own prints go to stderr so they cannot corrupt the result.
 SUBPROCESS_RUNNER = """\
@@ -343,7 +379,8 @@ class RolloutController:
         else:
             self._agent_fn = None
             self._agent_spec = agent_spec(agent)
-            resolve_agent(self._agent_spec)
+            # Not imported here: subprocess agents may need their run's environment to import.
+            check_importable(self._agent_spec, self.env.get("PYTHONPATH", ""))
         self._report = RolloutReport()
         self._stopping: asyncio.Event | None = None
 
@@ -403,6 +440,8 @@ class RolloutController:
                                 tag=tag,
                             )
                         )
+        except BaseExceptionGroup as group:
+            raise _unwrap(group) from None
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             report.elapsed_s = time.monotonic() - started

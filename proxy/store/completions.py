@@ -9,8 +9,8 @@ from sqlalchemy.exc import IntegrityError
 
 from proxy.store._base import StoreBase
 from proxy.store.convert import completion_record, completion_row
-from proxy.store.errors import Conflict
-from proxy.store.models import CompletionRow
+from proxy.store.errors import Conflict, NotFound
+from proxy.store.models import CompletionRow, SessionRow
 from proxy.store.records import CompletionRecord, SessionStatus
 from proxy.store.sessions import CONSUMED_STATUSES
 
@@ -34,15 +34,25 @@ class CompletionsMixin(StoreBase):
         those of ``record_completion``.
         """
         rows = [completion_row(c) for c in completions]
+        session_ids = list(dict.fromkeys(c.session_id for c in completions))
+        # One status query for every session of the batch, under a shared row lock
+        # that keeps a concurrent claim from taking a session before the insert
+        # (PostgreSQL; SQLite's write transaction already excludes it).
+        query = (
+            select(SessionRow.id, SessionRow.status)
+            .where(SessionRow.id.in_(session_ids))
+            .with_for_update(read=True)
+        )
         try:
             async with self._write() as db:
-                # A shared row lock keeps a concurrent claim from taking the
-                # session between this check and the insert (PostgreSQL).
-                for session_id in dict.fromkeys(c.session_id for c in completions):
-                    session = await self._session_row(db, session_id, share=True)
-                    if SessionStatus(session.status) in CONSUMED_STATUSES:
+                status = dict((await db.execute(query)).tuples().all())
+                for session_id in session_ids:
+                    if session_id not in status:
+                        raise NotFound(f"session {session_id} not found")
+                    if SessionStatus(status[session_id]) in CONSUMED_STATUSES:
                         raise Conflict(
-                            f"session {session.id} was already taken by a trainer ({session.status})"
+                            f"session {session_id} was already taken by a trainer "
+                            f"({status[session_id]})"
                         )
                 db.add_all(rows)
                 await db.flush()

@@ -290,8 +290,9 @@ SUBPROCESS_AGENTS = textwrap.dedent('''
 async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
     (tmp_path / "sub_agents.py").write_text(SUBPROCESS_AGENTS)
     env = {"PYTHONPATH": f"{tmp_path}:{Path.cwd()}"}
-    sys.path.insert(0, str(tmp_path))  # the constructor checks that the spec imports
-    try:
+    with pytest.raises(RolloutError, match="cannot find agent module"):
+        controller(proxy, "sub_agents:from_env", mode="subprocess")  # not on any path without env
+    if True:
         ok = controller(proxy, "sub_agents:from_env", mode="subprocess", env=env, group_size=2)
         report = await ok.run([{"id": "sub", "question": "What is 2 + 2?"}])
         assert report.sessions_rewarded == 2, [r.error for r in report.runs]
@@ -307,8 +308,6 @@ async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
             for spec in ("sub_agents:boom", "sub_agents:hang")
         ]
         assert time.monotonic() - started < 40  # the hanging process was killed at its timeout
-    finally:
-        sys.path.remove(str(tmp_path))
     boom, hang = (r.runs[0] for r in failing)
     assert boom.status == "failed" and "subprocess agent bug" in (boom.error or "")
     assert hang.status == "failed" and hang.timed_out

@@ -183,7 +183,16 @@ async def _session_states(
         await store.close()
 
 
-async def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
+async def _versions_and_counts(db_url: str) -> tuple[list[int], dict[SessionStatus, int]]:
+    store = await Store.open(db_url)
+    try:
+        versions = [r.version for r in await store.list_policy_versions()]
+        return versions, await store.count_sessions_by_status()
+    finally:
+        await store.close()
+
+
+def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
     proxy: LiveProxy, tmp_path: Path
 ) -> None:
     ids = [run_session(proxy, group=f"g{i // 2}", reward=float(i % 2)) for i in range(16)]
@@ -220,14 +229,9 @@ async def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
         if second.poll() is None:
             second.kill()
 
-    states = await _session_states(proxy.db_url, ids)
+    states = asyncio.run(_session_states(proxy.db_url, ids))
     final_version = served_version(proxy)
-    store = await Store.open(proxy.db_url)
-    try:
-        pushed = [r.version for r in await store.list_policy_versions()]
-        counts = await store.count_sessions_by_status()
-    finally:
-        await store.close()
+    pushed, counts = asyncio.run(_versions_and_counts(proxy.db_url))
     # Versions were pushed one by one, none twice, and the restart went on from the last one.
     assert pushed == list(range(1, final_version + 1))
     events = read_log(output_dir)
