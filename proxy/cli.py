@@ -121,6 +121,32 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=_trainer)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from trainer.train import eval_only, load_run_config, train
+
+    try:
+        cfg = load_run_config(args.config)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"proxima {args.command}: invalid configuration {args.config}: {exc}", file=sys.stderr)
+        return 2
+    if args.output_dir is not None:
+        cfg.output_dir = args.output_dir
+    if args.command == "eval":
+        asyncio.run(eval_only(cfg))
+        return 0
+    if args.steps is not None:
+        cfg.steps = args.steps
+    try:
+        asyncio.run(train(cfg, progress=not args.no_progress))
+    except KeyboardInterrupt:
+        print("proxima train: stopped; the trainer checkpoint in "
+              f"{cfg.output_dir / 'trainer'} resumes the run", file=sys.stderr)
+        return 130
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxima", description="Train unmodified LLM agents with "
                                      "asynchronous RL through an OpenAI-compatible proxy.")
@@ -154,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_engine)
 
     _add_trainer(sub)
+
+    for name, text in (("train", "one command: proxy + engine, rollouts of your agent, trainer, eval"),
+                       ("eval", "held-out accuracy of the configured model through the proxy")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", type=Path, required=True, help="run config (.toml, .json, .yaml)")
+        p.add_argument("--output-dir", type=Path, default=None, help="override output_dir")
+        if name == "train":
+            p.add_argument("--steps", type=int, default=None, help="override steps")
+            p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.set_defaults(func=_train)
 
     p = sub.add_parser("db", help="trajectory store schema (Alembic migrations)")
     dsub = p.add_subparsers(dest="db_command", required=True)

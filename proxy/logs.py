@@ -60,8 +60,8 @@ def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Per-request lines of the HTTP client would drown everything else.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 class RequestIdMiddleware:

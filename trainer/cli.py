@@ -27,10 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from proxy.store import StoreError
 from trainer.config import TrainerConfig, load_config
-from trainer.loop import run_trainer
-from trainer.weights import RecoveryError, WeightPushError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +85,10 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the trainer for parsed arguments; the exit status."""
+    # torch, transformers and the store load here, not when `proxima` builds its parser.
+    from proxy.store import StoreError
+    from trainer.weights import RecoveryError, WeightPushError
+
     try:
         cfg = config_from_args(args)
     except (ValidationError, ValueError, OSError) as exc:
@@ -115,6 +116,8 @@ async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
         logger.warning("%s received: stopping after the current step", signal.Signals(signum).name)
         stop.set()
         loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
+
+    from trainer.loop import run_trainer
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)

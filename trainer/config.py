@@ -325,6 +325,11 @@ def load_config(path: str | Path) -> TrainerConfig:
     YAML needs PyYAML (imported lazily); JSON and TOML use the standard library.
     Validation errors are pydantic ``ValidationError`` with the field path.
     """
+    return TrainerConfig.model_validate(load_raw_config(path))
+
+
+def load_raw_config(path: str | Path) -> Any:
+    """The parsed content of a ``.json``, ``.toml``, ``.yaml`` or ``.yml`` config file."""
     path = Path(path)
     suffix = path.suffix.lower()
     text = path.read_text(encoding="utf-8")
@@ -349,4 +354,4 @@ def load_config(path: str | Path) -> TrainerConfig:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level of a config file must be a mapping")
-    return TrainerConfig.model_validate(data)
+    return data

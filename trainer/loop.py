@@ -139,9 +139,13 @@ class Trainer:
 
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         loop = asyncio.get_running_loop()
-        backend = await loop.run_in_executor(
-            executor, functools.partial(_load_backend, cfg, model_dir, plan)
-        )
+        try:
+            backend = await loop.run_in_executor(
+                executor, functools.partial(_load_backend, cfg, model_dir, plan)
+            )
+        except BaseException:
+            executor.shutdown(wait=True)
+            raise
         state = TrainerState(trainer_id=trainer_id, version=plan.version, step=plan.step)
         log = TrainLog(output_dir, console=console, total_steps=cfg.loop.max_steps)
         log.event(
@@ -211,7 +215,8 @@ class Trainer:
         await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
         metrics = _BatchMetrics.of(batch, samples, version, stale + too_long)
         if not samples:
-            return self._log_step(metrics, dropped_ids, None, None, StepTimes(wait=wait_s))
+            times = StepTimes(wait=wait_s, total=time.monotonic() - started)
+            return self._log_step(metrics, dropped_ids, None, None, times)
         if stop.is_set():
             return None  # abandoned before training: the claims are released on close
 
@@ -273,8 +278,15 @@ class Trainer:
         return path
 
     async def close(self) -> None:
-        """Release this trainer's claims, checkpoint if due, stop the compute thread."""
+        """Settle an interrupted push, release claims, checkpoint if due, stop the compute thread.
+
+        A step whose push raised may still have landed (the answer was lost):
+        the store's policy version says which, and the pending step is
+        settled as at start-up before any claim is released.
+        """
         try:
+            if self._weights_ahead and read_pending(self.cfg.output_dir) is not None:
+                await self._settle_interrupted_push()
             released = await self.store.release_claims(trainer_id=self.state.trainer_id)
             if self.cfg.checkpoint_every and self.state.step > self._checkpointed_step:
                 await self.checkpoint()
@@ -286,6 +298,18 @@ class Trainer:
             self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ helpers
+
+    async def _settle_interrupted_push(self) -> None:
+        """Rule 1 of ``trainer.weights`` for this run's own failed push."""
+        pending = read_pending(self.cfg.output_dir)
+        assert pending is not None
+        pushed_version = await self.store.current_policy_version()
+        await _settle_pending_step(self.store, self.cfg.output_dir, pushed_version)
+        if pending.version == pushed_version:  # it landed: the weights in memory are served
+            self.state = dataclasses.replace(
+                self.state, version=pending.version, step=self.state.step + 1
+            )
+            self._weights_ahead = False
 
     async def _claim_batch(self, stop: asyncio.Event) -> list[SessionRecord] | None:
         """Claim until ``batch_size`` sessions are held; None if ``stop`` is set first."""
@@ -429,7 +453,9 @@ async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: i
         undo = weights_dir(output_dir, pending.version)
         if undo.exists():
             shutil.rmtree(undo)
-        logger.info("pending step undone: its push never landed", extra={"version": pending.version})
+        logger.info(
+            "pending step undone: its push never landed", extra={"version": pending.version}
+        )
     clear_pending(output_dir)
     return marked
 
@@ -498,4 +524,3 @@ def _total_reward(session: SessionRecord, completions: Sequence[CompletionRecord
     """Session reward plus per-turn rewards (unset = 0)."""
     turns = math.fsum(c.reward for c in completions if c.reward is not None)
     return (session.reward or 0.0) + turns
-

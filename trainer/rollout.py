@@ -226,7 +226,9 @@ def check_importable(spec: str, pythonpath: str = "") -> None:
         return
     search = [p for p in pythonpath.split(os.pathsep) if p] + sys.path
     if importlib.machinery.PathFinder.find_spec(top, search) is None:
-        raise RolloutError(f"cannot find agent module {module_name!r} (searched sys.path and PYTHONPATH)")
+        raise RolloutError(
+            f"cannot find agent module {module_name!r} (searched sys.path and PYTHONPATH)"
+        )
 
 
 def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -328,6 +330,9 @@ class RolloutController:
         max_concurrency: runs in flight at once (waiting for a session included).
         timeout_s: wall-clock limit of one agent run; past it the run is
             cancelled (in-process) or killed (subprocess) and its session failed.
+            A sync in-process agent's worker thread cannot be interrupted: it is
+            abandoned and holds its worker until it returns, so use subprocess
+            mode for sync agents that may hang.
         mode: ``"inprocess"`` or ``"subprocess"`` (see the module docstring).
         model: if given, added to each item as ``data["model"]`` (unless the
             item has one) and exported as ``OPENAI_MODEL`` to subprocesses.

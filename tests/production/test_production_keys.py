@@ -26,12 +26,17 @@ from tests.production.procs import create_production_key
 SESSION_HEADER = "X-Proxima-Session-Id"
 
 
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'store.db'}"
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("production-keys")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def db_url(work: Path) -> str:
+    return f"sqlite:///{work / 'store.db'}"
+
+
+@pytest.fixture(scope="module")
 def keys(db_url: str) -> dict[str, str]:
     return {
         "quiet": create_production_key(db_url, "quiet-app", record=False),
@@ -40,9 +45,9 @@ def keys(db_url: str) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def proxy(tiny_model_dir: Path, tmp_path: Path, db_url: str, keys: dict[str, str]) -> Iterator[LiveProxy]:
-    live = LiveProxy(tiny_model_dir, db_url=db_url, log_path=tmp_path / "serve.log")
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, work: Path, db_url: str, keys: dict[str, str]) -> Iterator[LiveProxy]:
+    live = LiveProxy(tiny_model_dir, db_url=db_url, log_path=work / "serve.log")
     live.start()
     yield live
     live.stop()
@@ -70,6 +75,7 @@ async def _production_sessions(db_url: str) -> int:
 
 async def test_unrecorded_key_is_served_and_leaves_no_trace(proxy: LiveProxy, keys: dict[str, str],
                                                           db_url: str) -> None:
+    before = await _production_sessions(db_url)
     client = OpenAI(base_url=proxy.base_url, api_key=keys["quiet"], max_retries=0)
     reply = client.chat.completions.create(model=proxy.model_name, max_tokens=8,
                                            messages=[{"role": "user", "content": "Hello"}])
@@ -77,7 +83,7 @@ async def test_unrecorded_key_is_served_and_leaves_no_trace(proxy: LiveProxy, ke
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
     resp = _chat(proxy, keys["quiet"], [{"role": "user", "content": "Hello"}], session="conv-q")
     assert SESSION_HEADER not in resp.headers
-    assert await _production_sessions(db_url) == 0
+    assert await _production_sessions(db_url) == before
     # It is not an admin key either.
     denied = httpx.post(proxy.url + "/rl/sessions", json={}, headers=_auth(keys["quiet"]))
     assert denied.status_code == 403

@@ -312,6 +312,24 @@ async def test_a_step_that_died_around_its_push_is_settled_at_restart(
     await restarted.close()
 
 
+async def test_a_failed_push_that_landed_is_settled_on_close(
+    store: Store, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _cfg(tmp_path, tiny_model_dir, checkpoint_every=5)
+    ids = await add_batch(store, 4)
+    trainer = await Trainer.start(
+        cfg, store=store, sink=RecordingSink(store, fail="after"), console=False
+    )
+    with pytest.raises(ConnectionError):
+        await trainer.run(asyncio.Event())  # the step raises; run() still closes the trainer
+    # The store says v1 is served: its sessions are TRAINED, not released for a second training,
+    # and the final checkpoint holds the v1 weights.
+    assert await statuses(store, ids) == [(SessionStatus.TRAINED, 1)] * 4
+    assert read_pending(cfg.output_dir) is None
+    ckpt = latest_checkpoint(cfg.output_dir)
+    assert ckpt is not None and (ckpt.state.version, ckpt.state.step) == (1, 1)
+
+
 async def test_stop_while_waiting_releases_the_claims(
     store: Store, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -292,27 +291,31 @@ async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
     env = {"PYTHONPATH": f"{tmp_path}:{Path.cwd()}"}
     with pytest.raises(RolloutError, match="cannot find agent module"):
         controller(proxy, "sub_agents:from_env", mode="subprocess")  # not on any path without env
-    if True:
-        ok = controller(proxy, "sub_agents:from_env", mode="subprocess", env=env, group_size=2)
-        report = await ok.run([{"id": "sub", "question": "What is 2 + 2?"}])
-        assert report.sessions_rewarded == 2, [r.error for r in report.runs]
-        for run in report.runs:
-            stored = proxy.trajectory(run.session_id)
-            assert stored["reward"] == 0.75 and len(stored["completions"]) == 1
+    ok = controller(proxy, "sub_agents:from_env", mode="subprocess", env=env, group_size=2)
+    report = await ok.run([{"id": "sub", "question": "What is 2 + 2?"}])
+    assert report.sessions_rewarded == 2, [r.error for r in report.runs]
+    for run in report.runs:
+        stored = proxy.trajectory(run.session_id)
+        assert stored["reward"] == 0.75 and len(stored["completions"]) == 1
 
-        started = time.monotonic()
-        failing = [
-            await controller(proxy, spec, mode="subprocess", env=env, timeout_s=5.0).run(
-                [{"id": spec}]
-            )
-            for spec in ("sub_agents:boom", "sub_agents:hang")
-        ]
-        assert time.monotonic() - started < 40  # the hanging process was killed at its timeout
+    started = time.monotonic()
+    failing = [
+        await controller(proxy, spec, mode="subprocess", env=env, timeout_s=5.0).run([{"id": spec}])
+        for spec in ("sub_agents:boom", "sub_agents:hang")
+    ]
+    assert time.monotonic() - started < 40  # the hanging process was killed at its timeout
     boom, hang = (r.runs[0] for r in failing)
     assert boom.status == "failed" and "subprocess agent bug" in (boom.error or "")
     assert hang.status == "failed" and hang.timed_out
     for run in (boom, hang):
         assert proxy.trajectory(run.session_id)["status"] == "failed"
+
+
+async def test_bad_admin_token_stops_the_rollout(proxy: LiveProxy) -> None:
+    ctl = RolloutController(proxy.url, "wrong-token", sdk_agent, max_concurrency=2)
+    with pytest.raises(RolloutError, match="answered 401"):
+        await ctl.run([{"id": i, "question": "hi", "n": 0} for i in range(4)])
+    assert ctl.progress.sessions_started == 0
 
 
 async def test_staleness_429s_are_waited_out(tiny_model_dir: Path, tmp_path: Path) -> None:

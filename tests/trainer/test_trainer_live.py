@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,16 @@ def run_session(proxy: LiveProxy, *, group: str, reward: float, tokens: int = 8)
     return sid
 
 
+def run_sessions(proxy: LiveProxy, count: int) -> list[str]:
+    """``count`` agent runs, four at a time, in groups of two with rewards 0 and 1."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [
+            pool.submit(run_session, proxy, group=f"g{i // 2}", reward=float(i % 2))
+            for i in range(count)
+        ]
+        return [f.result() for f in futures]
+
+
 def served_version(proxy: LiveProxy) -> int:
     return int(httpx.get(proxy.url + "/health").json()["version"])
 
@@ -83,7 +94,7 @@ def trainer_config(proxy: LiveProxy, tmp_path: Path, **extra: Any) -> dict[str, 
 
 
 async def test_one_step_pushes_while_a_completion_streams(proxy: LiveProxy, tmp_path: Path) -> None:
-    ids = [run_session(proxy, group=f"g{i // 2}", reward=float(i % 2)) for i in range(4)]
+    ids = run_sessions(proxy, 4)
     cfg = TrainerConfig.model_validate(trainer_config(proxy, tmp_path))
     store = await Store.open(proxy.db_url)
     sink = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token)
@@ -146,16 +157,9 @@ async def test_one_step_pushes_while_a_completion_streams(proxy: LiveProxy, tmp_
 
 
 def _trainer_process(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "--log-level",
-        "warning",
-        "--config",
-        str(config),
-        "--no-progress",
-    ]
+    """``proxima trainer`` in a subprocess, as a user starts it."""
+    cmd = [sys.executable, "-m", "proxy.cli", "--log-level", "warning", "trainer",
+           "--config", str(config), "--no-progress"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
@@ -195,7 +199,7 @@ async def _versions_and_counts(db_url: str) -> tuple[list[int], dict[SessionStat
 def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
     proxy: LiveProxy, tmp_path: Path
 ) -> None:
-    ids = [run_session(proxy, group=f"g{i // 2}", reward=float(i % 2)) for i in range(16)]
+    ids = run_sessions(proxy, 12)
     config = tmp_path / "trainer.json"
     config.write_text(json.dumps(trainer_config(proxy, tmp_path, batch_size=2, checkpoint_every=2)))
     log = tmp_path / "trainer.log"

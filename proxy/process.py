@@ -1,0 +1,87 @@
+"""A ``proxima serve`` child process on loopback (used by ``proxima train``, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from proxy.engine_process import free_port
+
+
+@dataclass
+class ProxyProcess:
+    model_dir: Path
+    db_url: str
+    admin_token: str = "test-admin-token"
+    port: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir.resolve().name
+
+    def start(self, timeout: float = 180.0) -> ProxyProcess:
+        cmd = [
+            sys.executable, "-m", "proxy.cli", "--log-level", "warning", "serve",
+            "--model", str(self.model_dir), "--port", str(self.port), "--db", self.db_url,
+            "--admin-token", self.admin_token, *self.extra_args,
+        ]
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxima serve exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"proxima serve did not become healthy in {timeout:.0f}s")
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def new_session(self, **body: Any) -> dict[str, Any]:
+        resp = httpx.post(self.url + "/rl/sessions", json=body, headers=self.admin_headers(), timeout=30)
+        resp.raise_for_status()
+        return resp.json()
+
+    def trajectory(self, session_id: str) -> dict[str, Any]:
+        resp = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin_headers(), timeout=30)
+        resp.raise_for_status()
+        return resp.json()

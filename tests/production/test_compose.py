@@ -1,0 +1,197 @@
+"""``docker-compose.yml`` holds together: services, wiring, volumes, and real CLI flags.
+
+Docker is not needed: the file is parsed with PyYAML, variables are resolved
+with their defaults the way Compose interpolates them, and every command
+that starts with ``proxima`` is parsed by the real ``proxima`` argument
+parser, so a renamed flag breaks this test, not a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from proxy.cli import build_parser
+from trainer.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {"postgres", "sglang", "proxy", "trainer"}
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR:?error}`` with nothing set in the environment."""
+
+    def one(m: re.Match[str]) -> str:
+        op = m.group("op")
+        if op in (":-", "-"):
+            return m.group("arg")
+        assert op in (":?", "?"), f"${{{m.group('name')}}} has no default and is not marked required"
+        return f"<{m.group('name')}>"  # the operator must set it; compose refuses to start otherwise
+
+    return _VAR.sub(one, value)
+
+
+def _resolve(node: Any) -> Any:
+    if isinstance(node, str):
+        return _interpolate(node)
+    if isinstance(node, list):
+        return [_resolve(v) for v in node]
+    if isinstance(node, dict):
+        return {k: _resolve(v) for k, v in node.items()}
+    return node
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _resolve(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, Any]:
+    return compose["services"]
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    command = service["command"]
+    assert isinstance(command, list), "use the exec (list) form: no shell re-splitting of arguments"
+    return [str(c) for c in command]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, f"{name} must appear once in {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def _proxima_subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _parse_proxima(argv: list[str]) -> argparse.Namespace:
+    assert argv[0] == "proxima"
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit as exc:  # argparse exits on an unknown subcommand or flag
+        raise AssertionError(f"`{' '.join(argv)}` is not a valid proxima command line") from exc
+
+
+def test_services_and_dependencies(services: dict[str, Any]) -> None:
+    assert set(services) == SERVICES
+    for name, service in services.items():
+        assert "image" in service or "build" in service, name
+        for dep, spec in (service.get("depends_on") or {}).items():
+            assert dep in services and dep != name, f"{name} depends on unknown {dep}"
+            assert spec["condition"] in ("service_started", "service_healthy",
+                                         "service_completed_successfully"), (name, dep)
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health, which has no check"
+    assert set(services["proxy"]["depends_on"]) == {"postgres", "sglang"}
+    assert set(services["trainer"]["depends_on"]) >= {"proxy", "postgres"}
+
+
+def test_healthchecks(services: dict[str, Any]) -> None:
+    for name in ("postgres", "sglang", "proxy"):
+        check = services[name]["healthcheck"]
+        assert check["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert check.get("retries", 0) >= 3, name
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    assert "http://127.0.0.1:30000/health" in " ".join(services["sglang"]["healthcheck"]["test"])
+    assert "http://127.0.0.1:8000/health" in " ".join(services["proxy"]["healthcheck"]["test"])
+
+
+def test_volumes_declared_and_weights_shared(compose: dict[str, Any], services: dict[str, Any]) -> None:
+    declared = set(compose.get("volumes") or {})
+    mounts: dict[str, dict[str, str]] = {}  # service -> {container path: source}
+    for name, service in services.items():
+        for volume in service.get("volumes") or []:
+            source, target, *_ = volume.split(":")
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name} mounts undeclared volume {source}"
+            else:
+                assert source.startswith("/") or (ROOT / source).resolve().is_relative_to(ROOT), volume
+            mounts.setdefault(name, {})[target] = source
+    # Weights: the trainer writes where SGLang reads, at the same path in both containers.
+    output_dir = _flag(_command(services["trainer"]), "--output-dir")
+    assert mounts["trainer"][output_dir] == mounts["sglang"][output_dir] == "weights"
+    assert any(v.endswith(f"{output_dir}:ro") for v in services["sglang"]["volumes"])
+    # The model directory is the same path for SGLang, the proxy and the trainer.
+    model = _flag(_command(services["sglang"]), "--model-path")
+    for name in ("proxy", "trainer"):
+        assert _flag(_command(services[name]), "--model") == model
+    for name in ("sglang", "proxy", "trainer"):
+        assert model.startswith(next(t for t in mounts[name] if t == "/models") + "/"), name
+    assert "pgdata" in declared and "/var/lib/postgresql/data" in mounts["postgres"]
+
+
+def test_sglang_service(services: dict[str, Any]) -> None:
+    sglang = services["sglang"]
+    assert sglang["image"].startswith("lmsysorg/sglang")
+    argv = _command(sglang)
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert _flag(argv, "--port") == "30000" and _flag(argv, "--host") == "0.0.0.0"
+    (device,) = sglang["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_proxima_commands_are_real(services: dict[str, Any]) -> None:
+    commands = {name: _command(s) for name, s in services.items()
+                if "command" in s and _command(s)[0] == "proxima"}
+    assert set(commands) == {"proxy", "trainer"}
+    assert "trainer" in _proxima_subcommands(), "proxima trainer is part of the CLI contract"
+    for argv in commands.values():
+        _parse_proxima(argv)
+
+
+def test_proxy_wiring(services: dict[str, Any]) -> None:
+    args = _parse_proxima(_command(services["proxy"]))
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    (backend,) = args.backend
+    url = urlsplit(backend)
+    assert url.hostname == "sglang" and str(url.port) == _flag(_command(services["sglang"]), "--port")
+    db = urlsplit(args.db)
+    assert db.scheme.startswith("postgresql") and db.hostname == "postgres" and db.port == 5432
+    assert db.path == "/" + services["postgres"]["environment"]["POSTGRES_DB"]
+    assert db.username == services["postgres"]["environment"]["POSTGRES_USER"]
+    assert db.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    published = services["proxy"]["ports"][0].rsplit(":", 1)[1]
+    assert str(args.port) == published
+    env = services["proxy"]["environment"]
+    # The admin token is required, never a default baked into the file.
+    assert env["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
+    assert env["PROXIMA_PUBLIC_BASE_URL"].endswith(":8000/v1")
+
+
+def test_trainer_wiring(services: dict[str, Any]) -> None:
+    proxy_args = _parse_proxima(_command(services["proxy"]))
+    args = _parse_proxima(_command(services["trainer"]))
+    assert args.command == "trainer"
+    url = urlsplit(args.proxy)
+    assert url.hostname == "proxy" and url.port == proxy_args.port
+    assert args.db == proxy_args.db
+    assert services["trainer"]["environment"]["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
+    # The mounted config file is a valid trainer config whose staleness rule matches the proxy's.
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in services["trainer"]["volumes"]}
+    config = load_config(ROOT / mounted[str(args.config)])
+    assert config.device.startswith("cuda")
+    assert (config.batch_size, config.max_staleness) == (proxy_args.train_batch_size, proxy_args.max_staleness)
+    (device,) = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+
+
+def test_dockerfile() -> None:
+    lines = [ln.strip() for ln in (ROOT / "docker" / "Dockerfile").read_text().splitlines()]
+    steps = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert steps[0] == "FROM python:3.11-slim"
+    torch_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install torch==2.13.0"))
+    project_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install ."))
+    assert torch_at < project_at
+    copied = {s.split()[1] for s in steps if s.startswith("COPY")}
+    for package in ("proxy", "trainer", "migrations", "pyproject.toml"):
+        assert package in copied, package

@@ -1,0 +1,215 @@
+"""The HTTP surface under fuzzing, and the walls between callers.
+
+``test_no_server_errors_under_fuzzing`` loads the live proxy's own
+``/openapi.json`` and lets schemathesis generate requests for every
+operation, valid (positive) and schema-violating (negative), sent with the
+admin token or a session key: no response may be a 5xx, and no stream may
+carry an internal error. Examples are bounded per operation so the test is
+time-bounded; the backend is the fake SGLang server and ``max_tokens`` is
+capped, so generated requests are cheap.
+
+The access tests check what each kind of key must never reach: admin
+routes without the admin token, and another session's trajectory, reward,
+finish, or generation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from proxy.testing.live import LiveProxy
+from tests.production.procs import BackendProcess, create_production_key
+
+EXAMPLES_PER_OPERATION = 30
+SECONDS_PER_OPERATION = 40.0
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendProcess]:
+    work = tmp_path_factory.mktemp("fuzz-backend")
+    fake = BackendProcess.fake(chunk_tokens=8, log_path=work / "fake.log")
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+          backend: BackendProcess) -> Iterator[LiveProxy]:
+    work = tmp_path_factory.mktemp("fuzz-proxy")
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log",
+        extra_args=["--backend", backend.url],
+        # Generated requests stay cheap: small generations, few choices.
+        env={"PROXIMA_MAX_TOKENS_LIMIT": "64", "PROXIMA_DEFAULT_MAX_TOKENS": "16", "PROXIMA_MAX_N": "4"},
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _internal_errors_in_stream(text: str) -> list[str]:
+    """SSE error events that report a server-side failure (status 200 hides it)."""
+    found = []
+    for line in text.splitlines():
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        try:
+            event = json.loads(line[5:])
+        except json.JSONDecodeError:
+            found.append(f"unparseable event: {line[:200]}")
+            continue
+        error = event.get("error") if isinstance(event, dict) else None
+        if error and error.get("type") in ("api_error", "server_error"):
+            found.append(json.dumps(error))
+    return found
+
+
+def _plausible(case: Any, model: str, fix_messages: bool) -> Any:
+    """The served model's name, and sometimes well-formed messages: generated sampling
+    fields (n, stop, max_tokens, logprobs, tools...) then reach generation."""
+    if isinstance(case.body, dict):
+        case.body = {**case.body, "model": model}
+        if fix_messages and "messages" in case.body:
+            case.body["messages"] = [{"role": "user", "content": "fuzz"}]
+        if fix_messages and "prompt" in case.body:
+            case.body["prompt"] = "fuzz"
+    return case
+
+
+def _fuzz_operation(
+    op: Any, proxy: LiveProxy, tokens: dict[str, str], session_id: str
+) -> tuple[dict[int, int], list[str]]:
+    """Send up to ``EXAMPLES_PER_OPERATION`` generated requests; (count per status, problems)."""
+    label = f"{op.method.upper()} {op.path}"
+    strategies = [op.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+    if "{session_id}" in op.path:
+        # Also aim at the real session, so the handlers behind the access check get fuzzed.
+        strategies.append(op.as_strategy(GenerationMode.POSITIVE, path_parameters={"session_id": session_id}))
+    if op.method.upper() == "POST" and op.path.startswith("/v1/"):
+        # Name the served model, or nearly every request stops at model_not_found.
+        strategies.append(st.builds(_plausible, op.as_strategy(GenerationMode.POSITIVE),
+                                    st.just(proxy.model_name), st.booleans()))
+    deadline = time.monotonic() + SECONDS_PER_OPERATION
+    problems: list[str] = []
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of(strategies), who=st.sampled_from(sorted(tokens)))
+    def send(case: Any, who: str) -> None:
+        if time.monotonic() > deadline:
+            return
+        headers = {**(case.headers or {}), **_auth(tokens[who])}
+        response = case.call(base_url=proxy.url, headers=headers, timeout=60)
+        problem = None
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        if response.status_code >= 500:
+            problem = f"{response.status_code} {response.text[:300]}"
+        elif "text/event-stream" in response.headers.get("content-type", ""):
+            errors = _internal_errors_in_stream(response.text)
+            problem = f"stream error {errors[0]}" if errors else None
+        if problem:
+            problems.append(f"{label} as {who}: {problem}\n  {case.as_curl_command()}")
+
+    send()
+    return statuses, problems
+
+
+def test_no_server_errors_under_fuzzing(proxy: LiveProxy) -> None:
+    schema = schemathesis.openapi.from_dict(httpx.get(proxy.url + "/openapi.json", timeout=30).json())
+    session = proxy.new_session(group_id="fuzz")
+    tokens = {"admin": proxy.admin_token, "session": session["api_key"]}
+    operations = [result.ok() for result in schema.get_all_operations()]
+    labels = {f"{op.method.upper()} {op.path}" for op in operations}
+    assert {"POST /v1/chat/completions", "POST /rl/sessions", "POST /admin/weights"} <= labels
+
+    failures: list[str] = []
+    statuses: dict[str, dict[int, int]] = {}
+    for op in operations:
+        label = f"{op.method.upper()} {op.path}"
+        statuses[label], problems = _fuzz_operation(op, proxy, tokens, session["session_id"])
+        failures += problems
+    print("fuzzed: status counts per operation", statuses)
+    assert all(statuses.values()), statuses
+    # The fuzzer got past validation too, into generation and recording.
+    for label in ("POST /v1/chat/completions", "POST /v1/completions"):
+        assert any(200 <= code < 300 for code in statuses[label]), statuses[label]
+    assert failures == [], f"{len(failures)} server errors:\n" + "\n".join(failures[:10])
+
+
+# ------------------------------------------------------------------ access walls
+def _admin_operations(proxy: LiveProxy) -> list[tuple[str, str]]:
+    """Every admin-only route: those under /admin/, and session creation."""
+    paths = httpx.get(proxy.url + "/openapi.json", timeout=30).json()["paths"]
+    found = [(m.upper(), p) for p, ops in paths.items() for m in ops if p.startswith("/admin/")]
+    return [*found, ("POST", "/rl/sessions")]
+
+
+def _valid_body(method: str, path: str, tmp_path: Path) -> dict[str, Any] | None:
+    if path == "/admin/weights":
+        return {"version": 2**62, "path": str(tmp_path)}
+    return {} if method == "POST" else None
+
+
+def test_admin_routes_need_the_admin_token(proxy: LiveProxy, tmp_path: Path) -> None:
+    session = proxy.new_session()
+    production = create_production_key(proxy.db_url, "fuzz-app")
+    callers: dict[str, dict[str, str]] = {
+        "nobody": {},
+        "bogus token": _auth("sk-not-a-key"),
+        "session key": _auth(session["api_key"]),
+        "production key": _auth(production),
+        "admin token, wrong case": _auth(proxy.admin_token.upper()),
+    }
+    operations = _admin_operations(proxy)
+    assert ("POST", "/admin/weights") in operations
+    version = httpx.get(proxy.url + "/health").json()["version"]
+    for method, path in operations:
+        body = _valid_body(method, path, tmp_path)
+        for who, headers in callers.items():
+            r = httpx.request(method, proxy.url + path, json=body, headers=headers, timeout=30)
+            assert r.status_code in (401, 403), (method, path, who, r.status_code, r.text)
+            assert r.json()["error"]["type"] in ("authentication_error", "permission_error")
+    # Nothing above changed the policy version.
+    assert httpx.get(proxy.url + "/health").json()["version"] == version
+
+
+def test_session_key_stays_in_its_session(proxy: LiveProxy) -> None:
+    a, b = proxy.new_session(group_id="a"), proxy.new_session(group_id="b")
+    key_a = _auth(a["api_key"])
+    other = f"{proxy.url}/rl/sessions/{b['session_id']}"
+    assert httpx.get(other, headers=key_a).status_code == 403
+    assert httpx.post(other + "/reward", json={"reward": 1.0}, headers=key_a).status_code == 403
+    assert httpx.post(other + "/finish", headers=key_a).status_code == 403
+    # An unknown session looks the same as another's: nothing to learn by probing.
+    assert httpx.get(f"{proxy.url}/rl/sessions/no-such-session", headers=key_a).status_code == 403
+
+    # Generation cannot be steered into B by naming it: it is recorded in A.
+    for extra_headers, extra_body in (({"X-Session-Id": b["session_id"]}, {}), ({}, {"user": b["session_id"]})):
+        r = httpx.post(proxy.base_url + "/chat/completions", headers=key_a | extra_headers, timeout=60,
+                       json={"model": proxy.model_name, "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "hi"}], **extra_body})
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Proxima-Session-Id"] == a["session_id"]
+    assert len(proxy.trajectory(a["session_id"])["completions"]) == 2
+    assert proxy.trajectory(b["session_id"])["completions"] == []
+
+    # B's own key still works, and B is untouched by A's attempts.
+    mine = httpx.get(other, headers=_auth(b["api_key"]))
+    assert mine.status_code == 200 and mine.json()["status"] == "open" and mine.json()["reward"] is None
