@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -53,6 +54,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -99,6 +106,7 @@ async def chat_turn(http: httpx.AsyncClient, proxy: LiveProxy, key: str, message
 async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: argparse.Namespace,
                       tally: Tally, start: asyncio.Event) -> None:
     await start.wait()
+    step = "create"
     try:
         resp = await http.post(proxy.url + "/rl/sessions", json={"group_id": f"g{i % 64}"},
                                headers=proxy.admin_headers())
@@ -108,6 +116,7 @@ async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: a
         s = resp.json()
         messages: list[dict] = []
         for turn in range(args.turns):
+            step = f"turn {turn}"
             messages.append({"role": "user", "content": f"Session {i}, turn {turn}: continue."})
             t0 = time.perf_counter()
             reply, n = await chat_turn(http, proxy, s["api_key"], messages, args.max_tokens,
@@ -115,6 +124,7 @@ async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: a
             tally.latencies.append(time.perf_counter() - t0)
             tally.tokens += n
             messages.append({"role": "assistant", "content": reply})
+        step = "finish"
         resp = await http.post(f"{proxy.url}/rl/sessions/{s['session_id']}/finish",
                                headers={"Authorization": f"Bearer {s['api_key']}"})
         if resp.status_code != 200:
@@ -122,7 +132,7 @@ async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: a
             return
         tally.sessions_done += 1
     except (httpx.HTTPError, RuntimeError) as exc:
-        tally.error(type(exc).__name__ if isinstance(exc, httpx.HTTPError) else str(exc))
+        tally.error(f"{step}: " + (type(exc).__name__ if isinstance(exc, httpx.HTTPError) else str(exc)))
 
 
 def start_fake(port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen[bytes]:
@@ -144,7 +154,8 @@ def start_fake(port: int, args: argparse.Namespace, log: Path) -> subprocess.Pop
 
 async def drive(proxy: LiveProxy, args: argparse.Namespace) -> tuple[Tally, float, bool]:
     tally = Tally()
-    limits = httpx.Limits(max_connections=args.sessions + 16, max_keepalive_connections=args.sessions + 16)
+    limits = httpx.Limits(max_connections=args.sessions + 16, max_keepalive_connections=args.sessions + 16,
+                          keepalive_expiry=args.client_keepalive_s)
     timeout = httpx.Timeout(args.time_limit, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         start = asyncio.Event()
@@ -173,6 +184,8 @@ def main() -> int:
     p.add_argument("--tokens-per-s", type=float, default=200.0,
                    help="fake backend decode rate per request (default 200; 0 = unthrottled)")
     p.add_argument("--chunk-tokens", type=int, default=1, help="tokens per backend stream chunk")
+    p.add_argument("--client-keepalive-s", type=float, default=5.0,
+                   help="client keep-alive expiry (default 5, as httpx and the OpenAI SDK)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole load")
     p.add_argument("--work-dir", type=Path, default=None, help="keep the store and logs here")
     args = p.parse_args()
@@ -190,8 +203,11 @@ def main() -> int:
         proxy.start()
         assert proxy.proc is not None
         rss_before = rss_kib(proxy.proc.pid)
+        cpu_before = (cpu_s(proxy.proc.pid), cpu_s(fake.pid), time.process_time())
         tally, elapsed, finished = asyncio.run(drive(proxy, args))
         rss_after = rss_kib(proxy.proc.pid)
+        cpu = [after - before for before, after in zip(cpu_before, (
+            cpu_s(proxy.proc.pid), cpu_s(fake.pid), time.process_time()), strict=True)]
         stored = recorded_completions(db)
     finally:
         proxy.stop()
@@ -214,6 +230,8 @@ def main() -> int:
         ("sessions finished", f"{tally.sessions_done} / {args.sessions}"),
         ("completions in store", f"{stored}"),
         ("proxy RSS before / after", f"{rss_before / 1024:.0f} / {rss_after / 1024:.0f} MiB"),
+        ("CPU s: proxy / backend / client", f"{cpu[0]:.1f} / {cpu[1]:.1f} / {cpu[2]:.1f} "
+                                             f"({os.cpu_count()} cores)"),
     ]
     width = max(len(k) for k, _ in rows)
     print(f"\nbench/load.py  (work dir {work})")
