@@ -336,8 +336,9 @@ class CompletionService:
         if interruptions:
             self.metrics.interruptions.inc(interruptions)
 
-    async def _run_choice(self, prep: _Prepared, choice: _Choice) -> None:
-        async for _ in generate(
+    async def _tokens(self, prep: _Prepared, choice: _Choice) -> AsyncIterator[TokenChunk]:
+        """One choice's tokens as they arrive (its result accumulates them)."""
+        async for tokens in generate(
             self.pool,
             prompt_ids=prep.prompt_ids,
             params=prep.params,
@@ -347,6 +348,11 @@ class CompletionService:
         ):
             if choice.first_token_at is None:
                 choice.first_token_at = time.monotonic()
+            yield tokens
+
+    async def _run_choice(self, prep: _Prepared, choice: _Choice) -> None:
+        async for _ in self._tokens(prep, choice):
+            pass
 
     async def _multiplex(
         self, prep: _Prepared, choices: list[_Choice]
@@ -356,16 +362,7 @@ class CompletionService:
 
         async def produce(c: _Choice) -> None:
             try:
-                async for tokens in generate(
-                    self.pool,
-                    prompt_ids=prep.prompt_ids,
-                    params=prep.params,
-                    result=c.result,
-                    sticky_key=prep.session.id if prep.session else None,
-                    request_id=c.completion_id,
-                ):
-                    if c.first_token_at is None:
-                        c.first_token_at = time.monotonic()
+                async for tokens in self._tokens(prep, c):
                     await queue.put((c, tokens))
                 await queue.put((c, None))
             except Exception as exc:  # re-raised in the consumer, which reports it

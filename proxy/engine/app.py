@@ -252,4 +252,7 @@ def run_engine(
     ``kwargs`` go to :func:`create_engine_app` (``weight_version``,
     ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``).
     """
-    uvicorn.run(create_engine_app(model_dir, **kwargs), host=host, port=port, log_level="info")
+    uvicorn.run(
+        create_engine_app(model_dir, **kwargs), host=host, port=port, log_level="warning",
+        access_log=False,
+    )
