@@ -53,7 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
           flush=True)
     # log_config=None: uvicorn keeps the structured handler configured above.
-    config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=30)
+    # Keep-alive above the 5 s idle expiry of httpx/OpenAI SDK pools: otherwise a client may
+    # reuse a connection the server is closing and see a connection error under load.
+    config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=30,
+                            timeout_keep_alive=75)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

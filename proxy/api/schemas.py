@@ -121,5 +121,6 @@ class FinishRequest(BaseModel):
 class WeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0)
+    # Per-token versions are stored as int32.
+    version: int = Field(ge=0, le=2**31 - 1)
     path: str = Field(min_length=1)
