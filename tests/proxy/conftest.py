@@ -16,7 +16,6 @@ from proxy.testing.teach import teach
 from proxy.testing.tiny_model import build_tiny_model
 from tests.proxy.scripts import TEACH_EXAMPLES
 
-
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
 
 

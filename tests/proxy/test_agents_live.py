@@ -16,7 +16,16 @@ from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
 from proxy.testing.live import LiveProxy
-from tests.proxy.scripts import ANSWER, CALL_TEXT, QUESTION, THANKS, TOOL_RESULT, TOOLS, WEATHER_TOOL, WELCOME
+from tests.proxy.scripts import (
+    ANSWER,
+    CALL_TEXT,
+    QUESTION,
+    THANKS,
+    TOOL_RESULT,
+    TOOLS,
+    WEATHER_TOOL,
+    WELCOME,
+)
 
 
 def check_trajectory(proxy: LiveProxy, session_id: str, returned: list[str]) -> list[dict[str, Any]]:

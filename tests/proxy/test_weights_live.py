@@ -38,17 +38,16 @@ def test_weight_update_mid_stream(proxy: LiveProxy, tmp_path: Path) -> None:
         model=proxy.model_name, messages=[{"role": "user", "content": "Tell a long story."}],
         stream=True, **LONG,
     )
-    text, chunks, update = "", 0, {}
+    text, update = "", {}
 
     def push() -> None:
         update["resp"] = httpx.post(proxy.url + "/admin/weights", json={"version": 1, "path": str(new_weights)},
                                     headers=proxy.admin_headers(), timeout=120)
 
     pusher = threading.Thread(target=push)
-    for chunk in stream:
-        chunks += 1
+    for n, chunk in enumerate(stream, 1):
         text += chunk.choices[0].delta.content or "" if chunk.choices else ""
-        if chunks == 3:
+        if n == 3:
             pusher.start()  # the update lands while this stream is being generated
         finish = chunk.choices[0].finish_reason if chunk.choices else None
     pusher.join()
