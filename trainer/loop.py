@@ -29,6 +29,16 @@ checkpoint is written.
 
 Model work runs on one dedicated thread so the event loop stays responsive
 (the stop signal, store polling); every backend call happens on that thread.
+
+Under ``torchrun`` (``backend = "megatron"``, one process per tensor-parallel
+rank): rank 0 alone opens the store, talks to the proxy, writes weights,
+checkpoints and the log. It broadcasts the resume plan, then every backend
+call (the step's samples for the proximal logprobs and the train step, the
+export, the checkpoint gather) over a gloo control group; the other ranks
+load the same plan and replay those calls, so the tensor-parallel model runs
+on every rank together. When rank 0 stops (``max_steps``, a signal, an
+error) it broadcasts a stop sentinel and the other ranks exit; they ignore
+signals themselves.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -107,9 +118,19 @@ class Trainer:
 
     @classmethod
     async def start(
-        cls, cfg: TrainerConfig, *, store: Store, sink: WeightSink, console: bool = True
+        cls,
+        cfg: TrainerConfig,
+        *,
+        store: Store,
+        sink: WeightSink,
+        console: bool = True,
+        leader: _RankZeroLeader | None = None,
     ) -> Trainer:
-        """Recover (``trainer.weights`` rule), load the backend, and resume at the pushed version."""
+        """Recover (``trainer.weights`` rule), load the backend, and resume at the pushed version.
+
+        With ``leader`` (rank 0 under torchrun) the resume plan is broadcast
+        to the other ranks first, and every backend call is broadcast too.
+        """
         model_dir = cfg.connection.model_dir
         if model_dir is None:
             raise ValueError("connection.model_dir is not set: pass --model DIR")
@@ -137,6 +158,8 @@ class Trainer:
             pushed_paths=[(r.version, r.path) for r in records],
         )
 
+        if leader is not None:
+            await asyncio.to_thread(leader.send_plan, plan)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         loop = asyncio.get_running_loop()
         try:
@@ -146,6 +169,8 @@ class Trainer:
         except BaseException:
             executor.shutdown(wait=True)
             raise
+        if leader is not None:
+            backend = _BroadcastingBackend(backend, leader)
         state = TrainerState(trainer_id=trainer_id, version=plan.version, step=plan.step)
         log = TrainLog(output_dir, console=console, total_steps=cfg.loop.max_steps)
         log.event(
@@ -392,19 +417,166 @@ async def run_trainer(
             "the trainer needs " + ", ".join(f"connection.{m} ({flags[m]})" for m in missing)
         )
     assert conn.db_url is not None
-    store = await Store.open(conn.db_url)
-    own_sink = sink is None
-    if sink is None:
-        assert conn.proxy_url is not None
-        token = conn.admin_token.get_secret_value() if conn.admin_token else None
-        sink = ProxyWeightSink(conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s)
+    leader: _RankZeroLeader | None = None
+    if _torchrun_world_size() > 1:
+        rank = _init_ranks(cfg)
+        if rank != 0:
+            return await _follow_rank_zero(cfg)
+        leader = _RankZeroLeader()
     try:
-        trainer = await Trainer.start(cfg, store=store, sink=sink, console=console)
-        return await trainer.run(stop_event or asyncio.Event())
+        store = await Store.open(conn.db_url)
+        own_sink = sink is None
+        if sink is None:
+            assert conn.proxy_url is not None
+            token = conn.admin_token.get_secret_value() if conn.admin_token else None
+            sink = ProxyWeightSink(
+                conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s
+            )
+        try:
+            trainer = await Trainer.start(
+                cfg, store=store, sink=sink, console=console, leader=leader
+            )
+            return await trainer.run(stop_event or asyncio.Event())
+        finally:
+            if own_sink:
+                await sink.aclose()
+            await store.close()
     finally:
-        if own_sink:
-            await sink.aclose()
-        await store.close()
+        if leader is not None:
+            await asyncio.to_thread(leader.stop)
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _torchrun_world_size() -> int:
+    """The number of processes torchrun started (1 when not under torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_ranks(cfg: TrainerConfig) -> int:
+    """Join the torchrun job (process group and control group); this process's rank."""
+    if cfg.backend != "megatron":
+        raise ValueError(
+            f'the trainer runs under torchrun only with backend = "megatron" (tensor '
+            f'parallel), got backend = "{cfg.backend}" and world size {_torchrun_world_size()}; '
+            "launch `proxima trainer` without torchrun"
+        )
+    from trainer.backends.megatron_compat import control_group, init_distributed
+
+    env = init_distributed()
+    control_group()
+    return env.rank
+
+
+class _RankZeroLeader:
+    """Rank 0's side of the torchrun protocol.
+
+    Messages, in order: the :class:`ResumePlan` (or None: rank 0 failed to
+    start), then ``(method, *args)`` per backend call, then ``("stop",)``.
+    """
+
+    def __init__(self) -> None:
+        self._plan_sent = False
+        self._stopped = False
+
+    def send_plan(self, plan: ResumePlan) -> None:
+        from trainer.backends.megatron_compat import broadcast_object
+
+        broadcast_object(plan)
+        self._plan_sent = True
+
+    def send(self, method: str, *args: Any) -> None:
+        from trainer.backends.megatron_compat import broadcast_object
+
+        if self._stopped:
+            raise RuntimeError("the other ranks were already told to stop")
+        broadcast_object((method, *args))
+
+    def stop(self) -> None:
+        """Tell the other ranks to exit (once)."""
+        if self._stopped:
+            return
+        from trainer.backends.megatron_compat import broadcast_object
+
+        self._stopped = True
+        broadcast_object(("stop",) if self._plan_sent else None)
+
+
+class _BroadcastingBackend:
+    """Rank 0's backend: each call is broadcast to the other ranks, then run here."""
+
+    def __init__(self, backend: PPOBackend, leader: _RankZeroLeader) -> None:
+        self.backend = backend
+        self.leader = leader
+
+    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        self.leader.send("compute_logprobs", list(samples))
+        return self.backend.compute_logprobs(samples)
+
+    def train_step(self, samples: Sequence[Sample]) -> StepStats:
+        self.leader.send("train_step", list(samples))
+        return self.backend.train_step(samples)
+
+    def export_hf(self, out_dir: Path) -> None:
+        self.leader.send("export_hf", out_dir)
+        self.backend.export_hf(out_dir)
+
+    def load_hf_weights(self, model_dir: Path) -> None:
+        self.leader.send("load_hf_weights", model_dir)
+        self.backend.load_hf_weights(model_dir)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.leader.send("state_dict")
+        return self.backend.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.leader.send("load_state_dict", state)
+        self.backend.load_state_dict(state)
+
+
+_FOLLOWED_METHODS = frozenset(
+    {
+        "compute_logprobs",
+        "train_step",
+        "export_hf",
+        "load_hf_weights",
+        "state_dict",
+        "load_state_dict",
+    }
+)
+
+
+async def _follow_rank_zero(cfg: TrainerConfig) -> int:
+    """A rank other than 0: replay rank 0's backend calls until it says stop.
+
+    Never opens the store or the proxy. Returns the number of train steps run.
+    """
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
+    try:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, _follow, cfg)
+    finally:
+        executor.shutdown(wait=True)
+
+
+def _follow(cfg: TrainerConfig) -> int:
+    from trainer.backends.megatron_compat import broadcast_object
+
+    plan = broadcast_object()
+    if plan is None:
+        return 0  # rank 0 failed before loading the model
+    assert cfg.connection.model_dir is not None
+    backend = _load_backend(cfg, cfg.connection.model_dir, plan)
+    steps = 0
+    while True:
+        method, *args = broadcast_object()
+        if method == "stop":
+            return steps
+        if method not in _FOLLOWED_METHODS:
+            raise RuntimeError(f"rank 0 sent an unknown command {method!r}")
+        getattr(backend, method)(*args)
+        steps += method == "train_step"
 
 
 # --------------------------------------------------------------------------- internals

@@ -658,6 +658,10 @@ class MegatronBackend:
         self.optim_config = optim or OptimConfig()
         self.parallel = parallel or MegatronParallelConfig()
         self.dist_env = init_distributed()
+        if cuda_available():
+            # The current device is per thread, and the trainer loop builds and runs
+            # the backend on its compute thread, not where the process group was made.
+            torch.cuda.set_device(self.dist_env.local_rank)
         world = self.dist_env.world_size
         model_parallel = self.parallel.tensor_parallel * self.parallel.pipeline_parallel
         if world % model_parallel:

@@ -33,6 +33,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,38 @@ def init_distributed(*, timeout_s: float = 600.0) -> DistributedEnv:
         extra={"rank": rank, "world_size": world_size, "backend": backend},
     )
     return DistributedEnv(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
+
+
+# Rank 0 may wait for data far longer than a collective's timeout (the trainer
+# polls the store for a full batch), so control messages use their own group.
+_CONTROL_TIMEOUT = timedelta(days=30)
+_control_group: Any = None
+
+
+def control_group() -> Any:
+    """A gloo group over the whole world for control messages, with a long timeout.
+
+    Collective: every rank must call it the first time (in the same order as
+    other group creations). Gloo on GPU too, so pickled objects travel on CPU.
+    """
+    global _control_group
+    if _control_group is None:
+        _control_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return _control_group
+
+
+def broadcast_object(obj: Any = None, *, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (over :func:`control_group`)."""
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=control_group())
+    return box[0]
+
+
+def gather_objects(obj: Any, *, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on ``dst`` (None elsewhere), over the control group."""
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=control_group())
+    return out
 
 
 def init_model_parallel(*, tensor_parallel: int, pipeline_parallel: int, seed: int) -> None:

@@ -368,12 +368,14 @@ def _step_stats(stats: list[PPOStats], losses: list[Tensor], grad_norms: list[fl
 
 
 class MegatronPPOBackend:
-    """:class:`PPOBackend` over ``MegatronBackend`` (megatron-core GPTModel, one process).
+    """:class:`PPOBackend` over ``MegatronBackend`` (megatron-core GPTModel).
 
-    The loop claims, pushes and checkpoints from one process, so this adapter
-    runs megatron at world size 1 (CPU with gloo, or one GPU); multi-rank
-    training under ``torchrun`` needs rank 0 to broadcast the batch and is
-    rejected here with a message.
+    One process (CPU with gloo, or one GPU), or one per rank under
+    ``torchrun`` with tensor parallelism over the whole world (data parallel
+    1). Under torchrun every rank holds one of these and every call must be
+    made on every rank with the same arguments (the trainer loop's rank 0
+    broadcasts them); :meth:`state_dict` then gathers every rank's shard on
+    rank 0.
     """
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig) -> None:
@@ -390,10 +392,14 @@ class MegatronPPOBackend:
             make_vocab_size_divisible_by=cfg.megatron.make_vocab_size_divisible_by,
         )
         self.megatron = MegatronBackend(self.model_dir, optim=cfg.optim, parallel=parallel)
-        if self.megatron.dist_env.world_size != 1:
+        world = self.megatron.dist_env.world_size
+        model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
+        if world != model_parallel:
             raise ValueError(
-                f"the trainer loop runs megatron in one process, got world size "
-                f"{self.megatron.dist_env.world_size}; launch `proxima trainer` without torchrun"
+                f"the trainer loop runs megatron with data parallel 1: launch "
+                f"tensor_parallel * pipeline_parallel = {model_parallel} processes, got world "
+                f"size {world} (set [megatron] tensor_parallel = {world} or "
+                f"torchrun --nproc-per-node {model_parallel})"
             )
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
@@ -441,12 +447,32 @@ class MegatronPPOBackend:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Model tensors (no ``_extra_state``) and optimizer state."""
+        """Model tensors (no ``_extra_state``) and optimizer state.
+
+        Under torchrun: collective; rank 0 gets ``{"ranks": [state of rank r, ...]}``
+        (on the CPU), the other ranks an empty dict.
+        """
         model = {k: v for k, v in self.megatron.model.state_dict().items() if isinstance(v, Tensor)}
-        return {"model": model, "optimizer": self.megatron.optimizer.state_dict()}
+        state = {"model": model, "optimizer": self.megatron.optimizer.state_dict()}
+        if self.megatron.dist_env.world_size == 1:
+            return state
+        from trainer.backends.megatron_compat import gather_objects
+
+        gathered = gather_objects(_to_cpu(state))
+        return {"ranks": gathered} if gathered is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (each rank takes its own shard)."""
+        world = self.megatron.dist_env.world_size
+        if "ranks" in state or world > 1:
+            ranks = state.get("ranks")
+            if ranks is None or len(ranks) != world:
+                saved = "one process" if ranks is None else f"{len(ranks)} ranks"
+                raise ValueError(
+                    f"checkpoint was saved by {saved}, this run has {world}: resume with the "
+                    "same number of processes and tensor_parallel"
+                )
+            state = ranks[self.megatron.dist_env.rank]
         result = self.megatron.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:
@@ -455,6 +481,17 @@ class MegatronPPOBackend:
                 f"unexpected {list(result.unexpected_keys)[:5]}"
             )
         self.megatron.optimizer.load_state_dict(state["optimizer"])
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor moved to the CPU (dicts and lists walked)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def build_backend(cfg: TrainerConfig, model_dir: str | Path) -> PPOBackend:
