@@ -185,24 +185,32 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_rewards(records: list[dict[str, Any]], path: Path, *, before: float | None = None) -> None:
-    """Reward curve (mean reward per step) as a PNG."""
+def plot_rewards(
+    records: list[dict[str, Any]], path: Path, *, before: float | None = None, after: float | None = None
+) -> None:
+    """Reward curve (mean reward per step and its moving average) as a PNG, with held-out accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    rewards = [r.get("reward_mean") for r in records]
+    rewards = [r.get("reward_mean") or 0.0 for r in records]
+    window = 3
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+              for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, marker="o", label="train reward (mean per step)")
+    ax.plot(steps, rewards, marker="o", alpha=0.5, label="train reward (mean per step)")
+    ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window} steps)")
     if before is not None:
-        ax.axhline(before, color="gray", linestyle="--", label="held-out accuracy before")
-    ax.set_xlabel("PPO step")
+        ax.axhline(before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.0%})")
+    if after is not None:
+        ax.axhline(after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.0%})")
+    ax.set_xlabel("PPO step (policy version)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
@@ -321,7 +329,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
                                model=run.model_name, section=cfg.eval, fields=fields)
         final = _copy_final(cfg)
         if records:
-            plot_rewards(records, cfg.output_dir / "reward_curve.png", before=before)
+            plot_rewards(records, cfg.output_dir / "reward_curve.png", before=before, after=after)
         summary = {
             "before": before, "after": after, "steps": len(records), "final_model": str(final),
             "rollouts": report.summary(), "reward_curve": str(cfg.output_dir / "reward_curve.png"),
