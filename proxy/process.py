@@ -15,6 +15,23 @@ import httpx
 from proxy.engine_process import free_port
 
 
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, *, timeout: float, name: str, log: Path | None = None
+) -> None:
+    """Wait until ``url``/health answers 200; raise if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not healthy on {url} after {timeout:.0f}s; log: {log}")
+
+
 @dataclass
 class ProxyProcess:
     model_dir: Path
@@ -47,18 +64,12 @@ class ProxyProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, **self.env})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxima serve exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"proxima serve did not become healthy in {timeout:.0f}s")
+        try:
+            wait_healthy(self.proc, self.url, timeout=timeout, name="proxima serve", log=self.log_path)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, *, kill: bool = False) -> None:
         if self.proc is None or self.proc.poll() is not None:

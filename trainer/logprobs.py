@@ -57,7 +57,10 @@ def varlen_sdpa_attention(
     no padding mask for this implementation).
     """
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError(f"{VARLEN_SDPA} does not implement sliding-window attention")
+        raise ValueError(
+            f"{VARLEN_SDPA} does not support sliding-window attention; this model needs "
+            "attn_implementation='sdpa' or 'eager' in the trainer"
+        )
     dropout_p = dropout if module.training else 0.0
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:

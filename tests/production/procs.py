@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from proxy.auth import PRODUCTION_KEY_PREFIX
 from proxy.engine_process import free_port
+from proxy.process import wait_healthy
 
 
 @dataclass
@@ -51,18 +50,12 @@ class BackendProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdout=out,
                                      stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv[2]} exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.argv[2]} not healthy on {self.url} after {timeout:.0f}s")
+        try:
+            wait_healthy(self.proc, self.url, timeout=timeout, name=self.argv[2], log=self.log_path)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown handler runs, open connections are cut."""
