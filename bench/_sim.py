@@ -39,7 +39,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+
+from proxy.testing.fake_sglang import generate_response
 
 
 class SimGenerator:
@@ -180,18 +181,7 @@ def create_sim_app(sim: SimGenerator) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        body = json.loads(await request.body())
-        if body.get("stream"):
-            async def events() -> AsyncIterator[bytes]:
-                async for out in sim.run(body):
-                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        last: dict[str, Any] = {}
-        async for out in sim.run(body):
-            last = out
-        return JSONResponse({**last, "output_ids": list(last["output_ids"])})
+        return await generate_response(sim.run, json.loads(await request.body()))
 
     @app.post("/abort_request")
     async def abort(request: Request) -> dict[str, Any]:

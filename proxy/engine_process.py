@@ -28,6 +28,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, *, timeout: float, name: str, log: Path | None = None
+) -> None:
+    """Wait until ``url``/health answers 200; raise if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not healthy on {url} after {timeout:.0f}s; log: {log}")
+
+
 class EngineProcess:
     def __init__(self, model: Path, *, host: str = "127.0.0.1", port: int | None = None,
                  max_running_requests: int = 32, weight_version: str = "0"):
@@ -53,18 +70,10 @@ class EngineProcess:
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     async def wait_healthy(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient() as http:
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"embedded engine exited with code {self.proc.returncode}")
-                try:
-                    if (await http.get(self.url + "/health", timeout=2.0)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"embedded engine not healthy after {timeout:.0f}s at {self.url}")
+        assert self.proc is not None, "start() first"
+        await asyncio.to_thread(
+            wait_healthy, self.proc, self.url, timeout=timeout, name="embedded engine"
+        )
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

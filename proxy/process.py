@@ -5,31 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from proxy.engine_process import free_port
-
-
-def wait_healthy(
-    proc: subprocess.Popen[bytes], url: str, *, timeout: float, name: str, log: Path | None = None
-) -> None:
-    """Wait until ``url``/health answers 200; raise if ``proc`` exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{name} not healthy on {url} after {timeout:.0f}s; log: {log}")
+from proxy.engine_process import free_port, wait_healthy
 
 
 @dataclass

@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,6 +85,23 @@ class FakeBackend:
             self.aborted.discard(rid)
 
 
+async def generate_response(
+    run: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]], body: dict[str, Any]
+) -> Any:
+    """SGLang's ``/generate`` answer for ``run``'s cumulative outputs: SSE or one final JSON."""
+    if body.get("stream"):
+        async def events() -> AsyncIterator[bytes]:
+            async for out in run(body):
+                yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    last: dict[str, Any] = {}
+    async for out in run(body):
+        last = out
+    return JSONResponse({**last, "output_ids": list(last["output_ids"])})
+
+
 def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
     fake = backend or FakeBackend()
     app = FastAPI(title="fake sglang")
@@ -92,18 +109,7 @@ def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        body = json.loads(await request.body())
-        if body.get("stream"):
-            async def events() -> AsyncIterator[bytes]:
-                async for out in fake.run(body):
-                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-        last: dict[str, Any] = {}
-        async for out in fake.run(body):
-            last = out
-        return JSONResponse({**last, "output_ids": list(last["output_ids"])})
+        return await generate_response(fake.run, json.loads(await request.body()))
 
     @app.post("/abort_request")
     async def abort(request: Request) -> dict[str, Any]:
