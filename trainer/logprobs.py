@@ -127,7 +127,11 @@ def _block_mask_for(implementation: str, packed: PackedBatch, dtype: torch.dtype
 
 
 def forward_logprobs(
-    model: nn.Module, packed: PackedBatch, temperature: float | Tensor | None = None
+    model: nn.Module,
+    packed: PackedBatch,
+    temperature: float | Tensor | None = None,
+    *,
+    loss_tokens_only: bool = False,
 ) -> Tensor:
     """Logprob of every next-token target of a packed micro-batch.
 
@@ -142,6 +146,10 @@ def forward_logprobs(
         packed: the micro-batch, on the model's device.
         temperature: overrides the per-sequence sampling temperatures
             ``packed.temperatures`` when given (float or ``(T,)`` tensor).
+        loss_tokens_only: project to the vocabulary only where ``loss_mask``
+            is set (HF's ``logits_to_keep`` with indices); other entries are 0.
+            The ``(T, V)`` logits of prompt tokens are never built, which for
+            a large vocabulary is most of a training step's memory.
 
     Returns:
         ``(T,)`` float32 logprobs, aligned with ``packed.targets``; entries at a
@@ -160,12 +168,21 @@ def forward_logprobs(
     else:
         dtype = model.get_input_embeddings().weight.dtype
         attention = {"attention_mask": _block_mask_for(implementation, packed, dtype)}
+    temps = packed.temperatures if temperature is None else temperature
+    keep: Tensor | None = None
+    if loss_tokens_only:
+        keep = packed.loss_mask.nonzero().squeeze(-1)  # (K,) positions that carry loss
+        attention["logits_to_keep"] = keep
     outputs = model(
         input_ids=packed.input_ids[None],  # (1, T)
         position_ids=packed.position_ids[None],  # (1, T)
         use_cache=False,
         **attention,
     )
-    logits = outputs.logits[0]  # (T, V)
-    temps = packed.temperatures if temperature is None else temperature
-    return token_logprobs(logits, packed.targets, temps)  # (T,)
+    logits = outputs.logits[0]  # (T, V), or (K, V) at the kept positions
+    if keep is None:
+        return token_logprobs(logits, packed.targets, temps)  # (T,)
+    if isinstance(temps, Tensor):
+        temps = torch.broadcast_to(temps, packed.targets.shape)[keep]  # (K,)
+    kept = token_logprobs(logits, packed.targets[keep], temps)  # (K,)
+    return kept.new_zeros(packed.targets.shape).index_put((keep,), kept)  # (T,)

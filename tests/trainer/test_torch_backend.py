@@ -69,7 +69,12 @@ def test_compute_logprobs_equals_each_sequence_alone(tiny_model_dir: Path) -> No
             logits = model(input_ids=ids).logits[0]  # (L, V)
         expected = token_logprobs(logits[:-1], ids[0, 1:], TEMPERATURE)  # (L-1,)
         assert values[0] == 0.0 and len(values) == sample.num_tokens
-        torch.testing.assert_close(torch.tensor(values[1:]), expected, atol=1e-5, rtol=0)
+        # Computed at the loss (generated) tokens only; 0.0 at prompt tokens.
+        trained = torch.tensor(sample.loss_mask[1:]) > 0  # (L-1,)
+        got_values = torch.tensor(values[1:])
+        assert trained.any() and not trained.all()
+        torch.testing.assert_close(got_values[trained], expected[trained], atol=1e-5, rtol=0)
+        assert got_values[~trained].eq(0.0).all()
 
 
 def test_train_step_moves_weights_and_lowers_the_loss(tiny_model_dir: Path) -> None:

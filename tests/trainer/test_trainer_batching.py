@@ -237,3 +237,28 @@ def test_micro_batched_step_equals_full_batch(tiny_model_dir: Path, attn: str) -
         torch.testing.assert_close(mb_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     for key, value in full_stats.as_dict().items():
         assert mb_stats.as_dict()[key] == pytest.approx(value, abs=1e-5), key
+
+
+def test_loss_tokens_only_gives_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
+    """Projecting to the vocabulary at loss tokens only (``logits_to_keep``) changes nothing
+    the loss sees: same logprobs there, zeros elsewhere, same gradients."""
+    model = _load(tiny_model_dir, VARLEN_SDPA)
+    packed = pack(_random_samples(LENGTHS, seed=3))
+    mask = packed.loss_mask > 0  # (T,)
+    assert mask.any() and not mask.all()
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4))  # (T,)
+
+    def run(loss_tokens_only: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        logprobs = forward_logprobs(model, packed, loss_tokens_only=loss_tokens_only)  # (T,)
+        (logprobs * advantages * packed.loss_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), grads
+
+    full, full_grads = run(False)
+    kept, kept_grads = run(True)
+    torch.testing.assert_close(kept[mask], full[mask], atol=1e-5, rtol=1e-5)
+    assert kept[~mask].eq(0.0).all()
+    assert kept_grads.keys() == full_grads.keys() and len(full_grads) > 0
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -106,7 +106,11 @@ class PPOBackend(Protocol):
     """What ``trainer.loop`` needs from a training backend."""
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Token-aligned logprobs of each sample (entry 0 is 0.0) at its temperature, no grad."""
+        """Token-aligned logprobs of each sample at its temperature, no grad.
+
+        Needed at the loss tokens (entry 0 is never one); a backend may leave 0.0
+        at the other positions.
+        """
         ...
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
@@ -266,13 +270,19 @@ class TorchBackend:
         )
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Token-aligned logprobs of each sample with the current weights (no grad)."""
+        """Token-aligned logprobs of each sample with the current weights (no grad).
+
+        Computed at loss tokens only (the generated ones, where PPO reads them);
+        every other entry is 0.0.
+        """
         self.model.eval()
         with torch.no_grad():
             return logprobs_by_sample(
                 samples,
                 self.batching,
-                lambda packed: forward_logprobs(self.model, packed.to(self.device)),
+                lambda packed: forward_logprobs(
+                    self.model, packed.to(self.device), loss_tokens_only=True
+                ),
             )
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
@@ -290,7 +300,7 @@ class TorchBackend:
             mb_stats = []
             for indices in micro_batches(minibatch, self.batching):
                 packed = pack([minibatch[i] for i in indices]).to(self.device)
-                logprobs = forward_logprobs(self.model, packed)  # (T,) with grad
+                logprobs = forward_logprobs(self.model, packed, loss_tokens_only=True)  # (T,)
                 loss, loss_stats = loss_fn(logprobs, **loss_inputs(packed))
                 loss.backward()  # micro-batch losses sum to the minibatch token mean
                 mb_stats.append(loss_stats)
