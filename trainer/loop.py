@@ -13,7 +13,9 @@ One step (:meth:`Trainer.step`), top to bottom:
    warning). Sessions with no sample left are marked DROPPED.
 4. Proximal logprobs: the current weights (the policy before this step) at
    each sample's sampling temperature; ``prox = behav`` when
-   ``ppo.decoupled`` is false.
+   ``ppo.decoupled`` is false. With one minibatch per step they come from
+   the training forward pass itself (the weights have not moved yet), so no
+   separate pass runs; with several, one no-grad pass runs before the first.
 5. PPO minibatch updates (``backend.train_step``).
 6. Export the weights as version ``v + 1`` and push them to the proxy.
 7. Mark the sessions TRAINED into ``v + 1``; checkpoint every
@@ -30,15 +32,17 @@ checkpoint is written.
 Model work runs on one dedicated thread so the event loop stays responsive
 (the stop signal, store polling); every backend call happens on that thread.
 
-Under ``torchrun`` (``backend = "megatron"``, one process per tensor-parallel
-rank): rank 0 alone opens the store, talks to the proxy, writes weights,
-checkpoints and the log. It broadcasts the resume plan, then every backend
-call (the step's samples for the proximal logprobs and the train step, the
-export, the checkpoint gather) over a gloo control group; the other ranks
-load the same plan and replay those calls, so the tensor-parallel model runs
-on every rank together. When rank 0 stops (``max_steps``, a signal, an
-error) it broadcasts a stop sentinel and the other ranks exit; they ignore
-signals themselves.
+Under ``torchrun`` (``backend = "megatron"``; world = ``tensor_parallel`` x
+data-parallel replicas): rank 0 alone opens the store, talks to the proxy,
+writes weights, checkpoints and the log. It broadcasts the resume plan, then
+every backend call (the step's samples for the proximal logprobs and the
+train step, the export, the checkpoint gather) over a gloo control group; the
+other ranks load the same plan and replay those calls, so the model runs on
+every rank together: each data-parallel replica takes its share of the
+step's micro-batches, and every rank gets the whole result (logprobs, step
+statistics). When rank 0 stops (``max_steps``, a signal, an error) it
+broadcasts a stop sentinel and the other ranks exit; they ignore signals
+themselves.
 """
 
 from __future__ import annotations
@@ -351,9 +355,16 @@ class Trainer:
                 return None
 
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
-        """Samples carrying proximal logprobs (recomputed, or the behaviour ones)."""
+        """Samples carrying proximal logprobs (recomputed, or the behaviour ones).
+
+        With one minibatch per step the optimizer step is the first after
+        the proximal policy, so the training forward pass computes them itself
+        (``prox_logprobs`` stays None; ``trainer.loss``): no separate pass.
+        """
         if not self.cfg.ppo.decoupled:
             return [dataclasses.replace(s, prox_logprobs=list(s.behav_logprobs)) for s in samples]
+        if self.cfg.ppo.ppo_minibatches == 1 and self.cfg.backend == "torch":
+            return samples
         prox = await self._compute(self.backend.compute_logprobs, samples)
         return [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(samples, prox, strict=True)]
 
@@ -458,9 +469,10 @@ def _init_ranks(cfg: TrainerConfig) -> int:
     """Join the torchrun job (process group and control group); this process's rank."""
     if cfg.backend != "megatron":
         raise ValueError(
-            f'the trainer runs under torchrun only with backend = "megatron" (tensor '
-            f'parallel), got backend = "{cfg.backend}" and world size {_torchrun_world_size()}; '
-            "launch `proxima trainer` without torchrun"
+            f'backend = "{cfg.backend}" runs in one process, but torchrun started '
+            f"{_torchrun_world_size()}: launch `proxima trainer` without torchrun, or set "
+            'backend = "megatron" (with [megatron] tensor_parallel = N; torchrun then starts '
+            "N x data-parallel replicas processes) for a multi-process run"
         )
     from trainer.backends.megatron_compat import control_group, init_distributed
 

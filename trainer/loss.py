@@ -122,7 +122,7 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float | Tensor 
 
 def decoupled_ppo_loss(
     logprobs: Tensor,
-    prox_logprobs: Tensor,
+    prox_logprobs: Tensor | None,
     behav_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
@@ -142,6 +142,10 @@ def decoupled_ppo_loss(
     Args:
         logprobs: ``l``, current-policy logprobs of the taken tokens (with grad).
         prox_logprobs: ``p``, proximal-policy logprobs (pass ``behav_logprobs`` for standard PPO).
+            ``None`` when the weights computing ``logprobs`` are the proximal
+            policy (the first optimizer step after the proximal logprobs would
+            be taken): ``p = logprobs.detach()``, exactly what a separate
+            no-grad pass would give, without that pass.
         behav_logprobs: ``b``, behaviour-policy logprobs recorded at sampling time.
         advantages: ``A``, per-token advantages.
         loss_mask: 1 on tokens to train.
@@ -156,6 +160,8 @@ def decoupled_ppo_loss(
         ``(loss, stats)``: scalar loss with grad, and detached :class:`PPOStats`.
     """
     shape = logprobs.shape
+    if prox_logprobs is None:
+        prox_logprobs = logprobs.detach()
     for name, t in (
         ("prox_logprobs", prox_logprobs),
         ("behav_logprobs", behav_logprobs),

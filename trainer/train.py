@@ -59,7 +59,9 @@ class ModelSection(_Section):
 
 class ProxySection(_Section):
     url: str | None = Field(None, description="Use this running proxy instead of starting one.")
-    admin_token: str | None = Field(None, description="Admin token (generated when a proxy is started).")
+    admin_token: str | None = Field(
+        None, description="Admin token (generated when a proxy is started)."
+    )
     db: str | None = Field(None, description="Store URL (default: <output_dir>/store.db).")
     port: int = Field(0, description="Port of the started proxy (0: any free port).")
     served_model_name: str | None = Field(None, description="Model name the agents ask for.")
@@ -92,7 +94,9 @@ class RolloutSection(_Section):
 
 class EvalSection(_Section):
     items: int = Field(0, ge=0, description="Held-out items to score (0: all).")
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation (0: greedy).")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of evaluation (0: greedy)."
+    )
     max_concurrency: int = Field(16, ge=1, description="Evaluation runs in flight.")
 
 
@@ -104,7 +108,9 @@ class TrainRunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="PPO trainer.")
     steps: int = Field(10, ge=1, description="PPO steps to train.")
-    output_dir: Path = Field(Path("runs/train"), description="Logs, plot, checkpoints, final model.")
+    output_dir: Path = Field(
+        Path("runs/train"), description="Logs, plot, checkpoints, final model."
+    )
 
 
 def load_run_config(path: str | Path) -> TrainRunConfig:
@@ -130,7 +136,10 @@ def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, 
         from agents_examples.datasets import arithmetic_splits
 
         splits = arithmetic_splits(
-            difficulty=data.difficulty, n_train=data.train_items, n_test=data.test_items, seed=data.seed
+            difficulty=data.difficulty,
+            n_train=data.train_items,
+            n_test=data.test_items,
+            seed=data.seed,
         )
         return splits["train"], splits["test"]
     from agents_examples.datasets import read_jsonl
@@ -141,8 +150,14 @@ def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 async def evaluate(
-    agent: str, items: list[dict[str, Any]], *, base_url: str, api_key: str, model: str,
-    section: EvalSection, fields: dict[str, Any],
+    agent: str,
+    items: list[dict[str, Any]],
+    *,
+    base_url: str,
+    api_key: str,
+    model: str,
+    section: EvalSection,
+    fields: dict[str, Any],
 ) -> float:
     """Mean reward of ``agent`` on ``items``, served unrecorded (admin key: no session)."""
     fn = resolve_agent(agent)
@@ -150,8 +165,14 @@ async def evaluate(
     slots = asyncio.Semaphore(section.max_concurrency)
 
     async def one(item: dict[str, Any]) -> float:
-        data = {**item, **fields, "base_url": base_url, "api_key": api_key, "model": model,
-                "temperature": section.temperature}
+        data = {
+            **item,
+            **fields,
+            "base_url": base_url,
+            "api_key": api_key,
+            "model": model,
+            "temperature": section.temperature,
+        }
         async with slots:
             result = fn(data)
             if asyncio.iscoroutine(result):
@@ -162,7 +183,9 @@ async def evaluate(
     return sum(rewards) / max(1, len(rewards))
 
 
-async def _cycle(items: list[dict[str, Any]], fields: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def _cycle(
+    items: list[dict[str, Any]], fields: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
     """Train items forever (epochs), each epoch's items tagged so group ids stay unique."""
     epoch = 0
     while True:
@@ -186,7 +209,11 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_rewards(
-    records: list[dict[str, Any]], path: Path, *, before: float | None = None, after: float | None = None
+    records: list[dict[str, Any]],
+    path: Path,
+    *,
+    before: float | None = None,
+    after: float | None = None,
 ) -> None:
     """Reward curve (mean reward per step and its moving average) as a PNG, with held-out accuracy."""
     import matplotlib
@@ -197,15 +224,21 @@ def plot_rewards(
     steps = [r["step"] for r in records]
     rewards = [r.get("reward_mean") or 0.0 for r in records]
     window = 3
-    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-              for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, marker="o", alpha=0.5, label="train reward (mean per step)")
     ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window} steps)")
     if before is not None:
-        ax.axhline(before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.0%})")
+        ax.axhline(
+            before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.0%})"
+        )
     if after is not None:
-        ax.axhline(after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.0%})")
+        ax.axhline(
+            after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.0%})"
+        )
     ax.set_xlabel("PPO step (policy version)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
@@ -235,11 +268,23 @@ class _Run:
         if self.url:
             return
         t = self.cfg.trainer
-        args = ["--max-staleness", str(t.max_staleness), "--train-batch-size", str(t.batch_size),
-                "--served-model-name", self.model_name]
+        args = [
+            "--max-staleness",
+            str(t.max_staleness),
+            "--train-batch-size",
+            str(t.batch_size),
+            "--served-model-name",
+            self.model_name,
+        ]
         kw: dict[str, Any] = {"port": self.cfg.proxy.port} if self.cfg.proxy.port else {}
-        self.proxy = ProxyProcess(self.model_dir, db_url=self.db, admin_token=self.token, extra_args=args,
-                                  log_path=(self.cfg.output_dir / "proxy.log").resolve(), **kw)
+        self.proxy = ProxyProcess(
+            self.model_dir,
+            db_url=self.db,
+            admin_token=self.token,
+            extra_args=args,
+            log_path=(self.cfg.output_dir / "proxy.log").resolve(),
+            **kw,
+        )
         self.proxy.start(timeout=600)
         self.url = self.proxy.url
 
@@ -250,16 +295,36 @@ class _Run:
 
 def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
     return [
-        sys.executable, "-m", "proxy.cli", "--log-format", "text", "--log-level", "warning", "trainer",
-        "--proxy", run.url, "--db", run.db, "--model", str(run.model_dir), "--config", str(config_path),
-        "--output-dir", str((cfg.output_dir / "trainer").resolve()), "--max-steps", str(cfg.steps),
+        sys.executable,
+        "-m",
+        "proxy.cli",
+        "--log-format",
+        "text",
+        "--log-level",
+        "warning",
+        "trainer",
+        "--proxy",
+        run.url,
+        "--db",
+        run.db,
+        "--model",
+        str(run.model_dir),
+        "--config",
+        str(config_path),
+        "--output-dir",
+        str((cfg.output_dir / "trainer").resolve()),
+        "--max-steps",
+        str(cfg.steps),
         "--no-progress",
     ]
 
 
 async def _follow_training(
-    cfg: TrainRunConfig, trainer: subprocess.Popen[bytes], controller: RolloutController,
-    before: float | None, on_step: Callable[[dict[str, Any]], None],
+    cfg: TrainRunConfig,
+    trainer: subprocess.Popen[bytes],
+    controller: RolloutController,
+    before: float | None,
+    on_step: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     """Until the trainer exits: a progress bar per step and a fresh reward curve."""
     log_path = cfg.output_dir / "trainer" / LOG_FILE
@@ -289,52 +354,104 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
     trainer_proc: subprocess.Popen[bytes] | None = None
     controller: RolloutController | None = None
     try:
+        started = time.monotonic()
         run.start()
         fields = dict(cfg.rollout.item_fields)
-        before = await evaluate(cfg.rollout.agent, test_items, base_url=run.url + "/v1", api_key=run.token,
-                                model=run.model_name, section=cfg.eval, fields=fields)
-        print(f"held-out accuracy before training: {before:.1%} ({len(test_items)} items)", flush=True)
+        eval_started = time.monotonic()
+        before = await evaluate(
+            cfg.rollout.agent,
+            test_items,
+            base_url=run.url + "/v1",
+            api_key=run.token,
+            model=run.model_name,
+            section=cfg.eval,
+            fields=fields,
+        )
+        print(
+            f"held-out accuracy before training: {before:.1%} ({len(test_items)} items)", flush=True
+        )
+        train_started = time.monotonic()
 
-        trainer_cfg = cfg.trainer.model_copy(update={"output_dir": (cfg.output_dir / "trainer").resolve()})
+        trainer_cfg = cfg.trainer.model_copy(
+            update={"output_dir": (cfg.output_dir / "trainer").resolve()}
+        )
         config_path = cfg.output_dir / "trainer_config.json"
         config_path.write_text(trainer_cfg.model_dump_json(indent=2, exclude={"connection"}))
         trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
         env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
-        trainer_proc = subprocess.Popen(_trainer_command(cfg, run, config_path), env=env,
-                                        stdout=trainer_log, stderr=subprocess.STDOUT)
+        trainer_proc = subprocess.Popen(
+            _trainer_command(cfg, run, config_path),
+            env=env,
+            stdout=trainer_log,
+            stderr=subprocess.STDOUT,
+        )
 
         controller = RolloutController(
-            run.url, run.token, cfg.rollout.agent, group_size=cfg.rollout.group_size,
-            max_concurrency=cfg.rollout.max_concurrency, timeout_s=cfg.rollout.timeout_s,
+            run.url,
+            run.token,
+            cfg.rollout.agent,
+            group_size=cfg.rollout.group_size,
+            max_concurrency=cfg.rollout.max_concurrency,
+            timeout_s=cfg.rollout.timeout_s,
             model=run.model_name,
         )
-        bar = tqdm(total=cfg.steps, desc="PPO steps", unit="step", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.steps, desc="PPO steps", unit="step", disable=not progress, dynamic_ncols=True
+        )
 
         def on_step(record: dict[str, Any]) -> None:
             lag = record.get("staleness") or {}
-            bar.set_postfix(reward=f"{record.get('reward_mean') or 0:.2f}", v=record.get("version"),
-                            stale=max((int(k) for k in lag), default=0),
-                            tok_s=f"{record.get('tokens_per_s') or 0:.0f}")
+            bar.set_postfix(
+                reward=f"{record.get('reward_mean') or 0:.2f}",
+                v=record.get("version"),
+                stale=max((int(k) for k in lag), default=0),
+                tok_s=f"{record.get('tokens_per_s') or 0:.0f}",
+            )
             bar.update(1)
 
         rollout_fields = {**fields, "temperature": cfg.rollout.temperature}
         rollouts = asyncio.create_task(controller.run(_cycle(train_items, rollout_fields)))
         records = await _follow_training(cfg, trainer_proc, controller, before, on_step)
+        train_s = time.monotonic() - train_started
         bar.close()
         report = await rollouts
         if trainer_proc.returncode != 0:
-            raise RuntimeError(f"the trainer exited with {trainer_proc.returncode}; see {cfg.output_dir / 'trainer.log'}")
+            raise RuntimeError(
+                f"the trainer exited with {trainer_proc.returncode}; see {cfg.output_dir / 'trainer.log'}"
+            )
 
-        after = await evaluate(cfg.rollout.agent, test_items, base_url=run.url + "/v1", api_key=run.token,
-                               model=run.model_name, section=cfg.eval, fields=fields)
+        after_started = time.monotonic()
+        after = await evaluate(
+            cfg.rollout.agent,
+            test_items,
+            base_url=run.url + "/v1",
+            api_key=run.token,
+            model=run.model_name,
+            section=cfg.eval,
+            fields=fields,
+        )
+        eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
         final = _copy_final(cfg)
         if records:
             plot_rewards(records, cfg.output_dir / "reward_curve.png", before=before, after=after)
         summary = {
-            "before": before, "after": after, "steps": len(records), "final_model": str(final),
-            "rollouts": report.summary(), "reward_curve": str(cfg.output_dir / "reward_curve.png"),
+            "before": before,
+            "after": after,
+            "steps": len(records),
+            "final_model": str(final),
+            "rollouts": report.summary(),
+            "reward_curve": str(cfg.output_dir / "reward_curve.png"),
+            "max_staleness": cfg.trainer.max_staleness,
+            "train_s": round(train_s, 1),
+            "seconds_per_step": round(train_s / max(1, len(records)), 1),
+            "eval_s": round(eval_s, 1),
+            "wall_s": round(time.monotonic() - started, 1),
         }
         (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        print(
+            f"trained {len(records)} steps in {train_s:.0f} s ({summary['seconds_per_step']} s/step); "
+            f"whole run {summary['wall_s']:.0f} s"
+        )
         print(f"reward curve: {cfg.output_dir / 'reward_curve.png'}; final model: {final}")
         print(f"held-out accuracy: {before:.1%} -> {after:.1%}", flush=True)
         return summary
@@ -374,8 +491,15 @@ async def eval_only(cfg: TrainRunConfig) -> float:
     run = _Run(cfg, model_dir)
     try:
         run.start()
-        score = await evaluate(cfg.rollout.agent, test_items, base_url=run.url + "/v1", api_key=run.token,
-                               model=run.model_name, section=cfg.eval, fields=dict(cfg.rollout.item_fields))
+        score = await evaluate(
+            cfg.rollout.agent,
+            test_items,
+            base_url=run.url + "/v1",
+            api_key=run.token,
+            model=run.model_name,
+            section=cfg.eval,
+            fields=dict(cfg.rollout.item_fields),
+        )
     finally:
         run.stop()
     print(f"held-out accuracy: {score:.1%} ({len(test_items)} items)")

@@ -147,3 +147,23 @@ def test_state_dict_round_trip_restores_the_optimizer(tiny_model_dir: Path) -> N
     assert a.ppo.loss.item() == b.ppo.loss.item()
     for p, q in zip(backend.model.parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_one_minibatch_takes_prox_from_its_own_forward_pass(tiny_model_dir: Path) -> None:
+    """Samples without prox_logprobs: the first (only) minibatch uses the training pass's own
+    detached logprobs, which equal a separate no-grad pass at the same weights."""
+    recomputed = _backend(tiny_model_dir)
+    own_pass = _backend(tiny_model_dir)
+    samples = _samples()
+    with_prox = recomputed.train_step(_with_prox(recomputed, samples))
+    without = own_pass.train_step(samples)
+    assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), abs=1e-6)
+    assert without.ppo.approx_kl.item() == pytest.approx(0.0, abs=1e-7)
+    for name, value in recomputed.model.state_dict().items():
+        torch.testing.assert_close(own_pass.model.state_dict()[name], value, atol=1e-6, rtol=0)
+
+
+def test_later_minibatches_need_recomputed_prox(tiny_model_dir: Path) -> None:
+    backend = _backend(tiny_model_dir, ppo=PPOConfig(ppo_minibatches=2))
+    with pytest.raises(ValueError, match="ppo_minibatches > 1 needs samples with prox_logprobs"):
+        backend.train_step(_samples())

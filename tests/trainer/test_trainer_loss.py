@@ -148,6 +148,27 @@ def test_on_policy_start_has_unit_ratio_and_zero_kl() -> None:
     assert stats.clip_fraction.item() == 0.0
 
 
+def test_missing_prox_is_the_current_policy_detached() -> None:
+    """prox None (one minibatch per step): p = l.detach(), the same loss, gradient and stats as
+    passing that tensor, while the importance weight still uses the recorded behaviour b."""
+    batch = _hand_batch()
+    del batch["prox_logprobs"]
+    kwargs = {"eps_clip": 0.2, "importance_weight_cap": 4.0, "total_loss_tokens": 4}
+    logp = batch.pop("logprobs")
+    given_logp = logp.detach().clone().requires_grad_()
+    loss, stats = decoupled_ppo_loss(logp, None, **batch, **kwargs)
+    given, given_stats = decoupled_ppo_loss(given_logp, given_logp.detach(), **batch, **kwargs)
+    loss.backward()
+    given.backward()
+    assert loss.item() == pytest.approx(given.item())
+    torch.testing.assert_close(logp.grad, given_logp.grad)
+    assert stats.as_dict() == pytest.approx(given_stats.as_dict())
+    # ratio 1 everywhere; w = exp(l - b) = 3.0, 0.5, 0.25, 1.5 on a-d (none above the cap 4):
+    # loss = -(3*1 + 0.5*(-1) + 0.25*2 + 1.5*(-2)) / 4 = -0.0
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert stats.approx_kl.item() == 0.0
+
+
 def test_stats_merge_is_token_weighted() -> None:
     batch = _hand_batch()
     kwargs = {"eps_clip": 0.2, "eps_clip_high": 0.28, "total_loss_tokens": 4}
