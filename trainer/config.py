@@ -146,7 +146,8 @@ class BatchingConfig(_Section):
     min_mbs: int = Field(
         1,
         ge=1,
-        description="Minimum number of micro-batches per minibatch (e.g. one per data-parallel rank).",
+        description="Minimum number of micro-batches per minibatch (the megatron backend raises it "
+        "to the number of data-parallel replicas).",
     )
 
 

@@ -363,7 +363,7 @@ class Trainer:
         """
         if not self.cfg.ppo.decoupled:
             return [dataclasses.replace(s, prox_logprobs=list(s.behav_logprobs)) for s in samples]
-        if self.cfg.ppo.ppo_minibatches == 1 and self.cfg.backend == "torch":
+        if self.cfg.ppo.ppo_minibatches == 1:
             return samples
         prox = await self._compute(self.backend.compute_logprobs, samples)
         return [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(samples, prox, strict=True)]
@@ -471,8 +471,8 @@ def _init_ranks(cfg: TrainerConfig) -> int:
         raise ValueError(
             f'backend = "{cfg.backend}" runs in one process, but torchrun started '
             f"{_torchrun_world_size()}: launch `proxima trainer` without torchrun, or set "
-            'backend = "megatron" (with [megatron] tensor_parallel = N; torchrun then starts '
-            "N x data-parallel replicas processes) for a multi-process run"
+            'backend = "megatron" for a multi-process run (the processes are [megatron] '
+            "tensor_parallel x data-parallel replicas)"
         )
     from trainer.backends.megatron_compat import control_group, init_distributed
 

@@ -1,8 +1,11 @@
-"""``proxima trainer`` with the megatron backend under torchrun: tensor parallel 2 on CPU (gloo).
+"""``proxima trainer`` with the megatron backend under torchrun: 2 ranks on CPU (gloo).
 
-Rank 0 claims the batch from a live proxy's store, broadcasts the samples,
-both ranks run the proximal logprobs and the PPO step on their half of the
-model, the export gathers both shards, and rank 0 pushes version 1.
+Rank 0 claims the batch from a live proxy's store and broadcasts the samples.
+With tensor parallel 2 both ranks run the proximal logprobs and the PPO step
+on their half of the model and the export gathers both shards; with tensor
+parallel 1 (data parallel 2) each rank holds the whole model and runs its
+share of the micro-batches, and the gradients are summed. Rank 0 pushes
+version 1 and logs the whole step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from proxy.store import SessionStatus, Store
 from proxy.testing.live import LiveProxy
 from trainer.backends.megatron_compat import free_port
+from trainer.log import read_log
 from trainer.weights import latest_checkpoint, weights_dir
 
 
@@ -67,8 +71,9 @@ async def session_states(db_url: str, ids: list[str]) -> list[tuple[SessionStatu
         await store.close()
 
 
-def test_tensor_parallel_2_under_torchrun_trains_and_pushes(
-    proxy: LiveProxy, tmp_path: Path
+@pytest.mark.parametrize("tensor_parallel", [2, 1], ids=["tp2", "tp1-dp2"])
+def test_two_ranks_under_torchrun_train_and_push(
+    proxy: LiveProxy, tmp_path: Path, tensor_parallel: int
 ) -> None:
     ids = [run_session(proxy, reward=float(i)) for i in range(2)]
     output_dir = tmp_path / "trainer"
@@ -77,7 +82,7 @@ def test_tensor_parallel_2_under_torchrun_trains_and_pushes(
         'backend = "megatron"\nbatch_size = 2\ncheckpoint_every = 1\n'
         f'output_dir = "{output_dir}"\n'
         "[optim]\nlr = 1e-3\n"
-        "[megatron]\ntensor_parallel = 2\n"
+        f"[megatron]\ntensor_parallel = {tensor_parallel}\n"
         '[loop]\npoll_interval_s = 0.1\ntrainer_id = "tp-trainer"\n'
     )
     cmd = [
@@ -105,10 +110,16 @@ def test_tensor_parallel_2_under_torchrun_trains_and_pushes(
         k for k, v in model.state_dict().items() if not torch.equal(v, initial.state_dict()[k])
     ]
     assert changed
-    # The checkpoint holds both ranks' shards (gathered on rank 0), for a TP=2 resume.
+    # Rank 0 logged the whole step (every replica's micro-batches), not its own share.
+    (record,) = [r for r in read_log(output_dir) if r.get("event") == "step"]
+    assert record["ppo"]["loss_tokens"] == record["loss_tokens"] > 0
+    data_parallel = 2 // tensor_parallel
+    assert record["ppo"]["micro_batches"] == data_parallel  # the two samples fit in one
+    # The checkpoint holds one copy of each tensor-parallel shard (gathered on rank 0).
     checkpoint = latest_checkpoint(output_dir)
     assert checkpoint is not None and checkpoint.state.version == 1
     ranks = checkpoint.load_tensors()["ranks"]
-    assert len(ranks) == 2 and all(r["model"] and r["optimizer"]["state"] for r in ranks)
+    assert len(ranks) == tensor_parallel
+    assert all(r["model"] and r["optimizer"]["state"] for r in ranks)
     vocab = [r["model"]["embedding.word_embeddings.weight"].shape[0] for r in ranks]
-    assert vocab[0] == vocab[1] and 2 * vocab[0] >= initial.config.vocab_size  # vocab shards
+    assert len(set(vocab)) == 1 and tensor_parallel * vocab[0] >= initial.config.vocab_size

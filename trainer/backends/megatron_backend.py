@@ -28,7 +28,8 @@ What lives here, top to bottom:
 3. :func:`to_hf_state_dict` / :func:`export_hf`: gather the shards and write
    an HF safetensors checkpoint the inference backends load.
 4. :class:`MegatronBackend`: ``forward_logprobs`` and ``train_step`` (AdamW),
-   with tensor and data parallelism under ``torchrun``.
+   with tensor and data parallelism under ``torchrun`` (world = tensor
+   parallel x data parallel; gradients summed over the data-parallel group).
 
 Scope: pipeline parallelism is rejected at start-up (it needs megatron's
 pipeline schedules, not wired here); parameters are float32. Packed inputs
@@ -513,14 +514,19 @@ def export_hf(
 ) -> Path | None:
     """Write the model as an HF checkpoint (config, ``model.safetensors``, tokenizer).
 
-    Collective over the tensor-parallel group; only global rank 0 writes, and
-    returns ``out_dir`` (other ranks return None). A ``generation_config.json``
-    next to the tokenizer is copied too.
+    Collective over the whole job (every rank must call it): data-parallel
+    replica 0 gathers its tensor-parallel shards (the other replicas hold the
+    same weights and skip the gather), only global rank 0 writes, and a
+    barrier ends it. Returns ``out_dir`` on rank 0, None elsewhere. A
+    ``generation_config.json`` next to the tokenizer is copied too.
     """
-    hf_state = to_hf_state_dict(model, hf_config, parallel)
     out = Path(out_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    hf_state: dict[str, Tensor] | None = None
+    if parallel_state.get_data_parallel_rank() == 0:
+        hf_state = to_hf_state_dict(model, hf_config, parallel)  # collective over the TP group
     if rank == 0:
+        assert hf_state is not None  # global rank 0 belongs to replica 0
         out.mkdir(parents=True, exist_ok=True)
         hf_config.save_pretrained(out)
         save_file(
@@ -587,6 +593,7 @@ def causal_attention_mask(length: int, device: torch.device) -> Tensor:
 # --------------------------------------------------------------------------- backend
 
 StatsT = TypeVar("StatsT")
+ObjT = TypeVar("ObjT")
 LossFn = Callable[..., tuple[Tensor, StatsT]]
 """``loss_fn(logprobs, **loss_inputs) -> (loss, stats)``; losses are summed over micro-batches."""
 
@@ -610,17 +617,18 @@ class MicroBatch:
         """A trainer micro-batch as one packed row, with the PPO loss inputs.
 
         ``loss_inputs`` match :func:`trainer.loss.decoupled_ppo_loss`'s tensor
-        arguments (``prox_logprobs`` falls back to ``behav_logprobs``, i.e.
-        standard PPO, when the batch carries none). The packed row's last
-        target slot is dropped: it ends a sequence, so its ``loss_mask`` is 0.
+        arguments (``prox_logprobs`` None when the batch carries none: the loss
+        then takes them from the training pass, see ``trainer.loss``). The
+        packed row's last target slot is dropped: it ends a sequence, so its
+        ``loss_mask`` is 0.
         """
-        prox = packed.behav_logprobs if packed.prox_logprobs is None else packed.prox_logprobs
+        prox = None if packed.prox_logprobs is None else packed.prox_logprobs[None, :-1]
         return cls(
             input_ids=packed.input_ids[None],  # (1, T)
             position_ids=packed.position_ids[None],  # (1, T)
             temperature=packed.temperatures[None, :-1],  # (1, T-1)
             loss_inputs={
-                "prox_logprobs": prox[None, :-1],
+                "prox_logprobs": prox,
                 "behav_logprobs": packed.behav_logprobs[None, :-1],
                 "advantages": packed.advantages[None, :-1],
                 "loss_mask": packed.loss_mask[None, :-1],
@@ -632,7 +640,7 @@ class MicroBatch:
 class TrainStepResult(Generic[StatsT]):
     """What one optimizer step reports."""
 
-    loss: float  # sum over micro-batches of the losses returned by loss_fn (local rank)
+    loss: float  # sum over this replica's micro-batches of the losses returned by loss_fn
     grad_norm: float  # global L2 norm of the gradient before clipping
     stats: list[StatsT]  # loss_fn's stats, one per micro-batch, in order
 
@@ -642,9 +650,9 @@ class MegatronBackend:
 
     Under ``torchrun`` every process constructs one; ranks sharing a
     tensor-parallel group must be fed the same micro-batches, data-parallel
-    replicas different ones. Gradients are summed over the data-parallel
-    group (losses are normalised globally) and clipped by the global norm
-    before each AdamW step.
+    replicas different ones (possibly none). Gradients are summed over the
+    data-parallel group (losses are normalised globally) and clipped by the
+    global norm before each AdamW step, so every replica takes the same step.
     """
 
     def __init__(
@@ -667,7 +675,9 @@ class MegatronBackend:
         if world % model_parallel:
             raise ValueError(
                 f"world size {world} is not a multiple of tensor_parallel * pipeline_parallel = "
-                f"{model_parallel}; change the number of processes or the parallel sizes"
+                f"{model_parallel}: the world is model-parallel groups of {model_parallel} times "
+                f"data-parallel replicas; launch a multiple of {model_parallel} processes (e.g. "
+                f"torchrun --nproc-per-node {model_parallel}) or change [megatron] tensor_parallel"
             )
         init_model_parallel(
             tensor_parallel=self.parallel.tensor_parallel,
@@ -813,8 +823,13 @@ class MegatronBackend:
         count of the whole step across data-parallel replicas, as
         ``trainer.loss.decoupled_ppo_loss`` does with ``total_loss_tokens``).
         Gradients are then summed over data-parallel replicas.
+
+        Under data parallelism a replica may get no micro-batch (fewer
+        sequences than replicas): it still joins the gradient all-reduce with
+        zero gradients and takes the same optimizer step; its ``stats`` are
+        empty and its ``loss`` 0.
         """
-        if not micro_batches:
+        if not micro_batches and self.data_parallel_size == 1:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -841,12 +856,19 @@ class MegatronBackend:
 
         A sum, not a mean: each replica's loss is already normalised by the
         whole step's token count, so the sum is the gradient of the global
-        loss, the same as one process running every micro-batch.
+        loss, the same as one process running every micro-batch. A parameter
+        with no gradient here (a replica without micro-batches) contributes
+        zeros, so every replica reduces the same flat size; afterwards every
+        parameter has a gradient (one that no replica reached gets zeros, so
+        AdamW still applies its weight decay to it).
         """
-        dp_size = parallel_state.get_data_parallel_world_size()
-        if dp_size == 1:
+        if self.data_parallel_size == 1:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        params = list(self.model.parameters())
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
         offset = 0
@@ -877,6 +899,30 @@ class MegatronBackend:
             for grad in grads:
                 grad.mul_(scale)
         return norm
+
+    # ------------------------------------------------------------------ data parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the model: ``world / (tensor_parallel * pipeline_parallel)``."""
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's replica; ranks of one tensor-parallel group share it."""
+        return parallel_state.get_data_parallel_rank()
+
+    def all_gather_data_parallel(self, obj: ObjT) -> list[ObjT]:
+        """Every replica's ``obj`` (picklable, tensors on the CPU), in replica order.
+
+        Collective over the data-parallel group, on megatron's gloo copy of it,
+        so objects travel through the CPU on GPU machines too.
+        """
+        if self.data_parallel_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.data_parallel_size
+        dist.all_gather_object(out, obj, group=parallel_state.get_data_parallel_group_gloo())
+        return out
 
     # ------------------------------------------------------------------ export
 

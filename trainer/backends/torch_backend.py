@@ -24,14 +24,18 @@ training step of ``trainer.loop`` needs (:class:`PPOBackend`):
 :class:`TorchBackend` runs an HF ``AutoModelForCausalLM`` in float32 on the CPU
 or one GPU with the exact packed attention of ``trainer.logprobs``.
 :class:`MegatronPPOBackend` drives ``MegatronBackend`` (megatron-core, one
-process here; its optimizer step does the backward/clip/step of the loop
-above) through the same interface; :func:`build_backend` picks by
-``cfg.backend``. Both share the minibatch split, the micro-batch plan and the
-loss, so on the same batch they compute the same loss.
+process or tensor x data parallel under torchrun; its optimizer step does the
+backward/clip/step of the loop above) through the same interface; under data
+parallelism each replica runs its share of every minibatch's micro-batches
+(:func:`assign_to_replicas`) and the gradients are summed.
+:func:`build_backend` picks by ``cfg.backend``. Both share the minibatch
+split, the micro-batch plan and the loss, so on the same batch they compute
+the same loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shutil
@@ -153,11 +157,40 @@ def split_minibatches(samples: Sequence[Sample], n: int) -> list[list[Sample]]:
     return [[s for i in indices for s in groups[i]] for indices in slices]
 
 
-def micro_batches(samples: Sequence[Sample], batching: BatchingConfig) -> list[list[int]]:
-    """Dynamic micro-batch plan of ``samples`` (indices into it) under the token budget."""
+def micro_batches(
+    samples: Sequence[Sample], batching: BatchingConfig, *, replicas: int = 1
+) -> list[list[int]]:
+    """Dynamic micro-batch plan of ``samples`` (indices into it) under the token budget.
+
+    At least ``max(batching.min_mbs, replicas)`` micro-batches (fewer only with
+    fewer samples), so each of ``replicas`` data-parallel replicas gets one
+    (AReaL raises ``min_mbs`` to the data-parallel size the same way).
+    """
     return plan_micro_batches(
-        [s.num_tokens for s in samples], batching.max_tokens_per_mb, batching.min_mbs
+        [s.num_tokens for s in samples],
+        batching.max_tokens_per_mb,
+        max(batching.min_mbs, replicas),
     )
+
+
+def assign_to_replicas(costs: Sequence[int], replicas: int) -> list[list[int]]:
+    """Deal items (micro-batches, costed in tokens) to data-parallel replicas, balancing cost.
+
+    Largest first, each to the replica with the least cost so far (the lowest
+    index on ties; greedy LPT scheduling). A function of ``costs`` alone, so
+    every rank computes the same assignment. Returns, per replica, its item
+    indices in ascending order; a replica gets none when there are fewer items
+    than replicas.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    loads = [0] * replicas
+    shares: list[list[int]] = [[] for _ in range(replicas)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(replicas), key=lambda r: (loads[r], r))
+        shares[r].append(i)
+        loads[r] += costs[i]
+    return [sorted(share) for share in shares]
 
 
 def ppo_loss_fn(ppo: PPOConfig, total_loss_tokens: int) -> LossFn:
@@ -171,13 +204,23 @@ def ppo_loss_fn(ppo: PPOConfig, total_loss_tokens: int) -> LossFn:
     )
 
 
-def loss_inputs(packed: PackedBatch) -> dict[str, Tensor]:
-    """Keyword tensors of :func:`ppo_loss_fn` for a packed micro-batch, shape ``(T,)``."""
-    if packed.prox_logprobs is None:
+def loss_inputs_allowed(has_prox: bool, *, first_minibatch: bool) -> None:
+    """Raise unless the proximal logprobs are present or may come from the training pass."""
+    if not has_prox and not first_minibatch:
         raise ValueError(
-            "train_step needs samples with prox_logprobs (recompute them, or set them to the "
-            "behaviour logprobs for standard PPO)"
+            "train_step with ppo_minibatches > 1 needs samples with prox_logprobs (recompute "
+            "them with compute_logprobs, or set them to the behaviour logprobs for standard PPO)"
         )
+
+
+def loss_inputs(packed: PackedBatch, *, first_minibatch: bool) -> dict[str, Tensor | None]:
+    """Keyword tensors of :func:`ppo_loss_fn` for a packed micro-batch, shape ``(T,)``.
+
+    Samples without ``prox_logprobs`` are allowed in the first minibatch of a
+    step only: its weights are still those before the step, so the loss takes
+    the proximal logprobs from the training forward pass itself.
+    """
+    loss_inputs_allowed(packed.prox_logprobs is not None, first_minibatch=first_minibatch)
     return {
         "prox_logprobs": packed.prox_logprobs,
         "behav_logprobs": packed.behav_logprobs,
@@ -192,16 +235,30 @@ def logprobs_by_sample(
     forward: Callable[[PackedBatch], Tensor],
 ) -> list[list[float]]:
     """Run ``forward`` (packed ``(T,)`` logprobs, no grad) over micro-batches; back in input order."""
-    out: list[list[float] | None] = [None] * len(samples)
-    for indices in micro_batches(samples, batching):
+    found = logprobs_of(samples, micro_batches(samples, batching), forward)
+    return in_input_order(found, len(samples))
+
+
+def logprobs_of(
+    samples: Sequence[Sample],
+    plan: Sequence[Sequence[int]],
+    forward: Callable[[PackedBatch], Tensor],
+) -> dict[int, list[float]]:
+    """Token-aligned logprobs of the samples in ``plan``'s micro-batches, by sample index."""
+    out: dict[int, list[float]] = {}
+    for indices in plan:
         packed = pack([samples[i] for i in indices])
         values = forward(packed)  # (T,)
-        for i, per_token in zip(indices, unpack(packed, values), strict=True):
-            out[i] = per_token
-    missing = [i for i, values in enumerate(out) if values is None]
+        out.update(zip(indices, unpack(packed, values), strict=True))
+    return out
+
+
+def in_input_order(found: dict[int, list[float]], count: int) -> list[list[float]]:
+    """``found[0], ..., found[count - 1]``; raises if the plan left a sample out."""
+    missing = [i for i in range(count) if i not in found]
     if missing:
         raise RuntimeError(f"micro-batch plan left out samples {missing}")
-    return [values for values in out if values is not None]
+    return [found[i] for i in range(count)]
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
@@ -293,7 +350,8 @@ class TorchBackend:
         stats: list[PPOStats] = []
         losses: list[Tensor] = []
         grad_norms: list[float] = []
-        for minibatch in split_minibatches(samples, self.ppo.ppo_minibatches):
+        minibatches = split_minibatches(samples, self.ppo.ppo_minibatches)
+        for k, minibatch in enumerate(minibatches):
             total_loss_tokens = sum(s.num_loss_tokens for s in minibatch)
             loss_fn = ppo_loss_fn(self.ppo, total_loss_tokens)
             self.optimizer.zero_grad(set_to_none=True)
@@ -301,7 +359,7 @@ class TorchBackend:
             for indices in micro_batches(minibatch, self.batching):
                 packed = pack([minibatch[i] for i in indices]).to(self.device)
                 logprobs = forward_logprobs(self.model, packed, loss_tokens_only=True)  # (T,)
-                loss, loss_stats = loss_fn(logprobs, **loss_inputs(packed))
+                loss, loss_stats = loss_fn(logprobs, **loss_inputs(packed, first_minibatch=k == 0))
                 loss.backward()  # micro-batch losses sum to the minibatch token mean
                 mb_stats.append(loss_stats)
             grad_norms.append(self._clip_grad_norm())
@@ -381,11 +439,13 @@ class MegatronPPOBackend:
     """:class:`PPOBackend` over ``MegatronBackend`` (megatron-core GPTModel).
 
     One process (CPU with gloo, or one GPU), or one per rank under
-    ``torchrun`` with tensor parallelism over the whole world (data parallel
-    1). Under torchrun every rank holds one of these and every call must be
-    made on every rank with the same arguments (the trainer loop's rank 0
-    broadcasts them); :meth:`state_dict` then gathers every rank's shard on
-    rank 0.
+    ``torchrun``: world = ``tensor_parallel`` x data-parallel replicas
+    (pipeline parallel 1). Under torchrun every rank holds one of these and
+    every call must be made on every rank with the same arguments (the
+    trainer loop's rank 0 broadcasts them); each replica then runs its share
+    of the micro-batches (ranks of one tensor-parallel group the same share),
+    and every rank returns the whole result. :meth:`state_dict` gathers
+    replica 0's tensor-parallel shards on rank 0 (the replicas are identical).
     """
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig) -> None:
@@ -401,52 +461,75 @@ class MegatronPPOBackend:
             seed=cfg.seed,
             make_vocab_size_divisible_by=cfg.megatron.make_vocab_size_divisible_by,
         )
+        # Refuses a world size that is not a multiple of tensor_parallel * pipeline_parallel.
         self.megatron = MegatronBackend(self.model_dir, optim=cfg.optim, parallel=parallel)
-        world = self.megatron.dist_env.world_size
-        model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
-        if world != model_parallel:
-            raise ValueError(
-                f"the trainer loop runs megatron with data parallel 1: launch "
-                f"tensor_parallel * pipeline_parallel = {model_parallel} processes, got world "
-                f"size {world} (set [megatron] tensor_parallel = {world} or "
-                f"torchrun --nproc-per-node {model_parallel})"
-            )
+
+    def _my_share(self, samples: Sequence[Sample], plan: list[list[int]]) -> list[list[int]]:
+        """The micro-batches of ``plan`` this data-parallel replica runs (all of them at DP 1)."""
+        costs = [sum(samples[i].num_tokens for i in indices) for indices in plan]
+        share = assign_to_replicas(costs, self.megatron.data_parallel_size)
+        return [plan[j] for j in share[self.megatron.data_parallel_rank]]
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Token-aligned logprobs of each sample with the current weights (no grad)."""
-        return logprobs_by_sample(samples, self.batching, self.megatron.forward_packed_logprobs)
+        """Token-aligned logprobs of each sample with the current weights (no grad).
+
+        Under data parallelism each replica computes its share of the
+        micro-batches and the replicas exchange them: every rank returns all.
+        """
+        plan = micro_batches(samples, self.batching, replicas=self.megatron.data_parallel_size)
+        mine = logprobs_of(
+            samples, self._my_share(samples, plan), self.megatron.forward_packed_logprobs
+        )
+        found: dict[int, list[float]] = {}
+        for replica in self.megatron.all_gather_data_parallel(mine):
+            found.update(replica)
+        return in_input_order(found, len(samples))
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
-        """One ``MegatronBackend.train_step`` (backward, clip, AdamW) per minibatch."""
+        """One ``MegatronBackend.train_step`` (backward, clip, AdamW) per minibatch.
+
+        Each minibatch is planned into at least one micro-batch per
+        data-parallel replica and dealt out by tokens; each replica
+        back-propagates its share with the loss normalised by the whole
+        minibatch's loss tokens, and ``MegatronBackend`` sums the gradients
+        over replicas, so the step equals one process running the minibatch.
+        A replica left without micro-batches steps with zero gradients. The
+        returned stats merge every replica's (the loss summed over them), the
+        same on every rank.
+        """
         from trainer.backends.megatron_backend import MicroBatch
 
         if not samples:
             raise ValueError("train_step needs at least one sample")
+        minibatches = split_minibatches(samples, self.ppo.ppo_minibatches)
+        for k, minibatch in enumerate(minibatches):  # on every rank, before any collective
+            for sample in minibatch:
+                loss_inputs_allowed(sample.prox_logprobs is not None, first_minibatch=k == 0)
         stats: list[PPOStats] = []
         losses: list[Tensor] = []
         grad_norms: list[float] = []
-        for minibatch in split_minibatches(samples, self.ppo.ppo_minibatches):
+        replicas = self.megatron.data_parallel_size
+        for minibatch in minibatches:
             total_loss_tokens = sum(s.num_loss_tokens for s in minibatch)
-            packs = [
-                pack([minibatch[i] for i in indices])
-                for indices in micro_batches(minibatch, self.batching)
-            ]
-            for packed in packs:
-                loss_inputs(packed)  # same precondition as the torch backend: prox present
+            plan = micro_batches(minibatch, self.batching, replicas=replicas)
+            packs = [pack([minibatch[i] for i in mb]) for mb in self._my_share(minibatch, plan)]
             result = self.megatron.train_step(
                 [MicroBatch.from_packed(p) for p in packs], ppo_loss_fn(self.ppo, total_loss_tokens)
             )
-            grad_norms.append(result.grad_norm)
-            losses.append(torch.tensor(result.loss))
-            stats.extend(result.stats)
+            gathered = self.megatron.all_gather_data_parallel(
+                (result.loss, [_to_cpu(s) for s in result.stats])
+            )
+            grad_norms.append(result.grad_norm)  # the global norm: the same on every replica
+            losses.append(torch.tensor(sum(loss for loss, _ in gathered)))
+            stats.extend(s for _, replica_stats in gathered for s in replica_stats)
         return _step_stats(stats, losses, grad_norms)
 
     def export_hf(self, out_dir: Path) -> None:
-        """HF checkpoint from the megatron weights (``MegatronBackend.export_hf``)."""
+        """HF checkpoint from the megatron weights (``MegatronBackend.export_hf``; rank 0 writes)."""
         self.megatron.export_hf(out_dir, tokenizer_dir=self.model_dir)
 
     def load_hf_weights(self, model_dir: Path) -> None:
-        """Convert an HF safetensors directory into the megatron model."""
+        """Convert an HF safetensors directory into the megatron model (each rank its shard)."""
         from trainer.backends.megatron_backend import load_hf_weights, read_hf_state_dict
 
         load_hf_weights(
@@ -459,30 +542,46 @@ class MegatronPPOBackend:
     def state_dict(self) -> dict[str, Any]:
         """Model tensors (no ``_extra_state``) and optimizer state.
 
-        Under torchrun: collective; rank 0 gets ``{"ranks": [state of rank r, ...]}``
-        (on the CPU), the other ranks an empty dict.
+        Under torchrun: collective; rank 0 gets ``{"ranks": [state of
+        tensor-parallel rank t, ...]}`` (on the CPU), the other ranks an empty
+        dict. Data-parallel replicas hold the same weights and optimizer
+        state, so only replica 0's shards are kept.
         """
         model = {k: v for k, v in self.megatron.model.state_dict().items() if isinstance(v, Tensor)}
         state = {"model": model, "optimizer": self.megatron.optimizer.state_dict()}
         if self.megatron.dist_env.world_size == 1:
             return state
+        from megatron.core import parallel_state
+
         from trainer.backends.megatron_compat import gather_objects
 
-        gathered = gather_objects(_to_cpu(state))
-        return {"ranks": gathered} if gathered is not None else {}
+        mine = None
+        if self.megatron.data_parallel_rank == 0:
+            mine = (parallel_state.get_tensor_model_parallel_rank(), _to_cpu(state))
+        gathered = gather_objects(mine)
+        if gathered is None:
+            return {}
+        shards = sorted((shard for shard in gathered if shard is not None), key=lambda s: s[0])
+        return {"ranks": [shard_state for _, shard_state in shards]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (each rank takes its own shard)."""
-        world = self.megatron.dist_env.world_size
-        if "ranks" in state or world > 1:
-            ranks = state.get("ranks")
-            if ranks is None or len(ranks) != world:
-                saved = "one process" if ranks is None else f"{len(ranks)} ranks"
-                raise ValueError(
-                    f"checkpoint was saved by {saved}, this run has {world}: resume with the "
-                    "same number of processes and tensor_parallel"
-                )
-            state = ranks[self.megatron.dist_env.rank]
+        """Restore what :meth:`state_dict` returned (each rank takes its tensor-parallel shard).
+
+        A checkpoint loads into any run with the same ``tensor_parallel``,
+        whatever its number of data-parallel replicas.
+        """
+        from megatron.core import parallel_state
+
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        shards = state.get("ranks", [state])  # one process saves its state bare
+        if len(shards) != tp_size:
+            raise ValueError(
+                f"checkpoint holds {len(shards)} tensor-parallel shard(s) (saved with "
+                f"tensor_parallel = {len(shards)}), this run has tensor_parallel = {tp_size} "
+                f"(world size {self.megatron.dist_env.world_size}): resume with [megatron] "
+                f"tensor_parallel = {len(shards)} and a multiple of {len(shards)} processes"
+            )
+        state = shards[parallel_state.get_tensor_model_parallel_rank()]
         result = self.megatron.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:
@@ -494,9 +593,12 @@ class MegatronPPOBackend:
 
 
 def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor moved to the CPU (dicts and lists walked)."""
+    """``value`` with every tensor moved to the CPU (dicts, lists and dataclasses walked)."""
     if isinstance(value, Tensor):
         return value.detach().cpu()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -1,0 +1,324 @@
+"""Data parallelism in ``MegatronPPOBackend``: 2 gloo ranks on CPU (TP 1 x DP 2) equal one process.
+
+Each replica runs its share of the micro-batches, the logprobs are exchanged,
+the gradients summed; so one process running the whole batch is the
+reference. Tolerances (float32 on CPU): both sides run the same ops, but
+micro-batches are packed (hence padded inside megatron) differently and the
+gradient sum is ordered differently, so logprobs agree to ``1e-5`` absolute
+(as against HF in test_megatron_backend.py), the step's loss to ``1e-6``,
+the gradients to ``atol=1e-6, rtol=1e-4`` and the gradient norm to ``1e-5``
+relative. Weights after AdamW steps agree to ``1e-6`` wherever every step's
+gradient is clear of zero (``|g| > 1e-5``) and to ``0.05 * lr`` per step
+everywhere (AdamW's first steps are ``~lr * g / (|g| + eps)``, very sensitive
+to ``g`` near 0: see test_megatron_backend.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import parallel_state
+from torch import Tensor
+
+from trainer.backends.megatron_backend import (
+    MegatronBackend,
+    MegatronParallelConfig,
+    mcore_to_hf,
+    read_hf_state_dict,
+)
+from trainer.backends.megatron_compat import broadcast_object, free_port
+from trainer.backends.torch_backend import MegatronPPOBackend, assign_to_replicas, micro_batches
+from trainer.config import BatchingConfig, TrainerConfig
+from trainer.loop import _init_ranks
+from trainer.samples import Sample
+
+LR = 1e-3
+LOGPROB_ATOL = 1e-5
+LOSS_ATOL = 1e-6
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
+GRAD_NORM_RTOL = 1e-5
+WEIGHT_ATOL_CLEAR_GRAD = 1e-6
+STAT_ATOL = 1e-5
+# (prompt, generated) tokens: sequences of 7 to 120 tokens, 271 in all.
+SHAPES = [(4, 3), (20, 60), (6, 10), (30, 90), (3, 5), (10, 30)]
+# Budget -> micro-batches of SHAPES: 512 -> one alone, two with two replicas (each runs one,
+# packed differently from the single process's); 128 -> three either way (the replicas run
+# one and two).
+WIDE, NARROW = BatchingConfig(max_tokens_per_mb=512), BatchingConfig(max_tokens_per_mb=128)
+
+
+def _cfg(model_dir: Path, tensor_parallel: int = 1) -> TrainerConfig:
+    return TrainerConfig.model_validate(
+        {
+            "backend": "megatron",
+            "optim": {"lr": LR, "grad_clip": None},
+            "megatron": {"tensor_parallel": tensor_parallel},
+            "connection": {"model_dir": model_dir},
+        }
+    )
+
+
+def _samples() -> list[Sample]:
+    """Sequences of very different lengths, two temperatures, prox = behav + noise."""
+    rng = random.Random(5)
+    samples = []
+    for i, (prompt, generated) in enumerate(SHAPES):
+        mask = [0] * prompt + [1] * generated
+        behav = [-rng.uniform(0.5, 4.0) * m for m in mask]
+        samples.append(
+            Sample(
+                session_id=f"s{i}",
+                group_id="g",
+                input_ids=[rng.randrange(256) for _ in mask],
+                loss_mask=mask,
+                behav_logprobs=behav,
+                versions=[0 if m else -1 for m in mask],
+                advantages=[rng.choice((-1.0, 1.0)) * rng.uniform(0.5, 1.5) * m for m in mask],
+                temperature=0.7 if i % 2 else 1.0,
+                prox_logprobs=[
+                    b + 0.1 * rng.gauss(0.0, 1.0) * m for b, m in zip(behav, mask, strict=True)
+                ],
+            )
+        )
+    return samples
+
+
+def _steps() -> dict[str, tuple[BatchingConfig, list[Sample]]]:
+    """The train steps in order: token budget and batch (``one``: replica 1 gets nothing)."""
+    samples = _samples()
+    return {"wide": (WIDE, samples), "narrow": (NARROW, samples), "one": (NARROW, samples[3:4])}
+
+
+def _grads_as_hf(backend: MegatronBackend) -> dict[str, Tensor]:
+    grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    return mcore_to_hf(grads, backend.shape)
+
+
+def _run(backend: MegatronPPOBackend) -> dict[str, Any]:
+    """What both sides record: logprobs, then per train step its stats, gradients and weights."""
+    without_prox = [dataclasses.replace(s, prox_logprobs=None) for s in _samples()]
+    backend.batching = WIDE  # what the backend plans micro-batches with
+    out: dict[str, Any] = {"logprobs": backend.compute_logprobs(without_prox)}
+    for name, (batching, batch) in _steps().items():
+        backend.batching = batching
+        stats = backend.train_step(batch)
+        out[name] = {
+            "stats": stats.as_dict(),
+            "grads": _grads_as_hf(backend.megatron),
+            "weights": backend.megatron.to_hf_state_dict(),
+        }
+    return out
+
+
+def _data_parallel_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One of two gloo ranks (TP 1 x DP 2): the steps of :func:`_run`, then a checkpoint round trip."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    backend = MegatronPPOBackend(model_dir, _cfg(Path(model_dir)))
+    out = _run(backend)
+    out["data_parallel"] = (
+        backend.megatron.data_parallel_size,
+        backend.megatron.data_parallel_rank,
+    )
+    checkpoint = backend.state_dict()  # collective; rank 0 gets it
+    out["checkpoint"] = checkpoint
+    backend.load_state_dict(broadcast_object(checkpoint))  # a resume with the same world
+    out["reloaded"] = backend.megatron.to_hf_state_dict()
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_process_group() -> Iterator[None]:
+    """The single-process reference's gloo group (world size 1), torn down after this module."""
+    yield
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def single(megatron_process_group: None, tiny_model_dir: Path) -> MegatronPPOBackend:
+    """The same backend in one process (TP 1, DP 1)."""
+    return MegatronPPOBackend(tiny_model_dir, _cfg(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(single: MegatronPPOBackend) -> dict[str, Any]:
+    """What :func:`_run` records in one process."""
+    return _run(single)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of the two data-parallel ranks recorded."""
+    out_dir = tmp_path_factory.mktemp("data-parallel")
+    mp.spawn(
+        _data_parallel_worker,
+        args=(free_port(), str(tiny_model_dir), str(out_dir)),
+        nprocs=2,
+        join=True,
+    )
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def test_assign_to_replicas_balances_tokens_longest_first() -> None:
+    # 9 -> r0, 7 -> r1, 5 -> r1 (7 < 9), 1 -> r0 (9 < 12): loads 10 and 12.
+    assert assign_to_replicas([5, 9, 1, 7], 2) == [[1, 2], [0, 3]]
+    assert assign_to_replicas([4, 4, 4], 3) == [[0], [1], [2]]
+    assert assign_to_replicas([3], 2) == [[0], []]  # fewer items than replicas
+    assert assign_to_replicas([], 2) == [[], []]
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        assign_to_replicas([1], 0)
+
+
+def test_micro_batch_plan_has_one_per_replica_when_it_can() -> None:
+    samples = _samples()[:3]  # 7, 80 and 16 tokens: one micro-batch fits them all
+    batching = BatchingConfig(max_tokens_per_mb=128)
+    assert len(micro_batches(samples, batching)) == 1
+    assert len(micro_batches(samples, batching, replicas=2)) == 2
+    assert len(micro_batches(samples, batching, replicas=4)) == 3  # no more than the samples
+    plan = micro_batches(samples, BatchingConfig(max_tokens_per_mb=128, min_mbs=3), replicas=2)
+    assert len(plan) == 3  # min_mbs still holds
+
+
+# --------------------------------------------------------------------------- TP 1 x DP 2
+
+
+def test_compute_logprobs_on_two_replicas_equals_one_process(
+    ranks: list[dict[str, Any]], reference: dict[str, Any]
+) -> None:
+    expected = reference["logprobs"]
+    assert [r["data_parallel"] for r in ranks] == [(2, 0), (2, 1)]
+    for rank in ranks:  # every rank returns every sample, in input order
+        assert [len(v) for v in rank["logprobs"]] == [p + g for p, g in SHAPES]
+        for actual, want in zip(rank["logprobs"], expected, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(actual), torch.tensor(want), atol=LOGPROB_ATOL, rtol=0
+            )
+
+
+STEPS = list(_steps())
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_train_step_on_two_replicas_equals_one_process(
+    ranks: list[dict[str, Any]], reference: dict[str, Any], tiny_model_dir: Path, step: str
+) -> None:
+    """Each step after the previous ones: loss, statistics, summed gradients, weights.
+
+    ``wide``: two micro-batches, one per replica (one process packs a single
+    one); ``narrow``: three, the replicas run one and two; ``one``: a single
+    sample, replica 1 idle (zero gradients, same AdamW step).
+    """
+    want = reference[step]
+    assert ranks[0][step]["stats"] == ranks[1][step]["stats"]  # every rank logs the global step
+    stats = ranks[0][step]["stats"]
+    assert stats["micro_batches"] == {"wide": 2, "narrow": 3, "one": 1}[step]
+    assert stats["loss_tokens"] == want["stats"]["loss_tokens"]
+    assert stats["loss"] == pytest.approx(want["stats"]["loss"], abs=LOSS_ATOL)
+    assert stats["grad_norm"] == pytest.approx(want["stats"]["grad_norm"], rel=GRAD_NORM_RTOL)
+    for key in ("importance_weight_mean", "importance_weight_max", "approx_kl", "clip_fraction"):
+        assert stats[key] == pytest.approx(want["stats"][key], abs=STAT_ATOL), key
+
+    done = STEPS[: STEPS.index(step) + 1]  # the AdamW steps the weights have taken
+    for rank in ranks:
+        for key, grad in want["grads"].items():  # the summed gradient, the same on both replicas
+            torch.testing.assert_close(
+                rank[step]["grads"][key], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=key
+            )
+        compared = 0
+        for key, expected in want["weights"].items():
+            diff = (rank[step]["weights"][key] - expected).abs()
+            clear = torch.stack([ranks[0][s]["grads"][key].abs() > 1e-5 for s in done]).all(0)
+            compared += int(clear.sum())
+            if clear.any():
+                assert diff[clear].max().item() <= WEIGHT_ATOL_CLEAR_GRAD, key
+            assert diff.max().item() <= 0.05 * LR * len(done), key
+        assert compared > 0
+    # Both replicas hold the same weights, and the step moved them (the idle replica's too).
+    assert all(
+        torch.equal(ranks[1][step]["weights"][k], t) for k, t in ranks[0][step]["weights"].items()
+    )
+    before = ranks[1][done[-2]]["weights"] if len(done) > 1 else read_hf_state_dict(tiny_model_dir)
+    assert not torch.equal(
+        ranks[1][step]["weights"]["model.norm.weight"], before["model.norm.weight"]
+    )
+
+
+def test_checkpoint_keeps_one_copy_and_loads_with_any_number_of_replicas(
+    ranks: list[dict[str, Any]], reference: dict[str, Any], single: MegatronPPOBackend
+) -> None:
+    checkpoint = ranks[0]["checkpoint"]
+    assert ranks[1]["checkpoint"] == {}
+    assert len(checkpoint["ranks"]) == 1  # replica 0's one tensor-parallel shard
+    for rank in ranks:  # same-world resume: the weights are those saved
+        trained = rank[STEPS[-1]]["weights"]
+        assert all(torch.equal(rank["reloaded"][k], t) for k, t in trained.items())
+    # One process (DP 1) resumes from it (after its own run): the weights the replicas trained.
+    single.load_state_dict(checkpoint)
+    restored = single.megatron.to_hf_state_dict()
+    assert all(torch.equal(restored[k], t) for k, t in ranks[0][STEPS[-1]]["weights"].items())
+    assert single.megatron.optimizer.state_dict()["state"]
+    two_shards = {"ranks": [checkpoint["ranks"][0], checkpoint["ranks"][0]]}
+    with pytest.raises(ValueError, match="saved with tensor_parallel = 2"):
+        single.load_state_dict(two_shards)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_world_not_a_multiple_of_tensor_parallel_is_refused(
+    megatron_process_group: None, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(ValueError, match="world size 1 is not a multiple of .* = 2"):
+        MegatronBackend(tiny_model_dir, parallel=MegatronParallelConfig(tensor_parallel=2))
+
+
+def test_torch_backend_under_torchrun_points_at_megatron(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _cfg(tiny_model_dir).model_copy(update={"backend": "torch"})
+    with pytest.raises(ValueError, match='torchrun started 2.*set backend = "megatron"'):
+        _init_ranks(cfg)
+
+
+def test_one_minibatch_takes_prox_from_its_own_forward_pass(single: MegatronPPOBackend) -> None:
+    """Without prox_logprobs the (only) minibatch uses its training pass's detached logprobs:
+    the same loss and weights as recomputing them first (the trainer loop skips that pass)."""
+    batch = [dataclasses.replace(s, prox_logprobs=None) for s in _samples()]
+    start = copy.deepcopy(single.state_dict())  # state_dict() shares storage with the model
+    single.batching = NARROW
+    try:
+        recomputed = [
+            dataclasses.replace(s, prox_logprobs=p)
+            for s, p in zip(batch, single.compute_logprobs(batch), strict=True)
+        ]
+        with_prox = single.train_step(recomputed).as_dict()
+        weights_with_prox = single.megatron.to_hf_state_dict()
+        single.load_state_dict(start)
+        without_prox = single.train_step(batch).as_dict()
+        weights_without = single.megatron.to_hf_state_dict()
+    finally:
+        single.load_state_dict(start)
+    assert without_prox["loss"] == pytest.approx(with_prox["loss"], abs=LOSS_ATOL)
+    assert without_prox["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    for key, value in weights_with_prox.items():
+        torch.testing.assert_close(weights_without[key], value, atol=1e-6, rtol=0, msg=key)
