@@ -292,6 +292,18 @@ class _Run:
         if self.proxy is not None:
             self.proxy.stop()
 
+    async def evaluate(self, items: list[dict[str, Any]]) -> float:
+        """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings)."""
+        return await evaluate(
+            self.cfg.rollout.agent,
+            items,
+            base_url=self.url + "/v1",
+            api_key=self.token,
+            model=self.model_name,
+            section=self.cfg.eval,
+            fields=dict(self.cfg.rollout.item_fields),
+        )
+
 
 def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
     return [
@@ -358,15 +370,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         run.start()
         fields = dict(cfg.rollout.item_fields)
         eval_started = time.monotonic()
-        before = await evaluate(
-            cfg.rollout.agent,
-            test_items,
-            base_url=run.url + "/v1",
-            api_key=run.token,
-            model=run.model_name,
-            section=cfg.eval,
-            fields=fields,
-        )
+        before = await run.evaluate(test_items)
         print(
             f"held-out accuracy before training: {before:.1%} ({len(test_items)} items)", flush=True
         )
@@ -421,15 +425,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             )
 
         after_started = time.monotonic()
-        after = await evaluate(
-            cfg.rollout.agent,
-            test_items,
-            base_url=run.url + "/v1",
-            api_key=run.token,
-            model=run.model_name,
-            section=cfg.eval,
-            fields=fields,
-        )
+        after = await run.evaluate(test_items)
         eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
         final = _copy_final(cfg)
         if records:
@@ -491,15 +487,7 @@ async def eval_only(cfg: TrainRunConfig) -> float:
     run = _Run(cfg, model_dir)
     try:
         run.start()
-        score = await evaluate(
-            cfg.rollout.agent,
-            test_items,
-            base_url=run.url + "/v1",
-            api_key=run.token,
-            model=run.model_name,
-            section=cfg.eval,
-            fields=dict(cfg.rollout.item_fields),
-        )
+        score = await run.evaluate(test_items)
     finally:
         run.stop()
     print(f"held-out accuracy: {score:.1%} ({len(test_items)} items)")
