@@ -65,6 +65,10 @@ lr = 1e-4
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] >= 2
+    assert summary["max_staleness"] == 1
+    assert 0 < summary["seconds_per_step"] * summary["steps"] <= summary["train_s"] + 1
+    assert summary["train_s"] + summary["eval_s"] < summary["wall_s"]
+    assert f"trained {summary['steps']} steps in " in proc.stdout
     assert summary["rollouts"]["sessions_rewarded"] >= 8
     assert (out / "final" / "model.safetensors").exists()
     assert (out / "reward_curve.png").stat().st_size > 1000
