@@ -308,13 +308,7 @@ class _Run:
 def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
     return [
         sys.executable,
-        "-m",
-        "proxy.cli",
-        "--log-format",
-        "text",
-        "--log-level",
-        "warning",
-        "trainer",
+        *("-m", "proxy.cli", "--log-format", "text", "--log-level", "warning", "trainer"),
         "--proxy",
         run.url,
         "--db",

@@ -10,13 +10,10 @@ and the PPO statistics (clip fraction, importance weights) exactly or to 1e-5.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM
 
 from proxy.store import SessionStatus, Store, ensure_schema
@@ -25,15 +22,7 @@ from trainer.backends.torch_backend import MegatronPPOBackend
 from trainer.loop import Trainer
 from trainer.weights import weights_dir
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_process_group() -> Iterator[None]:
-    """The megatron backend's gloo group (world size 1), torn down after this module."""
-    yield
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 
 async def _one_step(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +41,8 @@ from trainer.config import OptimConfig
 from trainer.logprobs import forward_logprobs as hf_packed_logprobs
 from trainer.loss import decoupled_ppo_loss
 
+pytestmark = pytest.mark.usefixtures("megatron_process_group")
+
 LOGPROB_ATOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 LR = 1e-3
@@ -49,16 +50,6 @@ TEMPERATURE = 0.7
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_process_group() -> Iterator[None]:
-    """This module's tests share one gloo group (world size 1); torn down at the end."""
-    yield
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

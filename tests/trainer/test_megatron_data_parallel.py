@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,16 +137,6 @@ def _data_parallel_worker(rank: int, port: int, model_dir: str, out_dir: str) ->
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def megatron_process_group() -> Iterator[None]:
-    """The single-process reference's gloo group (world size 1), torn down after this module."""
-    yield
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
