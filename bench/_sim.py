@@ -47,15 +47,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
-from proxy.testing.fake_sglang import generate_response
+from proxy.testing.fake_sglang import generate_response, sglang_app
 
 
 class SimGenerator:
@@ -236,52 +235,28 @@ class SimGenerator:
 
 
 def create_sim_app(sim: SimGenerator) -> FastAPI:
-    app = FastAPI(title="simulated sglang")
-    app.state.sim = sim
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        body = json.loads(await request.body())
+    async def generate(body: dict[str, Any]) -> Any:
         incremental = sim.incremental and bool(body.get("stream"))
         return await generate_response(lambda b: sim.run(b, incremental=incremental), body)
 
-    @app.post("/abort_request")
-    async def abort(request: Request) -> dict[str, Any]:
-        body = json.loads(await request.body() or b"{}")
+    async def abort(body: dict[str, Any]) -> None:
         if body.get("abort_all"):
             if sim.interrupt == "abort":
                 sim._abort_all()
         elif body.get("rid"):
             sim.abort([body["rid"]])
-        return {}
 
-    @app.post("/pause_generation")
-    async def pause() -> dict[str, Any]:
-        await sim.pause()
-        return {}
-
-    @app.post("/continue_generation")
-    async def cont() -> dict[str, Any]:
-        await sim.cont()
-        return {}
-
-    @app.post("/update_weights_from_disk")
-    async def update(request: Request) -> dict[str, Any]:
-        body = json.loads(await request.body())
-        await sim.update(str(body.get("weight_version") or sim.weight_version))
-        return {"success": True, "message": "ok", "num_paused_requests": 0}
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush() -> dict[str, Any]:
-        return {}
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {}
-
-    @app.get("/get_model_info")
-    async def info() -> dict[str, Any]:
-        return {"model_path": "sim", "is_generation": True, "weight_version": sim.weight_version}
+    app = sglang_app(
+        "simulated sglang",
+        "sim",
+        generate=generate,
+        abort=abort,
+        pause=sim.pause,
+        resume=sim.cont,
+        update=sim.update,
+        weight_version=lambda: sim.weight_version,
+    )
+    app.state.sim = sim
 
     @app.get("/sim_stats")
     async def sim_stats() -> dict[str, Any]:

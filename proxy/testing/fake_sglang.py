@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,8 +23,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 
 class FakeBackend:
-    def __init__(self, *, vocab_size: int = 256, tokens_per_s: float = 0.0, eos_id: int | None = None,
-                 chunk_tokens: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 256,
+        tokens_per_s: float = 0.0,
+        eos_id: int | None = None,
+        chunk_tokens: int = 1,
+        seed: int = 0,
+    ):
         self.vocab_size = vocab_size
         self.tokens_per_s = tokens_per_s
         self.eos_id = eos_id
@@ -71,9 +78,13 @@ class FakeBackend:
                     "text": "",
                     "output_ids": ids,
                     "meta_info": {
-                        "id": rid, "finish_reason": finish, "prompt_tokens": prompt_len,
-                        "completion_tokens": len(ids), "cached_tokens": 0,
-                        "weight_version": self.weight_version, "output_token_logprobs": lps,
+                        "id": rid,
+                        "finish_reason": finish,
+                        "prompt_tokens": prompt_len,
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "weight_version": self.weight_version,
+                        "output_token_logprobs": lps,
                     },
                 }
                 if self.tokens_per_s > 0:
@@ -90,6 +101,7 @@ async def generate_response(
 ) -> Any:
     """SGLang's ``/generate`` answer for ``run``'s cumulative outputs: SSE or one final JSON."""
     if body.get("stream"):
+
         async def events() -> AsyncIterator[bytes]:
             async for out in run(body):
                 yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
@@ -102,36 +114,48 @@ async def generate_response(
     return JSONResponse({**last, "output_ids": list(last["output_ids"])})
 
 
-def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
-    fake = backend or FakeBackend()
-    app = FastAPI(title="fake sglang")
-    app.state.fake = fake
+def sglang_app(
+    title: str,
+    model_path: str,
+    *,
+    generate: Callable[[dict[str, Any]], Awaitable[Any]],
+    abort: Callable[[dict[str, Any]], Awaitable[None]],
+    pause: Callable[[], Awaitable[None]],
+    resume: Callable[[], Awaitable[None]],
+    update: Callable[[str], Awaitable[None]],
+    weight_version: Callable[[], str],
+) -> FastAPI:
+    """An app with SGLang's native routes over the given callbacks.
+
+    ``generate`` gets the ``/generate`` body and returns the response;
+    ``abort`` the ``/abort_request`` body (``rid`` or ``abort_all``);
+    ``update`` the new weight version (the current one when the body names none).
+    """
+    app = FastAPI(title=title)
 
     @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        return await generate_response(fake.run, json.loads(await request.body()))
+    async def generate_route(request: Request) -> Any:
+        return await generate(json.loads(await request.body()))
 
     @app.post("/abort_request")
-    async def abort(request: Request) -> dict[str, Any]:
-        body = json.loads(await request.body() or b"{}")
-        fake.aborted |= set(fake.running) if body.get("abort_all") else {body.get("rid", "")}
+    async def abort_route(request: Request) -> dict[str, Any]:
+        await abort(json.loads(await request.body() or b"{}"))
         return {}
 
     @app.post("/pause_generation")
-    async def pause() -> dict[str, Any]:
-        fake.paused.clear()
-        fake.aborted |= set(fake.running)
+    async def pause_route() -> dict[str, Any]:
+        await pause()
         return {}
 
     @app.post("/continue_generation")
-    async def cont() -> dict[str, Any]:
-        fake.paused.set()
+    async def continue_route() -> dict[str, Any]:
+        await resume()
         return {}
 
     @app.post("/update_weights_from_disk")
-    async def update(request: Request) -> dict[str, Any]:
+    async def update_route(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body())
-        fake.weight_version = str(body.get("weight_version") or fake.weight_version)
+        await update(str(body.get("weight_version") or weight_version()))
         return {"success": True, "message": "ok", "num_paused_requests": 0}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -144,8 +168,38 @@ def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
 
     @app.get("/get_model_info")
     async def info() -> dict[str, Any]:
-        return {"model_path": "fake", "is_generation": True, "weight_version": fake.weight_version}
+        return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
 
+    return app
+
+
+def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
+    fake = backend or FakeBackend()
+
+    async def abort(body: dict[str, Any]) -> None:
+        fake.aborted |= set(fake.running) if body.get("abort_all") else {body.get("rid", "")}
+
+    async def pause() -> None:
+        fake.paused.clear()
+        fake.aborted |= set(fake.running)
+
+    async def resume() -> None:
+        fake.paused.set()
+
+    async def update(version: str) -> None:
+        fake.weight_version = version
+
+    app = sglang_app(
+        "fake sglang",
+        "fake",
+        generate=lambda body: generate_response(fake.run, body),
+        abort=abort,
+        pause=pause,
+        resume=resume,
+        update=update,
+        weight_version=lambda: fake.weight_version,
+    )
+    app.state.fake = fake
     return app
 
 
@@ -158,9 +212,16 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--chunk-tokens", type=int, default=1)
     args = p.parse_args()
-    backend = FakeBackend(vocab_size=args.vocab_size, tokens_per_s=args.tokens_per_s, chunk_tokens=args.chunk_tokens)
-    uvicorn.run(create_fake_app(backend), host="127.0.0.1", port=args.port, log_level="warning",
-                access_log=False)
+    backend = FakeBackend(
+        vocab_size=args.vocab_size, tokens_per_s=args.tokens_per_s, chunk_tokens=args.chunk_tokens
+    )
+    uvicorn.run(
+        create_fake_app(backend),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 if __name__ == "__main__":

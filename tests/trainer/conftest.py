@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from proxy.testing.live import LiveProxy
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +24,14 @@ def megatron_process_group() -> Iterator[None]:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LiveProxy]:
+    """A live ``proxima serve`` (embedded engine, tiny model, SQLite store) for one test."""
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log"
+    )
+    live.start()
+    yield live
+    live.stop()

@@ -14,7 +14,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,16 +27,6 @@ from proxy.testing.live import LiveProxy
 from trainer.backends.megatron_compat import free_port
 from trainer.log import read_log
 from trainer.weights import latest_checkpoint, weights_dir
-
-
-@pytest.fixture
-def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LiveProxy]:
-    live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log"
-    )
-    live.start()
-    yield live
-    live.stop()
 
 
 def run_session(proxy: LiveProxy, *, reward: float) -> str:

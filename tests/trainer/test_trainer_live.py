@@ -18,13 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from openai import OpenAI
 
 from proxy.store import SessionStatus, Store
@@ -33,16 +31,6 @@ from trainer.config import TrainerConfig
 from trainer.log import read_log
 from trainer.loop import Trainer
 from trainer.weights import ProxyWeightSink, weights_dir
-
-
-@pytest.fixture
-def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LiveProxy]:
-    live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log"
-    )
-    live.start()
-    yield live
-    live.stop()
 
 
 def run_session(proxy: LiveProxy, *, group: str, reward: float, tokens: int = 8) -> str:
