@@ -28,7 +28,7 @@ postgres:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null; \
 	else echo "PostgreSQL server binaries not found; Postgres tests will be deselected (CI requires them)"; fi
 
-test: venv postgres
+test: venv postgres lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn
@@ -37,8 +37,10 @@ test: venv postgres
 demo: venv
 	$(VENV)/bin/proxima --log-format text --log-level warning train --config agents_examples/demo.toml
 
+# Lint and format are part of the suite (CI runs them through `make test`).
 lint: venv
-	$(VENV)/bin/ruff check proxy trainer agents_examples tests bench
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: venv
 	$(PY) bench/engine_batching.py

@@ -2,10 +2,10 @@
 
 Each module exposes ``run_agent_return_reward(data)`` for the rollout
 controller (``trainer/rollout.py``) and runs standalone
-(``python -m agents_examples.math_agent --base-url URL --api-key K --model M``).
+(``python -m proxima.agents_examples.math_agent --base-url URL --api-key K --model M``).
 
-- :mod:`agents_examples.math_agent`: multi-turn math on the OpenAI SDK.
-- :mod:`agents_examples.tool_agent`: LangGraph + LangChain ``ChatOpenAI`` with a calculator tool.
-- :mod:`agents_examples.httpx_agent`: one chat completion over plain httpx.
-- :mod:`agents_examples.datasets`: seeded arithmetic datasets (JSONL) for them.
+- :mod:`proxima.agents_examples.math_agent`: multi-turn math on the OpenAI SDK.
+- :mod:`proxima.agents_examples.tool_agent`: LangGraph + LangChain ``ChatOpenAI`` with a calculator tool.
+- :mod:`proxima.agents_examples.httpx_agent`: one chat completion over plain httpx.
+- :mod:`proxima.agents_examples.datasets`: seeded arithmetic datasets (JSONL) for them.
 """

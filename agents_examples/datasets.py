@@ -13,7 +13,7 @@ Levels, chosen for SmolLM2-135M-Instruct (the demo model): ``tiny``
 (two-digit ``+ - *``), ``tool`` (three-digit by two-digit products, for the
 calculator agent).
 
-CLI: ``python -m agents_examples.datasets --out-dir data --difficulty easy --train 400 --test 50``.
+CLI: ``python -m proxima.agents_examples.datasets --out-dir data --difficulty easy --train 400 --test 50``.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def write_arithmetic_splits(
 def main(argv: list[str] | None = None) -> None:
     """Write a seeded arithmetic train/held-out split as JSONL."""
     parser = argparse.ArgumentParser(
-        prog="python -m agents_examples.datasets", description=main.__doc__
+        prog="python -m proxima.agents_examples.datasets", description=main.__doc__
     )
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default="easy")

@@ -6,7 +6,7 @@ else 0.0.
 Item fields: ``question``, ``answer``; optional ``temperature`` (1.0),
 ``max_tokens`` (64), ``model``/``base_url``/``api_key`` (else ``OPENAI_*``).
 
-Standalone: ``python -m agents_examples.httpx_agent --base-url URL --api-key K --model M``.
+Standalone: ``python -m proxima.agents_examples.httpx_agent --base-url URL --api-key K --model M``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import json
 from typing import Any
 
 import httpx
-
-from agents_examples.common import (
+from proxima.agents_examples.common import (
     cli_data,
     cli_parser,
     endpoint,

@@ -10,7 +10,7 @@ Item fields: ``question``, ``answer`` (int); optional ``max_turns`` (3),
 ``temperature`` (1.0), ``max_tokens`` (96), ``system`` (a system prompt),
 ``model``/``base_url``/``api_key`` (else ``OPENAI_*``).
 
-Standalone: ``python -m agents_examples.math_agent --base-url URL --api-key K --model M``.
+Standalone: ``python -m proxima.agents_examples.math_agent --base-url URL --api-key K --model M``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import json
 from typing import Any
 
 from openai import AsyncOpenAI
-
-from agents_examples.common import (
+from proxima.agents_examples.common import (
     cli_data,
     cli_parser,
     endpoint,

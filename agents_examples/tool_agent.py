@@ -13,7 +13,7 @@ the model writes can run code or build huge numbers.
 Item fields: ``question``, ``answer``; optional ``max_steps`` (4 model calls),
 ``temperature`` (1.0), ``max_tokens`` (128), ``model``/``base_url``/``api_key``.
 
-Standalone: ``python -m agents_examples.tool_agent --base-url URL --api-key K --model M``.
+Standalone: ``python -m proxima.agents_examples.tool_agent --base-url URL --api-key K --model M``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from pydantic import SecretStr
-
-from agents_examples.common import (
+from proxima.agents_examples.common import (
     cli_data,
     cli_parser,
     endpoint,
@@ -42,6 +40,7 @@ from agents_examples.common import (
     resolve_model,
     sampling,
 )
+from pydantic import SecretStr
 
 SYSTEM_PROMPT = (
     "You are a careful assistant. Use the calculator tool for any arithmetic, "
@@ -131,7 +130,7 @@ async def solve(
 ) -> tuple[float, list[BaseMessage]]:
     """Run the graph on one problem; returns the reward and the messages.
 
-    ``llm`` defaults to ``ChatOpenAI`` on the run's endpoint (see ``agents_examples.common``).
+    ``llm`` defaults to ``ChatOpenAI`` on the run's endpoint (see ``proxima.agents_examples.common``).
     """
     if llm is None:
         ep = endpoint(data)

@@ -1,6 +1,6 @@
 """A simulated SGLang-protocol generator with a throughput model, for ``bench/async_vs_sync.py``.
 
-Unlike :mod:`proxy.testing.fake_sglang` (each request decodes at its own
+Unlike :mod:`proxima.proxy.testing.fake_sglang` (each request decodes at its own
 rate, no limit on how many run at once), this backend has ``--max-running``
 decode slots: a request waits in a FIFO queue for a slot, then decodes in
 chunks of ``--chunk-tokens``. Decode is memory-bound: one engine step makes
@@ -53,14 +53,23 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-
-from proxy.testing.fake_sglang import generate_response, sglang_app
+from proxima.proxy.testing.fake_sglang import generate_response, sglang_app
 
 
 class SimGenerator:
-    def __init__(self, *, tokens_per_s: float, max_running: int, interrupt: str = "abort",
-                 decode_speedup: float = 1.0, chunk_tokens: int = 8, incremental: bool = False,
-                 weight_load_s: float = 0.0, vocab_size: int = 256, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        tokens_per_s: float,
+        max_running: int,
+        interrupt: str = "abort",
+        decode_speedup: float = 1.0,
+        chunk_tokens: int = 8,
+        incremental: bool = False,
+        weight_load_s: float = 0.0,
+        vocab_size: int = 256,
+        seed: int = 0,
+    ):
         if interrupt not in ("abort", "drain", "swap"):
             raise ValueError(f"interrupt must be abort, drain or swap, not {interrupt!r}")
         if decode_speedup < 1.0 or (max_running > 0 and decode_speedup > max_running):
@@ -72,8 +81,9 @@ class SimGenerator:
         self.interrupt = interrupt
         self.decode_speedup = decode_speedup
         # Share of a full engine's step time that does not depend on the batch (weights).
-        self.fixed_share = ((max_running / decode_speedup - 1) / (max_running - 1)
-                            if max_running > 1 else 1.0)
+        self.fixed_share = (
+            (max_running / decode_speedup - 1) / (max_running - 1) if max_running > 1 else 1.0
+        )
         self.chunk_tokens = max(1, chunk_tokens)
         self.incremental = incremental
         self.weight_load_s = weight_load_s
@@ -118,13 +128,21 @@ class SimGenerator:
     def stats(self) -> dict[str, Any]:
         self._tick(0)
         return {
-            "t": time.monotonic(), "slot_seconds": self.slot_seconds,
-            "any_busy_seconds": self.any_busy_seconds, "max_running": self.max_running,
-            "tokens_per_s": self.tokens_per_s, "decode_speedup": self.decode_speedup,
-            "peak_tokens_per_s": self.tokens_per_s * self.max_running if self.max_running > 0 else None,
-            "generated_tokens": self.generated_tokens, "requests": self.requests,
-            "aborts": self.aborts, "update_wait_s": self.update_wait_s,
-            "update_load_s": self.update_load_s, "interrupt": self.interrupt,
+            "t": time.monotonic(),
+            "slot_seconds": self.slot_seconds,
+            "any_busy_seconds": self.any_busy_seconds,
+            "max_running": self.max_running,
+            "tokens_per_s": self.tokens_per_s,
+            "decode_speedup": self.decode_speedup,
+            "peak_tokens_per_s": self.tokens_per_s * self.max_running
+            if self.max_running > 0
+            else None,
+            "generated_tokens": self.generated_tokens,
+            "requests": self.requests,
+            "aborts": self.aborts,
+            "update_wait_s": self.update_wait_s,
+            "update_load_s": self.update_load_s,
+            "interrupt": self.interrupt,
             "weight_version": self.weight_version,
         }
 
@@ -150,7 +168,9 @@ class SimGenerator:
             return n
         return min(n, int((time.monotonic() - started) * rate))
 
-    async def run(self, body: dict[str, Any], *, incremental: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def run(
+        self, body: dict[str, Any], *, incremental: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
         await self.gate.wait()
         rid = body.get("rid") or f"sim-{self.rng.getrandbits(48):x}"
         params = body.get("sampling_params") or {}
@@ -188,11 +208,16 @@ class SimGenerator:
                 start = sent if incremental else 0
                 sent = len(ids)
                 yield {
-                    "text": "", "output_ids": ids[start:],
+                    "text": "",
+                    "output_ids": ids[start:],
                     "meta_info": {
-                        "id": rid, "finish_reason": finish, "prompt_tokens": prompt_len,
-                        "completion_tokens": len(ids), "cached_tokens": 0,
-                        "weight_version": version, "output_token_logprobs": lps[start:],
+                        "id": rid,
+                        "finish_reason": finish,
+                        "prompt_tokens": prompt_len,
+                        "completion_tokens": len(ids),
+                        "cached_tokens": 0,
+                        "weight_version": version,
+                        "output_token_logprobs": lps[start:],
                     },
                 }
         finally:
@@ -268,25 +293,42 @@ def create_sim_app(sim: SimGenerator) -> FastAPI:
 def main() -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(description="simulated SGLang-protocol generator (throughput model)")
+    p = argparse.ArgumentParser(
+        description="simulated SGLang-protocol generator (throughput model)"
+    )
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--tokens-per-s", type=float, default=100.0,
-                   help="decode rate per request with every slot busy")
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=100.0,
+        help="decode rate per request with every slot busy",
+    )
     p.add_argument("--max-running", type=int, default=16, help="decode slots (0 = unlimited)")
-    p.add_argument("--decode-speedup", type=float, default=1.0,
-                   help="rate of a request decoding alone / rate with every slot busy")
+    p.add_argument(
+        "--decode-speedup",
+        type=float,
+        default=1.0,
+        help="rate of a request decoding alone / rate with every slot busy",
+    )
     p.add_argument("--interrupt", choices=["abort", "drain", "swap"], default="abort")
     p.add_argument("--chunk-tokens", type=int, default=8)
     p.add_argument("--incremental", action="store_true", help="stream only new tokens per chunk")
     p.add_argument("--weight-load-s", type=float, default=0.0, help="time to load new weights")
     p.add_argument("--vocab-size", type=int, default=256)
     args = p.parse_args()
-    sim = SimGenerator(tokens_per_s=args.tokens_per_s, max_running=args.max_running,
-                       interrupt=args.interrupt, decode_speedup=args.decode_speedup,
-                       chunk_tokens=args.chunk_tokens, incremental=args.incremental,
-                       weight_load_s=args.weight_load_s, vocab_size=args.vocab_size)
-    uvicorn.run(create_sim_app(sim), host="127.0.0.1", port=args.port, log_level="warning",
-                access_log=False)
+    sim = SimGenerator(
+        tokens_per_s=args.tokens_per_s,
+        max_running=args.max_running,
+        interrupt=args.interrupt,
+        decode_speedup=args.decode_speedup,
+        chunk_tokens=args.chunk_tokens,
+        incremental=args.incremental,
+        weight_load_s=args.weight_load_s,
+        vocab_size=args.vocab_size,
+    )
+    uvicorn.run(
+        create_sim_app(sim), host="127.0.0.1", port=args.port, log_level="warning", access_log=False
+    )
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ A simulated cluster, real control plane:
 - generator: ``bench/_sim.py``, an SGLang-protocol server with ``--max-running``
   decode slots and a memory-bound decode model (a request decodes faster when
   fewer run; see its docstring); it measures its own utilization;
-- the real proxy (``proxima serve`` via :class:`proxy.process.ProxyProcess`,
+- the real proxy (``proxima serve`` via :class:`proxima.proxy.server_process.ProxyProcess`,
   ``--backend`` = the simulator, ``--max-staleness``, ``--train-batch-size``);
-- the real :class:`trainer.rollout.RolloutController`, driving an async agent
+- the real :class:`proxima.trainer.rollout.RolloutController`, driving an async agent
   that makes one chat completion (OpenAI SDK, ``ignore_eos``) whose
   ``max_tokens`` is drawn from a capped lognormal (a long tail), reward 1;
 - a timing-model trainer that does what ``trainer/loop.py`` does around its
@@ -123,12 +123,12 @@ from openai import AsyncOpenAI
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from proxy.engine_process import free_port  # noqa: E402
-from proxy.process import ProxyProcess  # noqa: E402
-from proxy.store.records import SessionStatus  # noqa: E402
-from proxy.store.store import Store  # noqa: E402
-from proxy.testing.tiny_model import build_tiny_model  # noqa: E402
-from trainer.rollout import RolloutController  # noqa: E402
+from proxima.proxy.server_process import ProxyProcess  # noqa: E402
+from proxima.proxy.serving import free_port  # noqa: E402
+from proxima.proxy.store.records import SessionStatus  # noqa: E402
+from proxima.proxy.store.store import Store  # noqa: E402
+from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
+from proxima.trainer.rollout import RolloutController  # noqa: E402
 
 ADMIN = "bench-admin-token"
 TARGET_RATIO = 3.0
@@ -151,8 +151,12 @@ class Timing:
     def of(cls, args: argparse.Namespace) -> Timing:
         decode = args.tokens_per_s * args.time_scale
         peak = decode * args.max_running
-        return cls(decode_tokens_per_s=decode, train_s_per_token=1.0 / (args.train_speed * peak),
-                   weight_load_s=args.weight_load_s / args.time_scale, peak_tokens_per_s=peak)
+        return cls(
+            decode_tokens_per_s=decode,
+            train_s_per_token=1.0 / (args.train_speed * peak),
+            weight_load_s=args.weight_load_s / args.time_scale,
+            peak_tokens_per_s=peak,
+        )
 
 
 # --------------------------------------------------------------------------- workload
@@ -163,8 +167,10 @@ def lengths(args: argparse.Namespace, n_items: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     mu = math.log(args.median_tokens)
     return [
-        [max(args.min_tokens, min(args.max_tokens_cap, int(rng.lognormvariate(mu, args.sigma))))
-         for _ in range(args.group_size)]
+        [
+            max(args.min_tokens, min(args.max_tokens_cap, int(rng.lognormvariate(mu, args.sigma))))
+            for _ in range(args.group_size)
+        ]
         for _ in range(n_items)
     ]
 
@@ -187,12 +193,16 @@ class Agent:
         self.taken[data["id"]] = k + 1
         max_tokens = data["lengths"][k % len(data["lengths"])]
         if self.client is None:
-            self.client = AsyncOpenAI(base_url=data["base_url"], api_key="-", max_retries=0, timeout=600)
+            self.client = AsyncOpenAI(
+                base_url=data["base_url"], api_key="-", max_retries=0, timeout=600
+            )
         client = self.client.with_options(base_url=data["base_url"], api_key=data["api_key"])
         await client.chat.completions.create(
             model=self.model,
             messages=[{"role": "user", "content": f"Solve task {data['id']}."}],
-            max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True},
+            max_tokens=max_tokens,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
         )
         return 1.0
 
@@ -275,13 +285,28 @@ class Result:
         return sum(self.step_tokens[w:]) / span if span > 0 else 0.0
 
 
-def start_sim(args: argparse.Namespace, timing: Timing, port: int, interrupt: str,
-              log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, str(ROOT / "bench" / "_sim.py"), "--port", str(port),
-           "--tokens-per-s", str(timing.decode_tokens_per_s), "--max-running", str(args.max_running),
-           "--decode-speedup", str(args.decode_speedup), "--interrupt", interrupt,
-           "--chunk-tokens", str(args.chunk_tokens), "--incremental",
-           "--weight-load-s", str(timing.weight_load_s)]
+def start_sim(
+    args: argparse.Namespace, timing: Timing, port: int, interrupt: str, log: Path
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "_sim.py"),
+        "--port",
+        str(port),
+        "--tokens-per-s",
+        str(timing.decode_tokens_per_s),
+        "--max-running",
+        str(args.max_running),
+        "--decode-speedup",
+        str(args.decode_speedup),
+        "--interrupt",
+        interrupt,
+        "--chunk-tokens",
+        str(args.chunk_tokens),
+        "--incremental",
+        "--weight-load-s",
+        str(timing.weight_load_s),
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -297,8 +322,15 @@ def start_sim(args: argparse.Namespace, timing: Timing, port: int, interrupt: st
     raise RuntimeError("simulator did not start")
 
 
-async def trainer_loop(args: argparse.Namespace, timing: Timing, store: Store, proxy: ProxyProcess,
-                       res: Result, eta: int, t0: float) -> None:
+async def trainer_loop(
+    args: argparse.Namespace,
+    timing: Timing,
+    store: Store,
+    proxy: ProxyProcess,
+    res: Result,
+    eta: int,
+    t0: float,
+) -> None:
     """Claim a batch, drop what is too stale, 'train' (sleep by tokens), push version i + 1."""
     headers = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(timeout=600) as http:
@@ -306,7 +338,9 @@ async def trainer_loop(args: argparse.Namespace, timing: Timing, store: Store, p
             t_claim = time.monotonic()
             batch: list[tuple[Any, list[Any]]] = []
             while len(batch) < args.batch_size:
-                got = await store.claim_sessions(limit=args.batch_size - len(batch), trainer_id="bench")
+                got = await store.claim_sessions(
+                    limit=args.batch_size - len(batch), trainer_id="bench"
+                )
                 for s in got:
                     batch.append((s, await store.list_completions(session_id=s.id)))
                 if len(batch) < args.batch_size:
@@ -327,7 +361,9 @@ async def trainer_loop(args: argparse.Namespace, timing: Timing, store: Store, p
                     if len(set(c.output_versions)) > 1:
                         res.multi_version += 1
                     if c.output_versions:
-                        res.max_staleness_seen = max(res.max_staleness_seen, step - min(c.output_versions))
+                        res.max_staleness_seen = max(
+                            res.max_staleness_seen, step - min(c.output_versions)
+                        )
             if stale:
                 res.dropped += len(stale)
                 await store.mark_sessions(session_ids=stale, status=SessionStatus.DROPPED)
@@ -337,17 +373,29 @@ async def trainer_loop(args: argparse.Namespace, timing: Timing, store: Store, p
             await asyncio.sleep(timing.train_s_per_token * tokens)
             t_push = time.monotonic()
             res.train_s += t_push - t_train
-            r = await http.post(f"{proxy.url}/admin/weights", headers=headers,
-                                json={"version": step + 1, "path": f"/sim/weights/v{step + 1}"})
+            r = await http.post(
+                f"{proxy.url}/admin/weights",
+                headers=headers,
+                json={"version": step + 1, "path": f"/sim/weights/v{step + 1}"},
+            )
             r.raise_for_status()
             res.push_s += time.monotonic() - t_push
-            await store.mark_sessions(session_ids=trained, status=SessionStatus.TRAINED,
-                                      trained_version=step + 1)
+            await store.mark_sessions(
+                session_ids=trained, status=SessionStatus.TRAINED, trained_version=step + 1
+            )
             res.push_t.append(time.monotonic() - t0)
 
 
-async def drive(args: argparse.Namespace, timing: Timing, name: str, eta: int, proxy: ProxyProcess,
-                sim: subprocess.Popen[bytes], sim_url: str, items: list[dict[str, Any]]) -> Result:
+async def drive(
+    args: argparse.Namespace,
+    timing: Timing,
+    name: str,
+    eta: int,
+    proxy: ProxyProcess,
+    sim: subprocess.Popen[bytes],
+    sim_url: str,
+    items: list[dict[str, Any]],
+) -> Result:
     res = Result(name, warmup_steps=min(args.warmup_steps, args.steps - 1))
     store = await Store.open(proxy.db_url)
     agent = Agent(proxy.model_name)
@@ -355,16 +403,26 @@ async def drive(args: argparse.Namespace, timing: Timing, name: str, eta: int, p
     assert proxy.proc is not None
     async with httpx.AsyncClient(timeout=30) as http:
         s0 = (await http.get(f"{sim_url}/sim_stats")).json()
-        cpu0 = (cpu_seconds(proxy.proc.pid), cpu_seconds(sim.pid), self_cpu_seconds(), host_busy_seconds())
+        cpu0 = (
+            cpu_seconds(proxy.proc.pid),
+            cpu_seconds(sim.pid),
+            self_cpu_seconds(),
+            host_busy_seconds(),
+        )
         t0 = time.monotonic()
         try:
             if name == "sync":
                 # One pass per step, started only after the previous push.
-                ctrl = RolloutController(proxy.url, ADMIN, agent, group_size=args.group_size,
-                                         max_concurrency=args.batch_size)
+                ctrl = RolloutController(
+                    proxy.url,
+                    ADMIN,
+                    agent,
+                    group_size=args.group_size,
+                    max_concurrency=args.batch_size,
+                )
                 train = asyncio.create_task(trainer_loop(args, timing, store, proxy, res, eta, t0))
                 for step in range(args.steps):
-                    chunk = items[step * per_step_items:(step + 1) * per_step_items]
+                    chunk = items[step * per_step_items : (step + 1) * per_step_items]
                     await ctrl.run(chunk)
                     res.sessions_started += ctrl.progress.sessions_started
                     res.waits_429 += ctrl.progress.waits_429
@@ -372,8 +430,13 @@ async def drive(args: argparse.Namespace, timing: Timing, name: str, eta: int, p
                         await asyncio.sleep(args.poll_s)
                 await train
             else:
-                ctrl = RolloutController(proxy.url, ADMIN, agent, group_size=args.group_size,
-                                         max_concurrency=args.rollout_concurrency)
+                ctrl = RolloutController(
+                    proxy.url,
+                    ADMIN,
+                    agent,
+                    group_size=args.group_size,
+                    max_concurrency=args.rollout_concurrency,
+                )
                 rollout = asyncio.create_task(ctrl.run(items))
                 train = asyncio.create_task(trainer_loop(args, timing, store, proxy, res, eta, t0))
                 done, _ = await asyncio.wait({rollout, train}, return_when=asyncio.FIRST_COMPLETED)
@@ -384,7 +447,12 @@ async def drive(args: argparse.Namespace, timing: Timing, name: str, eta: int, p
                 res.waits_429 = ctrl.progress.waits_429
             res.wall_s = time.monotonic() - t0
             s1 = (await http.get(f"{sim_url}/sim_stats")).json()
-            cpu1 = (cpu_seconds(proxy.proc.pid), cpu_seconds(sim.pid), self_cpu_seconds(), host_busy_seconds())
+            cpu1 = (
+                cpu_seconds(proxy.proc.pid),
+                cpu_seconds(sim.pid),
+                self_cpu_seconds(),
+                host_busy_seconds(),
+            )
             if name != "sync":
                 ctrl.stop()
                 # Past the measurement: runs still in flight are cancelled; their shielded
@@ -409,13 +477,17 @@ async def drive(args: argparse.Namespace, timing: Timing, name: str, eta: int, p
     res.util_slots = (s1["slot_seconds"] - s0["slot_seconds"]) / (args.max_running * window)
     res.aborts = s1["aborts"] - s0["aborts"]
     res.update_wait_s = s1["update_wait_s"] - s0["update_wait_s"]
-    res.cpu_proxy_s, res.cpu_sim_s, res.cpu_driver_s = (b - a for a, b in zip(cpu0[:3], cpu1[:3], strict=True))
+    res.cpu_proxy_s, res.cpu_sim_s, res.cpu_driver_s = (
+        b - a for a, b in zip(cpu0[:3], cpu1[:3], strict=True)
+    )
     busy, total = (b - a for a, b in zip(cpu0[3], cpu1[3], strict=True))
     res.host_busy = busy / total if total else 0.0
     return res
 
 
-def run_config(args: argparse.Namespace, timing: Timing, name: str, model_dir: Path, work: Path) -> Result:
+def run_config(
+    args: argparse.Namespace, timing: Timing, name: str, model_dir: Path, work: Path
+) -> Result:
     interrupt = {"sync": "drain", "async": "abort", "async-noint": args.noint_mode}[name]
     eta = 0 if name == "sync" else args.max_staleness
     cdir = work / name
@@ -423,17 +495,30 @@ def run_config(args: argparse.Namespace, timing: Timing, name: str, model_dir: P
     port = free_port()
     sim = start_sim(args, timing, port, interrupt, cdir / "sim.log")
     sim_url = f"http://127.0.0.1:{port}"
-    proxy = ProxyProcess(model_dir, db_url=f"sqlite:///{cdir / 'store.db'}", admin_token=ADMIN,
-                         log_path=cdir / "serve.log",
-                         extra_args=["--backend", sim_url, "--max-staleness", str(eta),
-                                     "--train-batch-size", str(args.batch_size)],
-                         env={"PROXIMA_MAX_OPEN_SESSIONS": "4096"})
+    proxy = ProxyProcess(
+        model_dir,
+        db_url=f"sqlite:///{cdir / 'store.db'}",
+        admin_token=ADMIN,
+        log_path=cdir / "serve.log",
+        extra_args=[
+            "--backend",
+            sim_url,
+            "--max-staleness",
+            str(eta),
+            "--train-batch-size",
+            str(args.batch_size),
+        ],
+        env={"PROXIMA_MAX_OPEN_SESSIONS": "4096"},
+    )
     n_items = (args.steps + args.max_staleness + 4) * args.batch_size // args.group_size
     items = [{"id": f"task{i}", "lengths": ls} for i, ls in enumerate(lengths(args, n_items))]
     try:
         proxy.start()
-        return asyncio.run(asyncio.wait_for(
-            drive(args, timing, name, eta, proxy, sim, sim_url, items), args.config_timeout_s))
+        return asyncio.run(
+            asyncio.wait_for(
+                drive(args, timing, name, eta, proxy, sim, sim_url, items), args.config_timeout_s
+            )
+        )
     finally:
         # Measured already: no graceful stop (it would wait for the non-streaming
         # completions still in flight, whose clients were cancelled, to finish).
@@ -463,7 +548,10 @@ def table(results: dict[str, Result], args: argparse.Namespace) -> str:
         ("trained sessions", [f"{r.trained_sessions}" for r in rs]),
         ("trained tokens", [f"{r.trained_tokens}" for r in rs]),
         ("effective train tok/s", [f"{r.tokens_per_s:.0f}" for r in rs]),
-        (f"steady tok/s (steps {w + 1}-{args.steps})", [f"{r.steady_tokens_per_s:.0f}" for r in rs]),
+        (
+            f"steady tok/s (steps {w + 1}-{args.steps})",
+            [f"{r.steady_tokens_per_s:.0f}" for r in rs],
+        ),
         ("generator utilization", [f"{r.util_tokens:.1%}" for r in rs]),
         ("  slot occupancy", [f"{r.util_slots:.1%}" for r in rs]),
         ("trainer busy", [f"{r.train_s / r.wall_s:.1%}" if r.wall_s else "-" for r in rs]),
@@ -477,8 +565,16 @@ def table(results: dict[str, Result], args: argparse.Namespace) -> str:
         ("max staleness trained", [f"{r.max_staleness_seen}" for r in rs]),
         ("sessions started", [f"{r.sessions_started}" for r in rs]),
         ("429 waits", [f"{r.waits_429}" for r in rs]),
-        ("CPU proxy/sim/driver (%)", [f"{100 * r.cpu_proxy_s / r.wall_s:.0f}/{100 * r.cpu_sim_s / r.wall_s:.0f}/"
-                                      f"{100 * r.cpu_driver_s / r.wall_s:.0f}" if r.wall_s else "-" for r in rs]),
+        (
+            "CPU proxy/sim/driver (%)",
+            [
+                f"{100 * r.cpu_proxy_s / r.wall_s:.0f}/{100 * r.cpu_sim_s / r.wall_s:.0f}/"
+                f"{100 * r.cpu_driver_s / r.wall_s:.0f}"
+                if r.wall_s
+                else "-"
+                for r in rs
+            ],
+        ),
         ("host busy, all work (%)", [f"{r.host_busy:.0%}" for r in rs]),
         ("ratio vs sync (end to end)", ratio(lambda r: r.tokens_per_s)),
         ("ratio vs sync (steady)", ratio(lambda r: r.steady_tokens_per_s)),
@@ -490,15 +586,22 @@ def table(results: dict[str, Result], args: argparse.Namespace) -> str:
     lines.append("")
     if base and "async" in results and base.tokens_per_s:
         a = results["async"]
-        end, steady = a.tokens_per_s / base.tokens_per_s, a.steady_tokens_per_s / base.steady_tokens_per_s
+        end, steady = (
+            a.tokens_per_s / base.tokens_per_s,
+            a.steady_tokens_per_s / base.steady_tokens_per_s,
+        )
         verdict = "meets" if end >= TARGET_RATIO else "below"
-        lines.append(f"async/sync effective throughput: {end:.2f}x end to end ({verdict} target "
-                     f"{TARGET_RATIO:.1f}x; AReaL reports 2.77x), {steady:.2f}x steady state")
+        lines.append(
+            f"async/sync effective throughput: {end:.2f}x end to end ({verdict} target "
+            f"{TARGET_RATIO:.1f}x; AReaL reports 2.77x), {steady:.2f}x steady state"
+        )
     if "async" in results and "async-noint" in results and results["async-noint"].tokens_per_s:
         a, n = results["async"], results["async-noint"]
-        lines.append(f"interruption's own gain (async / async-noint[{args.noint_mode}]): "
-                     f"{a.tokens_per_s / n.tokens_per_s:.2f}x end to end, "
-                     f"{a.steady_tokens_per_s / n.steady_tokens_per_s:.2f}x steady state (AReaL: 1.12-1.17x)")
+        lines.append(
+            f"interruption's own gain (async / async-noint[{args.noint_mode}]): "
+            f"{a.tokens_per_s / n.tokens_per_s:.2f}x end to end, "
+            f"{a.steady_tokens_per_s / n.steady_tokens_per_s:.2f}x steady state (AReaL: 1.12-1.17x)"
+        )
     return "\n".join(lines)
 
 
@@ -506,31 +609,61 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="sync,async,async-noint")
     p.add_argument("--steps", type=int, default=10, help="trainer steps per configuration")
-    p.add_argument("--warmup-steps", type=int, default=3,
-                   help="steps left out of the steady-state throughput")
+    p.add_argument(
+        "--warmup-steps", type=int, default=3, help="steps left out of the steady-state throughput"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sessions per trainer step (B)")
     p.add_argument("--group-size", type=int, default=4, help="sessions per dataset item")
     p.add_argument("--max-staleness", type=int, default=4, help="eta of the async configurations")
-    p.add_argument("--tokens-per-s", type=float, default=40.0,
-                   help="decode rate per request on a full engine, cluster time")
-    p.add_argument("--decode-speedup", type=float, default=3.0,
-                   help="rate of a request decoding alone / rate on a full engine")
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=40.0,
+        help="decode rate per request on a full engine, cluster time",
+    )
+    p.add_argument(
+        "--decode-speedup",
+        type=float,
+        default=3.0,
+        help="rate of a request decoding alone / rate on a full engine",
+    )
     p.add_argument("--max-running", type=int, default=16, help="generator decode slots")
-    p.add_argument("--rollout-concurrency", type=int, default=16,
-                   help="agent runs in flight in the async configurations")
-    p.add_argument("--median-tokens", type=float, default=4096.0, help="median output length (lognormal)")
+    p.add_argument(
+        "--rollout-concurrency",
+        type=int,
+        default=16,
+        help="agent runs in flight in the async configurations",
+    )
+    p.add_argument(
+        "--median-tokens", type=float, default=4096.0, help="median output length (lognormal)"
+    )
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (tail weight)")
     p.add_argument("--min-tokens", type=int, default=64)
-    p.add_argument("--max-tokens-cap", type=int, default=32768, help="cap of the drawn output lengths")
-    p.add_argument("--train-speed", type=float, default=1.25,
-                   help="trainer tokens/s as a multiple of the generator's peak tokens/s")
-    p.add_argument("--weight-load-s", type=float, default=5.0,
-                   help="time the generator takes to load new weights, cluster time")
-    p.add_argument("--time-scale", type=float, default=40.0,
-                   help="cluster seconds per simulated second")
+    p.add_argument(
+        "--max-tokens-cap", type=int, default=32768, help="cap of the drawn output lengths"
+    )
+    p.add_argument(
+        "--train-speed",
+        type=float,
+        default=1.25,
+        help="trainer tokens/s as a multiple of the generator's peak tokens/s",
+    )
+    p.add_argument(
+        "--weight-load-s",
+        type=float,
+        default=5.0,
+        help="time the generator takes to load new weights, cluster time",
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=40.0, help="cluster seconds per simulated second"
+    )
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per backend stream chunk")
-    p.add_argument("--noint-mode", choices=["drain", "swap"], default="drain",
-                   help="what 'no interruption' means for a weight update (see _sim.py)")
+    p.add_argument(
+        "--noint-mode",
+        choices=["drain", "swap"],
+        default="drain",
+        help="what 'no interruption' means for a weight update (see _sim.py)",
+    )
     p.add_argument("--poll-s", type=float, default=0.05, help="trainer claim poll interval")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-timeout-s", type=float, default=600.0)
@@ -545,31 +678,51 @@ def main() -> int:
     timing = Timing.of(args)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="proxima-async-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = build_tiny_model(work / "tiny-qwen2",
-                                 max_position_embeddings=args.max_tokens_cap + PROMPT_MARGIN)
+    model_dir = build_tiny_model(
+        work / "tiny-qwen2", max_position_embeddings=args.max_tokens_cap + PROMPT_MARGIN
+    )
     mean_tokens = sum(sum(ls) for ls in lengths(args, 4096)) / (4096 * args.group_size)
-    print(f"cluster: {args.max_running} slots x {args.tokens_per_s:g} tok/s/request (alone "
-          f"x{args.decode_speedup:g}), trainer {args.train_speed:g}x the generator's peak, "
-          f"weight load {args.weight_load_s:g}s; lengths lognormal(median {args.median_tokens:g}, "
-          f"sigma {args.sigma:g}) capped at {args.max_tokens_cap} (mean {mean_tokens:.0f})", flush=True)
-    print(f"run: steps={args.steps} B={args.batch_size} group={args.group_size} eta={args.max_staleness}; "
-          f"time scale {args.time_scale:g}: decode {timing.decode_tokens_per_s:g} tok/s/request, peak "
-          f"{timing.peak_tokens_per_s:g} tok/s, train {1e3 * timing.train_s_per_token:.3g} s/1k tok; "
-          f"work dir {work}", flush=True)
+    print(
+        f"cluster: {args.max_running} slots x {args.tokens_per_s:g} tok/s/request (alone "
+        f"x{args.decode_speedup:g}), trainer {args.train_speed:g}x the generator's peak, "
+        f"weight load {args.weight_load_s:g}s; lengths lognormal(median {args.median_tokens:g}, "
+        f"sigma {args.sigma:g}) capped at {args.max_tokens_cap} (mean {mean_tokens:.0f})",
+        flush=True,
+    )
+    print(
+        f"run: steps={args.steps} B={args.batch_size} group={args.group_size} eta={args.max_staleness}; "
+        f"time scale {args.time_scale:g}: decode {timing.decode_tokens_per_s:g} tok/s/request, peak "
+        f"{timing.peak_tokens_per_s:g} tok/s, train {1e3 * timing.train_s_per_token:.3g} s/1k tok; "
+        f"work dir {work}",
+        flush=True,
+    )
     results: dict[str, Result] = {}
     for name in [n.strip() for n in args.configs.split(",") if n.strip()]:
         t = time.monotonic()
         results[name] = run_config(args, timing, name, model_dir, work)
         r = results[name]
-        print(f"[{name}] wall {r.wall_s:.1f}s, {r.tokens_per_s:.0f} trained tok/s "
-              f"({r.steady_tokens_per_s:.0f} steady), generator {r.util_tokens:.0%}, trainer busy "
-              f"{r.train_s / r.wall_s:.0%} (config incl. start-up {time.monotonic() - t:.0f}s)", flush=True)
+        print(
+            f"[{name}] wall {r.wall_s:.1f}s, {r.tokens_per_s:.0f} trained tok/s "
+            f"({r.steady_tokens_per_s:.0f} steady), generator {r.util_tokens:.0%}, trainer busy "
+            f"{r.train_s / r.wall_s:.0%} (config incl. start-up {time.monotonic() - t:.0f}s)",
+            flush=True,
+        )
     print()
     print(table(results, args))
     if args.json:
-        args.json.write_text(json.dumps({n: {**vars(r), "tokens_per_s": r.tokens_per_s,
-                                             "steady_tokens_per_s": r.steady_tokens_per_s}
-                                         for n, r in results.items()}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    n: {
+                        **vars(r),
+                        "tokens_per_s": r.tokens_per_s,
+                        "steady_tokens_per_s": r.steady_tokens_per_s,
+                    }
+                    for n, r in results.items()
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

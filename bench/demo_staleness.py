@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import load_raw_config  # noqa: E402
+from proxima.trainer.config import load_raw_config  # noqa: E402
 
 
 def run_one(base: dict[str, Any], eta: int, steps: int | None, out_dir: Path) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def run_one(base: dict[str, Any], eta: int, steps: int | None, out_dir: Path) ->
     config_path = out_dir / f"staleness-{eta}.json"
     config_path.write_text(json.dumps(config, indent=2))
     log_path = run_dir / "train.out"
-    cmd = [sys.executable, "-m", "proxy.cli", "--log-format", "text", "--log-level", "warning",
+    cmd = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning",
            "train", "--config", str(config_path)]  # fmt: skip
     print(f"max_staleness {eta}: {' '.join(cmd[2:])} (output in {log_path})", flush=True)
     started = time.monotonic()

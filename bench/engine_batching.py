@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from proxy.engine import EngineServer
-from proxy.testing.tiny_model import build_tiny_model
+from proxima.proxy.embedded.live import EngineServer
+from proxima.proxy.testing.tiny_model import build_tiny_model
 
 logger = logging.getLogger("bench.engine_batching")
 

@@ -3,7 +3,7 @@
 Every session is what a training rollout does: open a session (admin token),
 hold a multi-turn chat with its key (each turn extends the last reply, so the
 proxy reuses the session's tokens), then finish it. The backend is the fake
-SGLang server (``proxy.testing.fake_sglang``) decoding at a fixed rate per
+SGLang server (``proxima.proxy.testing.fake_sglang``) decoding at a fixed rate per
 request, so the figures measure the proxy (auth, rendering, routing,
 streaming, group-committed recording in SQLite), not a model. Everything
 runs on 127.0.0.1 and the whole run is bounded by ``--time-limit``.
@@ -33,9 +33,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proxy.engine_process import free_port  # noqa: E402
-from proxy.testing.live import LiveProxy  # noqa: E402
-from proxy.testing.tiny_model import build_tiny_model  # noqa: E402
+from proxima.proxy.serving import free_port  # noqa: E402
+from proxima.proxy.testing.live import LiveProxy  # noqa: E402
+from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
 
 
 @dataclass
@@ -67,11 +67,22 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
 
 
-async def chat_turn(http: httpx.AsyncClient, proxy: LiveProxy, key: str, messages: list[dict],
-                    max_tokens: int, stream: bool) -> tuple[str, int]:
+async def chat_turn(
+    http: httpx.AsyncClient,
+    proxy: LiveProxy,
+    key: str,
+    messages: list[dict],
+    max_tokens: int,
+    stream: bool,
+) -> tuple[str, int]:
     """One completion; returns the assistant's text and its token count."""
-    body = {"model": proxy.model_name, "messages": messages, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": proxy.model_name,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     headers = {"Authorization": f"Bearer {key}"}
     if not stream:
         resp = await http.post(proxy.base_url + "/chat/completions", json=body, headers=headers)
@@ -81,8 +92,9 @@ async def chat_turn(http: httpx.AsyncClient, proxy: LiveProxy, key: str, message
         return data["choices"][0]["message"]["content"] or "", data["usage"]["completion_tokens"]
     body["stream_options"] = {"include_usage": True}
     text, done, n_tokens = [], False, 0
-    async with http.stream("POST", proxy.base_url + "/chat/completions", json=body,
-                           headers=headers) as resp:
+    async with http.stream(
+        "POST", proxy.base_url + "/chat/completions", json=body, headers=headers
+    ) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}")
         async for line in resp.aiter_lines():
@@ -103,13 +115,22 @@ async def chat_turn(http: httpx.AsyncClient, proxy: LiveProxy, key: str, message
     return "".join(text), n_tokens
 
 
-async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: argparse.Namespace,
-                      tally: Tally, start: asyncio.Event) -> None:
+async def run_session(
+    i: int,
+    http: httpx.AsyncClient,
+    proxy: LiveProxy,
+    args: argparse.Namespace,
+    tally: Tally,
+    start: asyncio.Event,
+) -> None:
     await start.wait()
     step = "create"
     try:
-        resp = await http.post(proxy.url + "/rl/sessions", json={"group_id": f"g{i % 64}"},
-                               headers=proxy.admin_headers())
+        resp = await http.post(
+            proxy.url + "/rl/sessions",
+            json={"group_id": f"g{i % 64}"},
+            headers=proxy.admin_headers(),
+        )
         if resp.status_code != 200:
             tally.error(f"create session HTTP {resp.status_code}")
             return
@@ -119,27 +140,42 @@ async def run_session(i: int, http: httpx.AsyncClient, proxy: LiveProxy, args: a
             step = f"turn {turn}"
             messages.append({"role": "user", "content": f"Session {i}, turn {turn}: continue."})
             t0 = time.perf_counter()
-            reply, n = await chat_turn(http, proxy, s["api_key"], messages, args.max_tokens,
-                                       stream=turn % 2 == 1)
+            reply, n = await chat_turn(
+                http, proxy, s["api_key"], messages, args.max_tokens, stream=turn % 2 == 1
+            )
             tally.latencies.append(time.perf_counter() - t0)
             tally.tokens += n
             messages.append({"role": "assistant", "content": reply})
         step = "finish"
-        resp = await http.post(f"{proxy.url}/rl/sessions/{s['session_id']}/finish",
-                               headers={"Authorization": f"Bearer {s['api_key']}"})
+        resp = await http.post(
+            f"{proxy.url}/rl/sessions/{s['session_id']}/finish",
+            headers={"Authorization": f"Bearer {s['api_key']}"},
+        )
         if resp.status_code != 200:
             tally.error(f"finish HTTP {resp.status_code}")
             return
         tally.sessions_done += 1
     except (httpx.HTTPError, RuntimeError) as exc:
-        tally.error(f"{step}: " + (type(exc).__name__ if isinstance(exc, httpx.HTTPError) else str(exc)))
+        tally.error(
+            f"{step}: " + (type(exc).__name__ if isinstance(exc, httpx.HTTPError) else str(exc))
+        )
 
 
 def start_fake(port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.testing.fake_sglang", "--port", str(port),
-         "--tokens-per-s", str(args.tokens_per_s), "--chunk-tokens", str(args.chunk_tokens)],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "proxima.proxy.testing.fake_sglang",
+            "--port",
+            str(port),
+            "--tokens-per-s",
+            str(args.tokens_per_s),
+            "--chunk-tokens",
+            str(args.chunk_tokens),
+        ],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -154,13 +190,18 @@ def start_fake(port: int, args: argparse.Namespace, log: Path) -> subprocess.Pop
 
 async def drive(proxy: LiveProxy, args: argparse.Namespace) -> tuple[Tally, float, bool]:
     tally = Tally()
-    limits = httpx.Limits(max_connections=args.sessions + 16, max_keepalive_connections=args.sessions + 16,
-                          keepalive_expiry=args.client_keepalive_s)
+    limits = httpx.Limits(
+        max_connections=args.sessions + 16,
+        max_keepalive_connections=args.sessions + 16,
+        keepalive_expiry=args.client_keepalive_s,
+    )
     timeout = httpx.Timeout(args.time_limit, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         start = asyncio.Event()
-        tasks = [asyncio.create_task(run_session(i, http, proxy, args, tally, start))
-                 for i in range(args.sessions)]
+        tasks = [
+            asyncio.create_task(run_session(i, http, proxy, args, tally, start))
+            for i in range(args.sessions)
+        ]
         t0 = time.perf_counter()
         start.set()
         done, pending = await asyncio.wait(tasks, timeout=args.time_limit)
@@ -181,11 +222,19 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=1000, help="concurrent sessions (default 1000)")
     p.add_argument("--turns", type=int, default=3, help="chat turns per session (default 3)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per completion (default 32)")
-    p.add_argument("--tokens-per-s", type=float, default=200.0,
-                   help="fake backend decode rate per request (default 200; 0 = unthrottled)")
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=200.0,
+        help="fake backend decode rate per request (default 200; 0 = unthrottled)",
+    )
     p.add_argument("--chunk-tokens", type=int, default=1, help="tokens per backend stream chunk")
-    p.add_argument("--client-keepalive-s", type=float, default=5.0,
-                   help="client keep-alive expiry (default 5, as httpx and the OpenAI SDK)")
+    p.add_argument(
+        "--client-keepalive-s",
+        type=float,
+        default=5.0,
+        help="client keep-alive expiry (default 5, as httpx and the OpenAI SDK)",
+    )
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole load")
     p.add_argument("--work-dir", type=Path, default=None, help="keep the store and logs here")
     args = p.parse_args()
@@ -196,9 +245,13 @@ def main() -> int:
     fake_port = free_port()
     fake = start_fake(fake_port, args, work / "fake.log")
     db = work / "store.db"
-    proxy = LiveProxy(model, db_url=f"sqlite:///{db}", log_path=work / "serve.log",
-                      extra_args=["--backend", f"http://127.0.0.1:{fake_port}"],
-                      env={"PROXIMA_MAX_OPEN_SESSIONS": str(max(1024, args.sessions))})
+    proxy = LiveProxy(
+        model,
+        db_url=f"sqlite:///{db}",
+        log_path=work / "serve.log",
+        extra_args=["--backend", f"http://127.0.0.1:{fake_port}"],
+        env={"PROXIMA_MAX_OPEN_SESSIONS": str(max(1024, args.sessions))},
+    )
     try:
         proxy.start()
         assert proxy.proc is not None
@@ -206,8 +259,14 @@ def main() -> int:
         cpu_before = (cpu_s(proxy.proc.pid), cpu_s(fake.pid), time.process_time())
         tally, elapsed, finished = asyncio.run(drive(proxy, args))
         rss_after = rss_kib(proxy.proc.pid)
-        cpu = [after - before for before, after in zip(cpu_before, (
-            cpu_s(proxy.proc.pid), cpu_s(fake.pid), time.process_time()), strict=True)]
+        cpu = [
+            after - before
+            for before, after in zip(
+                cpu_before,
+                (cpu_s(proxy.proc.pid), cpu_s(fake.pid), time.process_time()),
+                strict=True,
+            )
+        ]
         stored = recorded_completions(db)
     finally:
         proxy.stop()
@@ -218,20 +277,31 @@ def main() -> int:
     expected = args.sessions * args.turns
     errors = sum(tally.errors.values())
     rows = [
-        ("sessions x turns", f"{args.sessions} x {args.turns} ({args.max_tokens} tokens each, "
-                             f"backend {args.tokens_per_s:g} tok/s/request)"),
-        ("wall time", f"{elapsed:.1f} s" + ("" if finished else f" (time limit hit: {args.time_limit:g} s)")),
+        (
+            "sessions x turns",
+            f"{args.sessions} x {args.turns} ({args.max_tokens} tokens each, "
+            f"backend {args.tokens_per_s:g} tok/s/request)",
+        ),
+        (
+            "wall time",
+            f"{elapsed:.1f} s" + ("" if finished else f" (time limit hit: {args.time_limit:g} s)"),
+        ),
         ("completions", f"{completions} / {expected}"),
         ("completions/s", f"{completions / elapsed:.1f}"),
         ("generated tokens/s", f"{tally.tokens / elapsed:.0f}"),
-        ("latency p50 / p95 / p99", f"{pct(tally.latencies, .50):.0f} / {pct(tally.latencies, .95):.0f} / "
-                                    f"{pct(tally.latencies, .99):.0f} ms"),
+        (
+            "latency p50 / p95 / p99",
+            f"{pct(tally.latencies, 0.50):.0f} / {pct(tally.latencies, 0.95):.0f} / "
+            f"{pct(tally.latencies, 0.99):.0f} ms",
+        ),
         ("errors", f"{errors}" + (f" {tally.errors}" if errors else "")),
         ("sessions finished", f"{tally.sessions_done} / {args.sessions}"),
         ("completions in store", f"{stored}"),
         ("proxy RSS before / after", f"{rss_before / 1024:.0f} / {rss_after / 1024:.0f} MiB"),
-        ("CPU s: proxy / backend / client", f"{cpu[0]:.1f} / {cpu[1]:.1f} / {cpu[2]:.1f} "
-                                             f"({os.cpu_count()} cores)"),
+        (
+            "CPU s: proxy / backend / client",
+            f"{cpu[0]:.1f} / {cpu[1]:.1f} / {cpu[2]:.1f} ({os.cpu_count()} cores)",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     print(f"\nbench/load.py  (work dir {work})")

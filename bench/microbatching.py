@@ -5,9 +5,9 @@ accumulated) over a minibatch of sequences with a long-tailed length
 distribution (log-normal, clipped to ``[min_len, max_len]``), on a small
 randomly initialised Qwen2 model:
 
-- dynamic: AReaL algorithm 1 (``trainer.batching.plan_micro_batches``) under a
+- dynamic: AReaL algorithm 1 (``proxima.trainer.batching.plan_micro_batches``) under a
   token budget; each micro-batch packed into one row without padding, with
-  per-sequence causal attention (``trainer.logprobs``, ``proxima_varlen_sdpa``).
+  per-sequence causal attention (``proxima.trainer.logprobs``, ``proxima_varlen_sdpa``).
   Optionally (``--block-mask``) also the packed row with a dense block-diagonal
   mask, to show what that costs.
 - fixed: the usual padded batching with the *same number* of micro-batches
@@ -38,10 +38,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.batching import fixed_micro_batches, pack, plan_micro_batches  # noqa: E402
-from trainer.logprobs import VARLEN_SDPA, forward_logprobs  # noqa: E402
-from trainer.loss import decoupled_ppo_loss, token_logprobs  # noqa: E402
-from trainer.samples import Sample  # noqa: E402
+from proxima.trainer.batching import fixed_micro_batches, pack, plan_micro_batches  # noqa: E402
+from proxima.trainer.logprobs import VARLEN_SDPA, forward_logprobs  # noqa: E402
+from proxima.trainer.loss import decoupled_ppo_loss, token_logprobs  # noqa: E402
+from proxima.trainer.samples import Sample  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,11 @@ sys.path.insert(0, str(ROOT))
 def measure(model_dir: Path, args: argparse.Namespace, loss_tokens_only: bool) -> dict[str, float]:
     """One forward/backward in this process; peak RSS (MiB) and seconds."""
     import torch
+    from proxima.trainer.batching import pack
+    from proxima.trainer.logprobs import forward_logprobs, use_varlen_attention
+    from proxima.trainer.loss import decoupled_ppo_loss
+    from proxima.trainer.samples import Sample
     from transformers import AutoModelForCausalLM
-
-    from trainer.batching import pack
-    from trainer.logprobs import forward_logprobs, use_varlen_attention
-    from trainer.loss import decoupled_ppo_loss
-    from trainer.samples import Sample
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -77,7 +76,7 @@ def main() -> int:
     parser.add_argument("--variant", choices=["all", "loss"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
-        from trainer.demo_model import prepare_smollm2
+        from proxima.trainer.demo_model import prepare_smollm2
 
         args.model = prepare_smollm2(ROOT / ".cache" / "models")
     if args.variant:  # a child process: one measurement, as JSON

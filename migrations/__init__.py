@@ -1,6 +1,6 @@
 """Alembic migrations of the trajectory store.
 
-The schema is created only by these migrations. ``proxy.store.migrate`` runs
+The schema is created only by these migrations. ``proxima.proxy.store.migrate`` runs
 them programmatically (``proxima db upgrade``, server start-up); developers can
 also use the Alembic CLI with ``alembic -c migrations/alembic.ini -x db=URL ...``.
 """

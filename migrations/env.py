@@ -2,7 +2,7 @@
 
 Two ways in:
 
-* programmatic (``proxy.store.migrate``): the caller opens the connection (and
+* programmatic (``proxima.proxy.store.migrate``): the caller opens the connection (and
   the lock) and hands it over in ``config.attributes["connection"]``;
 * the Alembic CLI: the URL comes from ``-x db=URL``, ``$PROXIMA_DB_URL`` or
   ``sqlalchemy.url``, and this module opens an async connection itself.
@@ -15,10 +15,9 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
+from proxima.proxy.store.migrate import run_on_new_connection
+from proxima.proxy.store.models import Base
 from sqlalchemy.engine import Connection
-
-from proxy.store.migrate import run_on_new_connection
-from proxy.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -16,19 +16,18 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-
-from proxy.api import admin, openai, rl
-from proxy.backends.pool import BackendPool
-from proxy.completions import CompletionService
-from proxy.config import Settings
-from proxy.engine_process import EngineProcess
-from proxy.errors import install_error_handlers
-from proxy.logs import RequestIdMiddleware
-from proxy.metrics import Metrics, MetricsMiddleware
-from proxy.middleware import BodyLimitMiddleware
-from proxy.recorder import CompletionRecorder, SessionCache
-from proxy.store.migrate import ensure_schema
-from proxy.store.store import Store
+from proxima.proxy.api import admin, openai, rl
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.completions import CompletionService
+from proxima.proxy.config import Settings
+from proxima.proxy.embedded.launcher import EngineProcess
+from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.logs import RequestIdMiddleware
+from proxima.proxy.metrics import Metrics, MetricsMiddleware
+from proxima.proxy.middleware import BodyLimitMiddleware
+from proxima.proxy.recorder import CompletionRecorder, SessionCache
+from proxima.proxy.store.migrate import ensure_schema
+from proxima.proxy.store.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await ensure_schema(settings.db)
     store = await Store.open(settings.db)
     engine: EngineProcess | None = None
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024))
+    http = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+    )
     try:
         urls = list(settings.backends)
         if not urls:
@@ -73,12 +74,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         recorder.start()
         app.state.cache = SessionCache()
         app.state.service = CompletionService(
-            settings=settings, store=store, pool=pool, tokenizer=tokenizer,
-            context_length=_context_length(settings), recorder=recorder, cache=app.state.cache,
+            settings=settings,
+            store=store,
+            pool=pool,
+            tokenizer=tokenizer,
+            context_length=_context_length(settings),
+            recorder=recorder,
+            cache=app.state.cache,
             metrics=app.state.metrics,
         )
         app.state.admission_lock = asyncio.Lock()
-        logger.info("proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version)
+        logger.info(
+            "proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version
+        )
         yield
         await recorder.close()
         await pool.close()
@@ -94,8 +102,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
-                           allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     app.state.metrics = Metrics()
     # Added innermost first: RequestId wraps Metrics wraps BodyLimit wraps the app.

@@ -21,8 +21,8 @@ import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 
-from proxy.errors import AuthenticationFailed, PermissionDenied
-from proxy.store.records import ApiKeyRecord, SessionRecord
+from proxima.proxy.errors import AuthenticationFailed, PermissionDenied
+from proxima.proxy.store.records import ApiKeyRecord, SessionRecord
 
 SESSION_KEY_PREFIX = "sk-proxima-s-"
 PRODUCTION_KEY_PREFIX = "sk-proxima-"

@@ -50,9 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
-
-from proxy import errors
-from proxy.store.records import CompletionRecord
+from proxima.proxy import errors
+from proxima.proxy.store.records import CompletionRecord
 
 _RENDER_CACHE_SIZE = 4096
 

@@ -5,10 +5,10 @@
 1. validates the request and normalizes the messages;
 2. finds the session (session key, or a recorded production session);
 3. builds the prompt token-exactly from the session's earlier completions
-   (``proxy.chat``), checks it against the context window;
-4. runs ``n`` interruptible generations (``proxy.generation``), streaming
+   (``proxima.proxy.chat``), checks it against the context window;
+4. runs ``n`` interruptible generations (``proxima.proxy.generation``), streaming
    deltas as tokens arrive or collecting them;
-5. parses tool calls (``proxy.tools``) and commits each completion to the
+5. parses tool calls (``proxima.proxy.tools``) and commits each completion to the
    store *before* the response ends, so an acknowledged completion is never
    lost.
 """
@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from proxy.auth import Principal, PrincipalKind
-from proxy.backends.pool import BackendPool
-from proxy.chat import ChatRenderer, InvalidMessages, normalize_messages
-from proxy.config import Settings
-from proxy.detokenize import IncrementalDetokenizer
-from proxy.errors import BadRequest, Conflict, ContextTooLong, NotFound, ProximaError
-from proxy.generation import GenerationParams, GenerationResult, TokenChunk, generate
-from proxy.logs import session_id_var
-from proxy.metrics import Metrics
-from proxy.recorder import CompletionRecorder, SessionCache
-from proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
-from proxy.store.store import Store
-from proxy.tools import (
+from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from proxima.proxy.auth import Principal, PrincipalKind
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.chat import ChatRenderer, InvalidMessages, normalize_messages
+from proxima.proxy.config import Settings
+from proxima.proxy.detokenize import IncrementalDetokenizer
+from proxima.proxy.errors import BadRequest, Conflict, ContextTooLong, NotFound, ProximaError
+from proxima.proxy.generation import GenerationParams, GenerationResult, TokenChunk, generate
+from proxima.proxy.logs import session_id_var
+from proxima.proxy.metrics import Metrics
+from proxima.proxy.recorder import CompletionRecorder, SessionCache
+from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
+from proxima.proxy.store.store import Store
+from proxima.proxy.tools import (
     ContentDelta,
     ParsedOutput,
     ToolCallDelta,
@@ -198,7 +198,9 @@ class CompletionService:
             self._token_text_cache[token_id] = text
         return text
 
-    def _logprob_entries(self, chunk_ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> list[dict[str, Any]]:
+    def _logprob_entries(
+        self, chunk_ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> list[dict[str, Any]]:
         entries = []
         for i, (tid, lp) in enumerate(zip(chunk_ids, lps, strict=False)):
             token = self._token_text(tid)
@@ -221,7 +223,9 @@ class CompletionService:
         return entries
 
     def _decode(self, ids: list[int], matched_stop: int | str | None) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
         if isinstance(matched_stop, str) and matched_stop:
             cut = text.find(matched_stop)
             if cut >= 0:
@@ -250,7 +254,9 @@ class CompletionService:
             raise BadRequest(str(exc), param=getattr(exc, "param", "messages")) from exc
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         tool_choice_raw = (
-            req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+            req.tool_choice.model_dump()
+            if hasattr(req.tool_choice, "model_dump")
+            else req.tool_choice
         )
         choice = resolve_tool_choice(tool_choice_raw, tools)
         session = await self._session_for(principal, external_id or req.user)
@@ -278,7 +284,13 @@ class CompletionService:
         )
 
     def _record(
-        self, prep: _Prepared, choice: _Choice, *, text: str, message: dict[str, Any] | None, finish: str
+        self,
+        prep: _Prepared,
+        choice: _Choice,
+        *,
+        text: str,
+        message: dict[str, Any] | None,
+        finish: str,
     ) -> CompletionRecord | None:
         if prep.session is None:
             return None
@@ -302,7 +314,9 @@ class CompletionService:
             model=self.settings.model_name,
             choice_index=choice.index,
             finished_at=_now(),
-            time_to_first_token=(choice.first_token_at - choice.started) if choice.first_token_at else None,
+            time_to_first_token=(choice.first_token_at - choice.started)
+            if choice.first_token_at
+            else None,
             duration=now - choice.started,
             backend=r.backend,
         )
@@ -384,7 +398,9 @@ class CompletionService:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def chat(self, prep: _Prepared, n: int, want_logprobs: bool) -> dict[str, Any]:
-        choices = [_Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))]
+        choices = [
+            _Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))
+        ]
         await _gather_or_cancel([self._run_choice(prep, c) for c in choices])
         out_choices, records = [], []
         for c in choices:
@@ -399,7 +415,9 @@ class CompletionService:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self._logprob_entries(r.output_ids, r.logprobs, r.top_logprobs)}
+                    "logprobs": {
+                        "content": self._logprob_entries(r.output_ids, r.logprobs, r.top_logprobs)
+                    }
                     if want_logprobs
                     else None,
                     "finish_reason": finish,
@@ -422,7 +440,9 @@ class CompletionService:
         self, prep: _Prepared, n: int, want_logprobs: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
         """SSE chunks as tokens arrive; each completion is committed before [DONE]."""
-        choices = [_Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))]
+        choices = [
+            _Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))
+        ]
         head = {
             "id": prep.response_id,
             "object": "chat.completion.chunk",
@@ -431,11 +451,28 @@ class CompletionService:
             "system_fingerprint": f"proxima-v{self.pool.version}",
         }
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-            return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        ) -> bytes:
+            return sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                        }
+                    ],
+                }
+            )
 
         try:
-            detoks = {c.index: IncrementalDetokenizer(self.tokenizer, stop=prep.params.stop) for c in choices}
+            detoks = {
+                c.index: IncrementalDetokenizer(self.tokenizer, stop=prep.params.stop)
+                for c in choices
+            }
             streams = {c.index: prep.parser.stream() for c in choices}  # type: ignore[union-attr]
             saw_calls = {c.index: False for c in choices}
             for c in choices:
@@ -445,7 +482,15 @@ class CompletionService:
             async for c, item in self._multiplex(prep, choices):
                 if item is not None:
                     events = streams[c.index].feed(detoks[c.index].add(item.token_ids))
-                    lp = {"content": self._logprob_entries(item.token_ids, item.logprobs, item.top_logprobs)} if want_logprobs else None
+                    lp = (
+                        {
+                            "content": self._logprob_entries(
+                                item.token_ids, item.logprobs, item.top_logprobs
+                            )
+                        }
+                        if want_logprobs
+                        else None
+                    )
                     deltas = _deltas(events, saw_calls, c.index)
                     if not deltas and lp is not None:
                         deltas = [{}]
@@ -453,14 +498,20 @@ class CompletionService:
                         yield chunk(c.index, d, logprobs=lp if i == 0 else None)
                     continue
                 r = c.result
-                tail = detoks[c.index].finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
+                tail = detoks[c.index].finish(
+                    r.matched_stop if isinstance(r.matched_stop, str) else None
+                )
                 events = streams[c.index].feed(tail) + streams[c.index].finish()
                 for d in _deltas(events, saw_calls, c.index):
                     yield chunk(c.index, d)
                 text = detoks[c.index].text
                 parsed = apply_tool_choice(streams[c.index].result(), prep.tool_choice)
                 finish = finish_reason_for(r.finish_reason or "stop", parsed)
-                records.append(self._record(prep, c, text=text, message=_assistant_message(parsed), finish=finish))
+                records.append(
+                    self._record(
+                        prep, c, text=text, message=_assistant_message(parsed), finish=finish
+                    )
+                )
                 finals.append(chunk(c.index, {}, finish=finish))
             # Commit before the client sees the end of the response.
             self._account(len(prep.prompt_ids), choices)
@@ -469,7 +520,13 @@ class CompletionService:
                 yield final
             if include_usage:
                 completion_tokens = sum(len(c.result.output_ids) for c in choices)
-                yield sse({**head, "choices": [], "usage": _usage(len(prep.prompt_ids), completion_tokens)})
+                yield sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": _usage(len(prep.prompt_ids), completion_tokens),
+                    }
+                )
             yield sse("[DONE]")
         except ProximaError as exc:
             logger.warning("stream %s failed: %s", prep.response_id, exc.message)
@@ -538,7 +595,9 @@ class CompletionService:
         }
 
     async def complete(self, prep: _Prepared, n: int, want_logprobs: bool) -> dict[str, Any]:
-        choices = [_Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))]
+        choices = [
+            _Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))
+        ]
         await _gather_or_cancel([self._run_choice(prep, c) for c in choices])
         out, records = [], []
         for c in choices:
@@ -565,29 +624,85 @@ class CompletionService:
             "usage": _usage(len(prep.prompt_ids), sum(len(c.result.output_ids) for c in choices)),
         }
 
-    async def complete_stream(self, prep: _Prepared, n: int, include_usage: bool) -> AsyncIterator[bytes]:
-        choices = [_Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))]
-        head = {"id": prep.response_id, "object": "text_completion", "created": prep.created, "model": self.settings.model_name}
+    async def complete_stream(
+        self, prep: _Prepared, n: int, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        choices = [
+            _Choice(i, cid) for i, cid in enumerate(self._completion_ids(prep.response_id, n))
+        ]
+        head = {
+            "id": prep.response_id,
+            "object": "text_completion",
+            "created": prep.created,
+            "model": self.settings.model_name,
+        }
         try:
-            detoks = {c.index: IncrementalDetokenizer(self.tokenizer, stop=prep.params.stop) for c in choices}
+            detoks = {
+                c.index: IncrementalDetokenizer(self.tokenizer, stop=prep.params.stop)
+                for c in choices
+            }
             records: list[CompletionRecord | None] = []
             finals: list[bytes] = []
             async for c, item in self._multiplex(prep, choices):
                 if item is not None:
                     text = detoks[c.index].add(item.token_ids)
                     if text:
-                        yield sse({**head, "choices": [{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}]})
+                        yield sse(
+                            {
+                                **head,
+                                "choices": [
+                                    {
+                                        "index": c.index,
+                                        "text": text,
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
                     continue
                 r = c.result
-                tail = detoks[c.index].finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
-                records.append(self._record(prep, c, text=detoks[c.index].text, message=None, finish=r.finish_reason or "stop"))
-                finals.append(sse({**head, "choices": [{"index": c.index, "text": tail, "logprobs": None, "finish_reason": r.finish_reason or "stop"}]}))
+                tail = detoks[c.index].finish(
+                    r.matched_stop if isinstance(r.matched_stop, str) else None
+                )
+                records.append(
+                    self._record(
+                        prep,
+                        c,
+                        text=detoks[c.index].text,
+                        message=None,
+                        finish=r.finish_reason or "stop",
+                    )
+                )
+                finals.append(
+                    sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "text": tail,
+                                    "logprobs": None,
+                                    "finish_reason": r.finish_reason or "stop",
+                                }
+                            ],
+                        }
+                    )
+                )
             self._account(len(prep.prompt_ids), choices)
             await self._commit(records)
             for final in finals:
                 yield final
             if include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(len(prep.prompt_ids), sum(len(c.result.output_ids) for c in choices))})
+                yield sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": _usage(
+                            len(prep.prompt_ids), sum(len(c.result.output_ids) for c in choices)
+                        ),
+                    }
+                )
             yield sse("[DONE]")
         except ProximaError as exc:
             logger.warning("stream %s failed: %s", prep.response_id, exc.message)
@@ -597,7 +712,7 @@ class CompletionService:
 
 # ---------------------------------------------------------------------- helpers
 def _detect_parser(tokenizer: Any) -> str:
-    from proxy.tools import detect_tool_parser
+    from proxima.proxy.tools import detect_tool_parser
 
     template = getattr(tokenizer, "chat_template", None)
     return detect_tool_parser(template if isinstance(template, str) else None)
@@ -655,4 +770,3 @@ async def _gather_or_cancel(coros: list[Any]) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-

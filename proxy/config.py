@@ -27,8 +27,9 @@ class Settings(BaseSettings):
         description="SGLang-protocol backend URLs. Empty: start the embedded CPU engine.",
     )
     admin_token: SecretStr | None = Field(
-        None, description="Bearer token for /admin and session creation. Unset: those routes "
-        "answer 401 (nobody can open training sessions)."
+        None,
+        description="Bearer token for /admin and session creation. Unset: those routes "
+        "answer 401 (nobody can open training sessions).",
     )
     served_model_name: str | None = Field(
         None, description="Model name listed by /v1/models; default: the model directory's name."
@@ -37,11 +38,14 @@ class Settings(BaseSettings):
         None, description="Base URL handed to agents in new sessions (default http://host:port/v1)."
     )
     tool_parser: str | None = Field(
-        None, description="Tool-call parser (hermes, llama3_json, none); default: detected "
-        "from the chat template."
+        None,
+        description="Tool-call parser (hermes, llama3_json, none); default: detected "
+        "from the chat template.",
     )
     context_length: int | None = Field(
-        None, ge=16, description="Context window; default: the model config's max_position_embeddings."
+        None,
+        ge=16,
+        description="Context window; default: the model config's max_position_embeddings.",
     )
     default_max_tokens: int = Field(
         1024, ge=1, description="max_tokens when a request gives none (capped by the context)."
@@ -53,8 +57,10 @@ class Settings(BaseSettings):
         8, ge=1, description="Trainer batch size B (sessions per step), for the staleness rule."
     )
     max_staleness: int | None = Field(
-        None, ge=0, description="eta: admit a training session only while "
-        "N < (version + eta + 1) * B. Unset: no staleness gate."
+        None,
+        ge=0,
+        description="eta: admit a training session only while "
+        "N < (version + eta + 1) * B. Unset: no staleness gate.",
     )
     max_open_sessions: int = Field(
         1024, ge=1, description="Most training sessions open at once (429 beyond)."
@@ -62,8 +68,12 @@ class Settings(BaseSettings):
     record_production: bool = Field(
         True, description="Record traffic of production keys whose recording is on."
     )
-    cors_origins: list[str] = Field(default_factory=list, description="CORS origins; empty: CORS off.")
-    health_check_interval: float = Field(5.0, gt=0, description="Seconds between backend health probes.")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="CORS origins; empty: CORS off."
+    )
+    health_check_interval: float = Field(
+        5.0, gt=0, description="Seconds between backend health probes."
+    )
     engine_max_running_requests: int = Field(
         32, ge=1, description="Embedded engine: requests decoded together in one batch."
     )
@@ -71,7 +81,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if not (self.model / "config.json").exists():
-            raise ValueError(f"--model {self.model}: no config.json there; pass an HF model directory")
+            raise ValueError(
+                f"--model {self.model}: no config.json there; pass an HF model directory"
+            )
         return self
 
     @model_validator(mode="after")

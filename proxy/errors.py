@@ -17,7 +17,7 @@ HTTP status, so no route formats errors by hand.
 
 Request validation errors (bad JSON, wrong types) become 400s that name the
 offending parameter; they never leak a raw pydantic dump. Store errors
-(``proxy.store.errors``) map to 404 / 409.
+(``proxima.proxy.store.errors``) map to 404 / 409.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from proxy.store import errors as store_errors
+    from proxima.proxy.store import errors as store_errors
 
     @app.exception_handler(ProximaError)
     async def _proxima(_: Request, exc: ProximaError) -> JSONResponse:

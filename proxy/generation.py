@@ -23,10 +23,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from proxy.backends.errors import BackendConnectionError, BackendOperationFailed, BackendRejected
-from proxy.backends.pool import Backend, BackendPool
-from proxy.backends.protocol import GenerateRequest, SamplingParams
-from proxy.errors import BackendUnavailable, BadRequest
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendOperationFailed,
+    BackendRejected,
+)
+from proxima.proxy.backends.pool import Backend, BackendPool
+from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
+from proxima.proxy.errors import BackendUnavailable, BadRequest
 
 logger = logging.getLogger(__name__)
 

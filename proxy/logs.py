@@ -19,8 +19,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id", default=None)
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "request_id", default=None
+)
+session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "session_id", default=None
+)
 
 _KEY = re.compile(r"sk-[A-Za-z0-9_\-]{8,}")
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -33,7 +37,8 @@ def redact(text: str) -> str:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": redact(record.getMessage()),
@@ -44,7 +49,9 @@ class JsonFormatter(logging.Formatter):
             out["session_id"] = sid
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
-                out[key] = value if isinstance(value, int | float | bool | None) else redact(str(value))
+                out[key] = (
+                    value if isinstance(value, int | float | bool | None) else redact(str(value))
+                )
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(out, ensure_ascii=False)
@@ -74,7 +81,9 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        incoming = next(
+            (v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), None
+        )
         rid = incoming[:128] if incoming else uuid.uuid4().hex
         token = request_id_var.set(rid)
         session_token = session_id_var.set(None)

@@ -21,23 +21,50 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("proxima_requests", "HTTP requests", ["route", "method", "status"], registry=r)
-        self.latency = Histogram("proxima_request_seconds", "HTTP request latency (until the response ends)",
-                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "proxima_requests", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "proxima_request_seconds",
+            "HTTP request latency (until the response ends)",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tokens = Counter("proxima_tokens", "Tokens processed", ["direction"], registry=r)
-        self.completions = Counter("proxima_completions_recorded", "Completions committed to the store",
-                                   ["kind"], registry=r)
-        self.staleness = Histogram("proxima_recorded_token_staleness",
-                                   "Policy versions between a recorded token and the current policy",
-                                   buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32), registry=r)
-        self.interruptions = Counter("proxima_generation_interruptions",
-                                     "Generations resumed after an abort or a lost backend", registry=r)
-        self.weight_updates = Histogram("proxima_weight_update_seconds", "Duration of weight updates",
-                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+        self.completions = Counter(
+            "proxima_completions_recorded",
+            "Completions committed to the store",
+            ["kind"],
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "proxima_recorded_token_staleness",
+            "Policy versions between a recorded token and the current policy",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=r,
+        )
+        self.interruptions = Counter(
+            "proxima_generation_interruptions",
+            "Generations resumed after an abort or a lost backend",
+            registry=r,
+        )
+        self.weight_updates = Histogram(
+            "proxima_weight_update_seconds",
+            "Duration of weight updates",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.policy_version = Gauge("proxima_policy_version", "Policy version served", registry=r)
-        self.backend_healthy = Gauge("proxima_backend_healthy", "1 if the backend is in the pool", ["backend"], registry=r)
-        self.backend_in_flight = Gauge("proxima_backend_in_flight", "Generations in flight", ["backend"], registry=r)
-        self.sessions = Gauge("proxima_sessions", "Sessions by kind and status", ["kind", "status"], registry=r)
+        self.backend_healthy = Gauge(
+            "proxima_backend_healthy", "1 if the backend is in the pool", ["backend"], registry=r
+        )
+        self.backend_in_flight = Gauge(
+            "proxima_backend_in_flight", "Generations in flight", ["backend"], registry=r
+        )
+        self.sessions = Gauge(
+            "proxima_sessions", "Sessions by kind and status", ["kind", "status"], registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

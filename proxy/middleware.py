@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from proxima.proxy.errors import error_envelope
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from proxy.errors import error_envelope
 
 
 class BodyLimitMiddleware:
@@ -25,9 +24,16 @@ class BodyLimitMiddleware:
                 "invalid_request_error",
             )
         ).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

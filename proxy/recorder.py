@@ -22,8 +22,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from proxy.store.records import CompletionRecord
-from proxy.store.store import Store
+from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.store.store import Store
 
 logger = logging.getLogger(__name__)
 

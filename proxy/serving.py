@@ -8,11 +8,14 @@ delayed ACKs add ~40 ms to responses written in more than one piece.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import uvicorn
 
 
@@ -27,7 +30,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class ThreadedServer:
     """uvicorn serving an ASGI app on a daemon thread (``port=0``: any free port)."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "proxima-http"):
+    def __init__(
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "proxima-http"
+    ):
         self._socket = bind_socket(host, port)
         bound_host, bound_port = self._socket.getsockname()[:2]
         self.url = f"http://{bound_host}:{bound_port}"
@@ -64,3 +69,26 @@ class ThreadedServer:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes], url: str, *, timeout: float, name: str, log: Path | None = None
+) -> None:
+    """Wait until ``url``/health answers 200; raise if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; log: {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not healthy on {url} after {timeout:.0f}s; log: {log}")

@@ -37,7 +37,9 @@ def admit(
         return Admission(False, f"{open_sessions} sessions are open (cap {max_open_sessions})")
     if max_staleness is None:
         return Admission(True)
-    capacity = staleness_capacity(version=version, max_staleness=max_staleness, batch_size=batch_size)
+    capacity = staleness_capacity(
+        version=version, max_staleness=max_staleness, batch_size=batch_size
+    )
     if admitted_so_far >= capacity:
         return Admission(
             False,

@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.errors import BadRequest
+from proxima.proxy.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from proxy.testing.tiny_model import build_tiny_model
+from proxima.proxy.testing.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,10 @@ A minibatch of variable-length sequences is split into micro-batches whose
 *token* count stays under a budget, instead of a fixed number of sequences
 padded to the longest one. Each micro-batch is packed into one 1-D row with no
 padding; ``position_ids`` restart at 0 for every sequence and attention is
-block-diagonal causal (see ``trainer.logprobs``).
+block-diagonal causal (see ``proxima.trainer.logprobs``).
 
 Micro-batching never changes the gradient: the loss of each micro-batch is its
-token sum divided by the *global* number of loss tokens (``trainer.loss``), so
+token sum divided by the *global* number of loss tokens (``proxima.trainer.loss``), so
 accumulated gradients equal those of one full-batch pass.
 """
 
@@ -208,7 +208,7 @@ def unpack(packed: PackedBatch, values: Tensor) -> list[list[float]]:
 
     Entry ``j`` of sample ``s`` is ``values[cu[s] + j - 1]`` (the value computed at the
     position that predicts token ``j``) and 0.0 for ``j = 0``; e.g. proximal logprobs
-    from :func:`trainer.logprobs.forward_logprobs`, to store on ``Sample.prox_logprobs``.
+    from :func:`proxima.trainer.logprobs.forward_logprobs`, to store on ``Sample.prox_logprobs``.
     """
     if values.shape != packed.input_ids.shape:
         raise ValueError(

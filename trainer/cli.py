@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxima.trainer.config import TrainerConfig, load_config
 from pydantic import ValidationError
-
-from trainer.config import TrainerConfig, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser (``python -m trainer.cli``)."""
+    """The standalone parser (``python -m proxima.trainer.cli``)."""
     parser = argparse.ArgumentParser(
         prog="proxima trainer",
         description="Train on finished, rewarded sessions and push new weights to the proxy.",
@@ -86,8 +85,8 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the trainer for parsed arguments; the exit status."""
     # torch, transformers and the store load here, not when `proxima` builds its parser.
-    from proxy.store import StoreError
-    from trainer.weights import RecoveryError, WeightPushError
+    from proxima.proxy.store import StoreError
+    from proxima.trainer.weights import RecoveryError, WeightPushError
 
     try:
         cfg = config_from_args(args)
@@ -117,7 +116,7 @@ async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
         stop.set()
         loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
 
-    from trainer.loop import run_trainer
+    from proxima.trainer.loop import run_trainer
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)
@@ -125,7 +124,7 @@ async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``proxima trainer ...`` (or ``python -m trainer.cli ...``)."""
+    """Entry point: ``proxima trainer ...`` (or ``python -m proxima.trainer.cli ...``)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -11,7 +11,7 @@ and current logprobs are recomputed at the temperature each completion was
 sampled with (``CompletionRecord.sampling["temperature"]``, default 1.0), so
 that ``behav``, ``prox`` and current logprobs are all log-probabilities of the
 same tempered distribution ``softmax(logits / T)``; mixing temperatures would
-bias the importance weight ``exp(prox - behav)`` (see ``trainer.loss``).
+bias the importance weight ``exp(prox - behav)`` (see ``proxima.trainer.loss``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class PPOConfig(_Section):
 
 
 class AdvantageConfig(_Section):
-    """Returns and group-relative advantages (see ``trainer.samples``)."""
+    """Returns and group-relative advantages (see ``proxima.trainer.samples``)."""
 
     discount: float = Field(
         1.0,
@@ -181,7 +181,7 @@ class MegatronConfig(_Section):
     """How the megatron backend lays the model out (``backend = "megatron"``).
 
     The random seed is :attr:`TrainerConfig.seed`;
-    ``trainer.backends.torch_backend.MegatronPPOBackend`` turns this section
+    ``proxima.trainer.backends.torch_backend.MegatronPPOBackend`` turns this section
     into megatron's ``MegatronParallelConfig``.
     """
 
@@ -208,7 +208,7 @@ class MegatronConfig(_Section):
 
 
 class LoopConfig(_Section):
-    """The training loop around the store and the proxy (``trainer.loop``)."""
+    """The training loop around the store and the proxy (``proxima.trainer.loop``)."""
 
     trainer_id: str = Field(
         "proxima-trainer",

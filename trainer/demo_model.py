@@ -12,7 +12,7 @@ Before it is published, the converted directory is reloaded and must answer
 a chat prompt in words; the sample is logged and kept in
 ``proxima_conversion.json``.
 
-CLI: ``python -m trainer.demo_model --cache-dir .cache/models``.
+CLI: ``python -m proxima.trainer.demo_model --cache-dir .cache/models``.
 """
 
 from __future__ import annotations
@@ -239,7 +239,9 @@ def prepare_smollm2(cache_dir: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Convert the SmolLM2 GGUF once and print the model directory."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.demo_model", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m proxima.trainer.demo_model", description=main.__doc__
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/models"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

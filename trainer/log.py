@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from proxima.trainer.samples import Sample
 from tqdm import tqdm
-
-from trainer.samples import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ One step (:meth:`Trainer.step`), top to bottom:
    to exactly one trainer; claims accumulate over polls until the batch is
    full.
 2. Load their completions and build samples (returns, group-relative
-   advantages; ``trainer.samples``).
+   advantages; ``proxima.trainer.samples``).
 3. Drop samples older than ``current_version - max_staleness`` (counted), and
    samples longer than ``batching.max_tokens_per_mb`` (counted, with a
    warning). Sessions with no sample left are marked DROPPED.
@@ -21,7 +21,7 @@ One step (:meth:`Trainer.step`), top to bottom:
 7. Mark the sessions TRAINED into ``v + 1``; checkpoint every
    ``checkpoint_every`` steps; log the step.
 
-Start-up applies the recovery rule of ``trainer.weights`` (settle a pending
+Start-up applies the recovery rule of ``proxima.trainer.weights`` (settle a pending
 push, release this trainer's stale claims, resume at the last pushed
 version). Stopping (``stop_event``, set by SIGINT/SIGTERM in the CLI): a step
 that is still waiting for data or recomputing proximal logprobs is abandoned;
@@ -60,13 +60,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxy.store import SessionKind, SessionRecord, SessionStatus, Store
-from proxy.store.records import CompletionRecord
-from trainer.backends.torch_backend import PPOBackend, StepStats, build_backend
-from trainer.config import TrainerConfig
-from trainer.log import StepRecord, StepTimes, TrainLog, advantage_moments, staleness_histogram
-from trainer.samples import Sample, build_samples, filter_stale
-from trainer.weights import (
+from proxima.proxy.store import SessionKind, SessionRecord, SessionStatus, Store
+from proxima.proxy.store.records import CompletionRecord
+from proxima.trainer.backends.torch_backend import PPOBackend, StepStats, build_backend
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.log import (
+    StepRecord,
+    StepTimes,
+    TrainLog,
+    advantage_moments,
+    staleness_histogram,
+)
+from proxima.trainer.samples import Sample, build_samples, filter_stale
+from proxima.trainer.weights import (
     PendingStep,
     ProxyWeightSink,
     PushResult,
@@ -130,7 +136,7 @@ class Trainer:
         console: bool = True,
         leader: _RankZeroLeader | None = None,
     ) -> Trainer:
-        """Recover (``trainer.weights`` rule), load the backend, and resume at the pushed version.
+        """Recover (``proxima.trainer.weights`` rule), load the backend, and resume at the pushed version.
 
         With ``leader`` (rank 0 under torchrun) the resume plan is broadcast
         to the other ranks first, and every backend call is broadcast too.
@@ -329,7 +335,7 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
 
     async def _settle_interrupted_push(self) -> None:
-        """Rule 1 of ``trainer.weights`` for this run's own failed push."""
+        """Rule 1 of ``proxima.trainer.weights`` for this run's own failed push."""
         pending = read_pending(self.cfg.output_dir)
         assert pending is not None
         pushed_version = await self.store.current_policy_version()
@@ -359,7 +365,7 @@ class Trainer:
 
         With one minibatch per step the optimizer step is the first after
         the proximal policy, so the training forward pass computes them itself
-        (``prox_logprobs`` stays None; ``trainer.loss``): no separate pass.
+        (``prox_logprobs`` stays None; ``proxima.trainer.loss``): no separate pass.
         """
         if not self.cfg.ppo.decoupled:
             return [dataclasses.replace(s, prox_logprobs=list(s.behav_logprobs)) for s in samples]
@@ -474,7 +480,7 @@ def _init_ranks(cfg: TrainerConfig) -> int:
             'backend = "megatron" for a multi-process run (the processes are [megatron] '
             "tensor_parallel x data-parallel replicas)"
         )
-    from trainer.backends.megatron_compat import control_group, init_distributed
+    from proxima.trainer.backends.megatron_compat import control_group, init_distributed
 
     env = init_distributed()
     control_group()
@@ -493,13 +499,13 @@ class _RankZeroLeader:
         self._stopped = False
 
     def send_plan(self, plan: ResumePlan) -> None:
-        from trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron_compat import broadcast_object
 
         broadcast_object(plan)
         self._plan_sent = True
 
     def send(self, method: str, *args: Any) -> None:
-        from trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron_compat import broadcast_object
 
         if self._stopped:
             raise RuntimeError("the other ranks were already told to stop")
@@ -509,7 +515,7 @@ class _RankZeroLeader:
         """Tell the other ranks to exit (once)."""
         if self._stopped:
             return
-        from trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron_compat import broadcast_object
 
         self._stopped = True
         broadcast_object(("stop",) if self._plan_sent else None)
@@ -573,7 +579,7 @@ async def _follow_rank_zero(cfg: TrainerConfig) -> int:
 
 
 def _follow(cfg: TrainerConfig) -> int:
-    from trainer.backends.megatron_compat import broadcast_object
+    from proxima.trainer.backends.megatron_compat import broadcast_object
 
     plan = broadcast_object()
     if plan is None:
@@ -605,7 +611,7 @@ def _load_backend(cfg: TrainerConfig, model_dir: Path, plan: ResumePlan) -> PPOB
 
 
 async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:
-    """Rule 1 of ``trainer.weights``: finish or undo a step that died around its push.
+    """Rule 1 of ``proxima.trainer.weights``: finish or undo a step that died around its push.
 
     Returns the number of sessions marked TRAINED now.
     """

@@ -14,7 +14,7 @@ contract")::
             POST /rl/sessions/{id}/finish  {status: finished | failed}
 
 The agent module is not modified. In ``"inprocess"`` mode its HTTP requests
-to the proxy's ``/v1`` carry the session key through :mod:`trainer.binding`
+to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.binding`
 (a context variable plus an httpx hook), whatever ``api_key`` the agent
 passed; sync agents run in worker threads, which inherit the context. In
 ``"subprocess"`` mode each run is a fresh ``python -c`` process with
@@ -66,8 +66,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-
-from trainer.binding import SessionBinding, bound_context
+from proxima.trainer.binding import SessionBinding, bound_context
 
 logger = logging.getLogger(__name__)
 
@@ -646,8 +645,10 @@ class RolloutController:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.rollout``: run an agent over a JSONL dataset, print the report."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.rollout", description=main.__doc__)
+    """``python -m proxima.trainer.rollout``: run an agent over a JSONL dataset, print the report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m proxima.trainer.rollout", description=main.__doc__
+    )
     parser.add_argument("--proxy", required=True, help="proxy root URL, e.g. http://127.0.0.1:8000")
     parser.add_argument(
         "--admin-token",

@@ -60,7 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.store.records import CompletionRecord, SessionRecord
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
 
 from .config import AdvantageConfig
 

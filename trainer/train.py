@@ -34,12 +34,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from proxima.proxy.server_process import ProxyProcess
+from proxima.trainer.config import TrainerConfig, load_raw_config
+from proxima.trainer.log import LOG_FILE
+from proxima.trainer.rollout import RolloutController, resolve_agent
 from pydantic import BaseModel, ConfigDict, Field
-
-from proxy.process import ProxyProcess
-from trainer.config import TrainerConfig, load_raw_config
-from trainer.log import LOG_FILE
-from trainer.rollout import RolloutController, resolve_agent
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class DataSection(_Section):
 
 class RolloutSection(_Section):
     agent: str = Field(
-        "agents_examples.math_agent:run_agent_return_reward",
+        "proxima.agents_examples.math_agent:run_agent_return_reward",
         description="module:function of the user's run_agent_return_reward.",
     )
     group_size: int = Field(4, ge=1, description="Sessions per item (one advantage group).")
@@ -122,7 +121,7 @@ def load_run_config(path: str | Path) -> TrainRunConfig:
 
 def resolve_model_dir(section: ModelSection) -> Path:
     if section.path == "smollm2":
-        from trainer.demo_model import prepare_smollm2
+        from proxima.trainer.demo_model import prepare_smollm2
 
         return prepare_smollm2(section.cache_dir)
     path = Path(section.path)
@@ -133,7 +132,7 @@ def resolve_model_dir(section: ModelSection) -> Path:
 
 def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if data.source == "arithmetic":
-        from agents_examples.datasets import arithmetic_splits
+        from proxima.agents_examples.datasets import arithmetic_splits
 
         splits = arithmetic_splits(
             difficulty=data.difficulty,
@@ -142,7 +141,7 @@ def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, 
             seed=data.seed,
         )
         return splits["train"], splits["test"]
-    from agents_examples.datasets import read_jsonl
+    from proxima.agents_examples.datasets import read_jsonl
 
     train = list(read_jsonl(Path(data.source)))
     test = list(read_jsonl(data.test_file)) if data.test_file else []
@@ -308,7 +307,7 @@ class _Run:
 def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
     return [
         sys.executable,
-        *("-m", "proxy.cli", "--log-format", "text", "--log-level", "warning", "trainer"),
+        *("-m", "proxima.cli", "--log-format", "text", "--log-level", "warning", "trainer"),
         "--proxy",
         run.url,
         "--db",
@@ -458,7 +457,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
 
 
 def _copy_final(cfg: TrainRunConfig) -> Path | None:
-    from trainer.weights import exported_versions, weights_dir
+    from proxima.trainer.weights import exported_versions, weights_dir
 
     out = (cfg.output_dir / "trainer").resolve()
     versions = exported_versions(out)

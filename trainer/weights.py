@@ -5,7 +5,7 @@ Layout of ``output_dir``::
     weights/v{n}/               HF checkpoint of policy version n (config, safetensors, tokenizer)
     checkpoints/step-{s:08d}/   trainer_state.json + state.pt (model and optimizer)
     pending.json                the step being pushed: its version and the sessions it trains
-    train_log.jsonl             one record per step (``trainer.log``)
+    train_log.jsonl             one record per step (``proxima.trainer.log``)
     .tmp-*                      partial writes; removed at start-up
 
 Every directory is written under a temporary name in the same parent, its
@@ -13,7 +13,7 @@ files fsynced, then renamed into place (``os.rename`` is atomic within one
 file system), so a reader (the proxy loading ``weights/v{n}``, a restarted
 trainer reading a checkpoint) never sees a partial one.
 
-Recovery rule (applied at start-up by ``trainer.loop``). Let ``P`` be the
+Recovery rule (applied at start-up by ``proxima.trainer.loop``). Let ``P`` be the
 newest policy version recorded in the store (the proxy records a version only
 after its backends loaded it, so ``P`` is the last pushed version) and ``C``
 the newest checkpoint (version ``c``, step ``s``):

@@ -6,12 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-
-from proxy.api.deps import AdminDep, PoolDep, StoreDep
-from proxy.api.schemas import WeightsRequest
-from proxy.backends.errors import BackendError
-from proxy.errors import BadRequest, Conflict
-from proxy.store.records import SessionKind
+from proxima.proxy.api.deps import AdminDep, PoolDep, StoreDep
+from proxima.proxy.api.schemas import WeightsRequest
+from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.errors import BadRequest, Conflict
+from proxima.proxy.store.records import SessionKind
 
 router = APIRouter(tags=["admin"])
 

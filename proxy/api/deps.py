@@ -1,6 +1,6 @@
 """Dependencies: the app state's objects, and who is calling.
 
-The lifespan (``proxy.app``) builds the store, the pool and the services and
+The lifespan (``proxima.proxy.app``) builds the store, the pool and the services and
 puts them on ``app.state``; routes receive them through these aliases, so
 tests can swap any of them with ``app.dependency_overrides``.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
-
-from proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
-from proxy.backends.pool import BackendPool
-from proxy.completions import CompletionService
-from proxy.config import Settings
-from proxy.errors import AuthenticationFailed
-from proxy.recorder import SessionCache
-from proxy.store.store import Store
+from proxima.proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.completions import CompletionService
+from proxima.proxy.config import Settings
+from proxima.proxy.errors import AuthenticationFailed
+from proxima.proxy.recorder import SessionCache
+from proxima.proxy.store.store import Store
 
 
 def get_settings(request: Request) -> Settings:

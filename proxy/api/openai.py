@@ -6,10 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
-from proxy.api.schemas import ChatCompletionRequest, CompletionRequest
-from proxy.store.records import SessionRecord
+from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
+from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
+from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -56,12 +55,16 @@ async def completions(
             media_type="text/event-stream",
             headers={**_SSE_HEADERS, **headers},
         )
-    return JSONResponse(await service.complete(prep, body.n, body.logprobs is not None), headers=headers)
+    return JSONResponse(
+        await service.complete(prep, body.n, body.logprobs is not None), headers=headers
+    )
 
 
 @router.get("/models")
 async def list_models(_: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
     return {
         "object": "list",
-        "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "proxima"}],
+        "data": [
+            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "proxima"}
+        ],
     }

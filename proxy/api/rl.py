@@ -6,19 +6,18 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-
-from proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
-from proxy.api.schemas import (
+from proxima.proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
+from proxima.proxy.api.schemas import (
     CreateSessionRequest,
     CreateSessionResponse,
     FinishRequest,
     RewardRequest,
 )
-from proxy.auth import SESSION_KEY_PREFIX, Principal, hash_key, new_key
-from proxy.errors import NotFound, PermissionDenied, RateLimited
-from proxy.staleness import admit
-from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
-from proxy.store.store import Store
+from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, hash_key, new_key
+from proxima.proxy.errors import NotFound, PermissionDenied, RateLimited
+from proxima.proxy.staleness import admit
+from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.store import Store
 
 router = APIRouter(prefix="/rl", tags=["rl"])
 
@@ -60,7 +59,11 @@ async def create_session(
             max_open_sessions=settings.max_open_sessions,
         )
         if not decision.admitted:
-            raise RateLimited(f"Session not admitted: {decision.reason}.", retry_after=1.0, code="staleness_capacity")
+            raise RateLimited(
+                f"Session not admitted: {decision.reason}.",
+                retry_after=1.0,
+                code="staleness_capacity",
+            )
         key = new_key(SESSION_KEY_PREFIX)
         session = await store.create_session(
             api_key_hash=hash_key(key),

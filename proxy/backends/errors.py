@@ -1,9 +1,9 @@
 """Backend errors.
 
-    BackendError
-    ├── BackendConnectionError   the backend is unreachable or died mid-request (fail over)
-    ├── BackendRejected          the backend refused the request (4xx): the request is wrong
-    └── BackendOperationFailed   an admin call answered ``success: false`` or 5xx
+BackendError
+├── BackendConnectionError   the backend is unreachable or died mid-request (fail over)
+├── BackendRejected          the backend refused the request (4xx): the request is wrong
+└── BackendOperationFailed   an admin call answered ``success: false`` or 5xx
 """
 
 from __future__ import annotations

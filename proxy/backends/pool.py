@@ -22,10 +22,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import httpx
-
-from proxy.backends.errors import BackendConnectionError, BackendError
-from proxy.backends.sglang import SGLangClient
-from proxy.errors import BackendUnavailable
+from proxima.proxy.backends.errors import BackendConnectionError, BackendError
+from proxima.proxy.backends.sglang import SGLangClient
+from proxima.proxy.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +115,9 @@ class BackendPool:
         deadline = time.monotonic() + timeout
         while not self.healthy_backends():
             if time.monotonic() >= deadline:
-                raise BackendUnavailable("No healthy inference backend is available; retry shortly.")
+                raise BackendUnavailable(
+                    "No healthy inference backend is available; retry shortly."
+                )
             await self.check_health()
             if not self.healthy_backends():
                 await asyncio.sleep(0.2)
@@ -139,7 +140,9 @@ class BackendPool:
                         model_path=self.weights_path, weight_version=str(self.version)
                     )
                 except BackendError as exc:
-                    logger.warning("backend %s could not load v%s: %s", backend.url, self.version, exc)
+                    logger.warning(
+                        "backend %s could not load v%s: %s", backend.url, self.version, exc
+                    )
                     return
             backend.version = self.version
             backend.healthy = True
@@ -207,5 +210,7 @@ class BackendPool:
                 self._ready.set()
             update = WeightUpdate(version, path, time.monotonic() - started, loaded)
             self.last_update = update
-            logger.info("weights v%s loaded on %d backend(s) in %.3fs", version, len(loaded), update.seconds)
+            logger.info(
+                "weights v%s loaded on %d backend(s) in %.3fs", version, len(loaded), update.seconds
+            )
             return update

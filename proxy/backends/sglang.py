@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from proxy.backends.errors import (
+from proxima.proxy.backends.errors import (
     BackendConnectionError,
     BackendOperationFailed,
     BackendRejected,
 )
-from proxy.backends.protocol import (
+from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     FinishReason,
     GenerateRequest,
@@ -119,7 +118,9 @@ class SGLangClient:
                     chunk = json.loads(payload)
                     meta = chunk.get("meta_info")
                     if meta is None:
-                        raise BackendRejected(_error_text(chunk.get("error", chunk)), url=self.base_url)
+                        raise BackendRejected(
+                            _error_text(chunk.get("error", chunk)), url=self.base_url
+                        )
                     # Plain dict access, not pydantic: default SGLang chunks are cumulative,
                     # so validating each one would cost O(n^2) over a generation.
                     ids = chunk.get("output_ids") or []
@@ -155,7 +156,9 @@ class SGLangClient:
         await self._post("/abort_request", body, ADMIN_TIMEOUT)
 
     async def pause_generation(self, *, mode: str = "abort") -> None:
-        await self._post("/pause_generation", PauseGenerationBody(mode=mode).model_dump(), ADMIN_TIMEOUT)  # type: ignore[arg-type]
+        await self._post(
+            "/pause_generation", PauseGenerationBody(mode=mode).model_dump(), ADMIN_TIMEOUT
+        )  # type: ignore[arg-type]
 
     async def continue_generation(self) -> None:
         await self._post("/continue_generation", {}, ADMIN_TIMEOUT)
@@ -192,7 +195,9 @@ class SGLangClient:
         try:
             resp = await self._http.get(self.base_url + "/get_model_info", timeout=HEALTH_TIMEOUT)
         except httpx.HTTPError as exc:
-            raise BackendConnectionError(f"/get_model_info failed: {exc!r}", url=self.base_url) from exc
+            raise BackendConnectionError(
+                f"/get_model_info failed: {exc!r}", url=self.base_url
+            ) from exc
         return self._check(resp, "/get_model_info")
 
 

@@ -2,7 +2,7 @@
 
 Typical use::
 
-    from proxy.store import Store, ensure_schema
+    from proxima.proxy.store import Store, ensure_schema
 
     await ensure_schema(url)          # Alembic upgrade to head
     store = await Store.open(url)
@@ -12,10 +12,10 @@ Typical use::
 
 from __future__ import annotations
 
-from proxy.store.engine import create_engine, normalize_db_url
-from proxy.store.errors import Conflict, NotFound, RewardAlreadySet, StoreError
-from proxy.store.migrate import current_revision, downgrade, ensure_schema, upgrade
-from proxy.store.records import (
+from proxima.proxy.store.database import create_engine, normalize_db_url
+from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet, StoreError
+from proxima.proxy.store.migrate import current_revision, downgrade, ensure_schema, upgrade
+from proxima.proxy.store.records import (
     ApiKeyRecord,
     CompletionRecord,
     PolicyVersionRecord,
@@ -23,7 +23,7 @@ from proxy.store.records import (
     SessionRecord,
     SessionStatus,
 )
-from proxy.store.store import Store
+from proxima.proxy.store.store import Store
 
 __all__ = [
     "ApiKeyRecord",

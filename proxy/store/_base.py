@@ -6,12 +6,11 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from proxima.proxy.store.database import BEGIN_MODE_OPTION
+from proxima.proxy.store.errors import NotFound
+from proxima.proxy.store.models import SessionRow
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
-
-from proxy.store.engine import BEGIN_MODE_OPTION
-from proxy.store.errors import NotFound
-from proxy.store.models import SessionRow
 
 
 def new_id() -> str:

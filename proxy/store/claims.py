@@ -16,13 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 
+from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.errors import Conflict, NotFound
+from proxima.proxy.store.models import CompletionRow, SessionRow
+from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
 from sqlalchemy import exists, func, select, update
-
-from proxy.store._base import StoreBase
-from proxy.store.convert import session_record
-from proxy.store.errors import Conflict, NotFound
-from proxy.store.models import CompletionRow, SessionRow
-from proxy.store.records import SessionKind, SessionRecord, SessionStatus
 
 logger = logging.getLogger(__name__)
 

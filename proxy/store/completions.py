@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store.convert import completion_record, completion_row
+from proxima.proxy.store.errors import Conflict, NotFound
+from proxima.proxy.store.models import CompletionRow, SessionRow
+from proxima.proxy.store.records import CompletionRecord, SessionStatus
+from proxima.proxy.store.sessions import CONSUMED_STATUSES
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-
-from proxy.store._base import StoreBase
-from proxy.store.convert import completion_record, completion_row
-from proxy.store.errors import Conflict, NotFound
-from proxy.store.models import CompletionRow, SessionRow
-from proxy.store.records import CompletionRecord, SessionStatus
-from proxy.store.sessions import CONSUMED_STATUSES
 
 
 class CompletionsMixin(StoreBase):

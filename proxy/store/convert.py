@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
-from proxy.store.models import ApiKeyRow, CompletionRow, PolicyVersionRow, SessionRow
-from proxy.store.records import (
+from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
+from proxima.proxy.store.models import ApiKeyRow, CompletionRow, PolicyVersionRow, SessionRow
+from proxima.proxy.store.records import (
     ApiKeyRecord,
     CompletionRecord,
     PolicyVersionRecord,

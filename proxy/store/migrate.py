@@ -23,12 +23,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from proxima.migrations import SCRIPT_LOCATION
+from proxima.proxy.store.database import begin_immediate, create_engine, normalize_db_url
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.pool import NullPool
-
-from migrations import SCRIPT_LOCATION
-from proxy.store.engine import begin_immediate, create_engine, normalize_db_url
 
 logger = logging.getLogger(__name__)
 

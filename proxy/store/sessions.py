@@ -6,14 +6,13 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
+from proxima.proxy.store._base import StoreBase, new_id
+from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet
+from proxima.proxy.store.models import ApiKeyRow, CompletionRow, SessionRow, utcnow
+from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-
-from proxy.store._base import StoreBase, new_id
-from proxy.store.convert import session_record
-from proxy.store.errors import Conflict, NotFound, RewardAlreadySet
-from proxy.store.models import ApiKeyRow, CompletionRow, SessionRow, utcnow
-from proxy.store.records import SessionKind, SessionRecord, SessionStatus
 
 logger = logging.getLogger(__name__)
 

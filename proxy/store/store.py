@@ -3,7 +3,7 @@
 Build it with ``store = await Store.open(url)`` and ``await store.close()`` it.
 Every method is keyword-only and returns frozen records (``records.py``),
 never ORM objects. The schema must already exist: run the migrations first
-(``proxy.store.migrate.ensure_schema`` or ``proxima db upgrade``).
+(``proxima.proxy.store.migrate.ensure_schema`` or ``proxima db upgrade``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import logging
 from typing import Any
 
 from alembic.runtime.migration import MigrationContext
+from proxima.proxy.store.claims import ClaimsMixin
+from proxima.proxy.store.completions import CompletionsMixin
+from proxima.proxy.store.database import create_engine, normalize_db_url
+from proxima.proxy.store.errors import StoreError
+from proxima.proxy.store.keys import ApiKeysMixin
+from proxima.proxy.store.migrate import head_revision
+from proxima.proxy.store.sessions import SessionsMixin
+from proxima.proxy.store.versions import PolicyVersionsMixin
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
-
-from proxy.store.claims import ClaimsMixin
-from proxy.store.completions import CompletionsMixin
-from proxy.store.engine import create_engine, normalize_db_url
-from proxy.store.errors import StoreError
-from proxy.store.keys import ApiKeysMixin, PolicyVersionsMixin
-from proxy.store.migrate import head_revision
-from proxy.store.sessions import SessionsMixin
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Test-facing name of :class:`proxy.process.ProxyProcess`."""
+"""Test-facing name of :class:`proxima.proxy.server_process.ProxyProcess`."""
 
-from proxy.process import ProxyProcess as LiveProxy
+from proxima.proxy.server_process import ProxyProcess as LiveProxy
 
 __all__ = ["LiveProxy"]

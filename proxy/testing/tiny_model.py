@@ -72,7 +72,9 @@ def build_tiny_tokenizer():
         clean_up_tokenization_spaces=False,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.add_tokens([t for t in SPECIAL_TOKENS if t not in tokenizer.get_vocab()], special_tokens=True)
+    tokenizer.add_tokens(
+        [t for t in SPECIAL_TOKENS if t not in tokenizer.get_vocab()], special_tokens=True
+    )
     tokenizer.add_tokens(ADDED_TOKENS, special_tokens=False)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -113,7 +115,9 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=[im_end, endoftext], pad_token_id=endoftext)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[im_end, endoftext], pad_token_id=endoftext
+    )
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     (path / "proxima_tiny.json").write_text(json.dumps({"seed": seed, "kind": "tiny-qwen2-bytes"}))

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from agents_examples.datasets import (
+from proxima.agents_examples.datasets import (
     DIFFICULTIES,
     arithmetic_problems,
     arithmetic_splits,
@@ -73,7 +72,7 @@ def test_write_and_cli_give_the_same_files(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "agents_examples.datasets",
+            "proxima.agents_examples.datasets",
             "--out-dir",
             str(tmp_path / "cli"),
             "--difficulty",

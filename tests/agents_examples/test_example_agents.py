@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
-
-from agents_examples import httpx_agent, math_agent, tool_agent
-from agents_examples.common import endpoint, is_correct, last_integer
-from agents_examples.tool_agent import CalculatorError, calculator, evaluate
-from proxy.testing.live import LiveProxy
-from trainer.rollout import RolloutController
+from proxima.agents_examples import httpx_agent, math_agent, tool_agent
+from proxima.agents_examples.common import endpoint, is_correct, last_integer
+from proxima.agents_examples.tool_agent import CalculatorError, calculator, evaluate
+from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.rollout import RolloutController
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Processes of the production-readiness tests: backends the tests can kill and restart.
 
 ``BackendProcess`` runs one SGLang-protocol backend as a child process on a
-fixed loopback port: the embedded engine (``python -m proxy.engine``) with a
+fixed loopback port: the embedded engine (``python -m proxima.proxy.embedded``) with a
 real tiny model, or the fake timing backend (``python -m
 proxy.testing.fake_sglang``) where a real model would only slow the test
 down. ``kill()`` is SIGKILL, and ``start()`` again brings it back on the same
@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.auth import PRODUCTION_KEY_PREFIX
-from proxy.engine_process import free_port
-from proxy.process import wait_healthy
+from proxima.proxy.auth import PRODUCTION_KEY_PREFIX
+from proxima.proxy.serving import free_port, wait_healthy
 
 
 @dataclass
@@ -32,15 +31,35 @@ class BackendProcess:
 
     @classmethod
     def engine(cls, model_dir: Path, log_path: Path | None = None) -> BackendProcess:
-        return cls([sys.executable, "-m", "proxy.engine", "--model", str(model_dir),
-                    "--max-running-requests", "8"], log_path=log_path)
+        return cls(
+            [
+                sys.executable,
+                "-m",
+                "proxima.proxy.embedded",
+                "--model",
+                str(model_dir),
+                "--max-running-requests",
+                "8",
+            ],
+            log_path=log_path,
+        )
 
     @classmethod
-    def fake(cls, *, tokens_per_s: float = 0.0, chunk_tokens: int = 1,
-             log_path: Path | None = None) -> BackendProcess:
-        return cls([sys.executable, "-m", "proxy.testing.fake_sglang",
-                    "--tokens-per-s", str(tokens_per_s), "--chunk-tokens", str(chunk_tokens)],
-                   log_path=log_path)
+    def fake(
+        cls, *, tokens_per_s: float = 0.0, chunk_tokens: int = 1, log_path: Path | None = None
+    ) -> BackendProcess:
+        return cls(
+            [
+                sys.executable,
+                "-m",
+                "proxima.proxy.testing.fake_sglang",
+                "--tokens-per-s",
+                str(tokens_per_s),
+                "--chunk-tokens",
+                str(chunk_tokens),
+            ],
+            log_path=log_path,
+        )
 
     @property
     def url(self) -> str:
@@ -48,8 +67,12 @@ class BackendProcess:
 
     def start(self, timeout: float = 120.0) -> BackendProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdout=out,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [*self.argv, "--port", str(self.port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         try:
             wait_healthy(self.proc, self.url, timeout=timeout, name=self.argv[2], log=self.log_path)
         except RuntimeError:
@@ -76,8 +99,19 @@ class BackendProcess:
 
 def create_production_key(db_url: str, name: str, *, record: bool = True) -> str:
     """``proxima keys create`` as an operator runs it; returns the printed key."""
-    cmd = [sys.executable, "-m", "proxy.cli", "--log-level", "warning", "keys", "create",
-           "--name", name, "--db", db_url]
+    cmd = [
+        sys.executable,
+        "-m",
+        "proxima.cli",
+        "--log-level",
+        "warning",
+        "keys",
+        "create",
+        "--name",
+        name,
+        "--db",
+        db_url,
+    ]
     if not record:
         cmd.append("--no-record")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
@@ -86,8 +120,9 @@ def create_production_key(db_url: str, name: str, *, record: bool = True) -> str
     return key
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, *, interval: float = 0.1,
-               what: str = "condition") -> None:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, *, interval: float = 0.1, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from proxima.trainer.config import load_config
 
-from proxy.cli import build_parser
-from trainer.config import load_config
+from proxima.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"postgres", "sglang", "proxy", "trainer"}
@@ -32,8 +32,12 @@ def _interpolate(value: str) -> str:
         op = m.group("op")
         if op in (":-", "-"):
             return m.group("arg")
-        assert op in (":?", "?"), f"${{{m.group('name')}}} has no default and is not marked required"
-        return f"<{m.group('name')}>"  # the operator must set it; compose refuses to start otherwise
+        assert op in (":?", "?"), (
+            f"${{{m.group('name')}}} has no default and is not marked required"
+        )
+        return (
+            f"<{m.group('name')}>"  # the operator must set it; compose refuses to start otherwise
+        )
 
     return _VAR.sub(one, value)
 
@@ -88,10 +92,15 @@ def test_services_and_dependencies(services: dict[str, Any]) -> None:
         assert "image" in service or "build" in service, name
         for dep, spec in (service.get("depends_on") or {}).items():
             assert dep in services and dep != name, f"{name} depends on unknown {dep}"
-            assert spec["condition"] in ("service_started", "service_healthy",
-                                         "service_completed_successfully"), (name, dep)
+            assert spec["condition"] in (
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            ), (name, dep)
             if spec["condition"] == "service_healthy":
-                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health, which has no check"
+                assert "healthcheck" in services[dep], (
+                    f"{name} waits for {dep}'s health, which has no check"
+                )
     assert set(services["proxy"]["depends_on"]) == {"postgres", "sglang"}
     assert set(services["trainer"]["depends_on"]) >= {"proxy", "postgres"}
 
@@ -106,7 +115,9 @@ def test_healthchecks(services: dict[str, Any]) -> None:
     assert "http://127.0.0.1:8000/health" in " ".join(services["proxy"]["healthcheck"]["test"])
 
 
-def test_volumes_declared_and_weights_shared(compose: dict[str, Any], services: dict[str, Any]) -> None:
+def test_volumes_declared_and_weights_shared(
+    compose: dict[str, Any], services: dict[str, Any]
+) -> None:
     declared = set(compose.get("volumes") or {})
     mounts: dict[str, dict[str, str]] = {}  # service -> {container path: source}
     for name, service in services.items():
@@ -115,7 +126,9 @@ def test_volumes_declared_and_weights_shared(compose: dict[str, Any], services: 
             if not source.startswith((".", "/")):
                 assert source in declared, f"{name} mounts undeclared volume {source}"
             else:
-                assert source.startswith("/") or (ROOT / source).resolve().is_relative_to(ROOT), volume
+                assert source.startswith("/") or (ROOT / source).resolve().is_relative_to(ROOT), (
+                    volume
+                )
             mounts.setdefault(name, {})[target] = source
     # Weights: the trainer writes where SGLang reads, at the same path in both containers.
     output_dir = _flag(_command(services["trainer"]), "--output-dir")
@@ -141,8 +154,11 @@ def test_sglang_service(services: dict[str, Any]) -> None:
 
 
 def test_proxima_commands_are_real(services: dict[str, Any]) -> None:
-    commands = {name: _command(s) for name, s in services.items()
-                if "command" in s and _command(s)[0] == "proxima"}
+    commands = {
+        name: _command(s)
+        for name, s in services.items()
+        if "command" in s and _command(s)[0] == "proxima"
+    }
     assert set(commands) == {"proxy", "trainer"}
     assert "trainer" in _proxima_subcommands(), "proxima trainer is part of the CLI contract"
     for argv in commands.values():
@@ -154,7 +170,9 @@ def test_proxy_wiring(services: dict[str, Any]) -> None:
     assert args.command == "serve" and args.host == "0.0.0.0"
     (backend,) = args.backend
     url = urlsplit(backend)
-    assert url.hostname == "sglang" and str(url.port) == _flag(_command(services["sglang"]), "--port")
+    assert url.hostname == "sglang" and str(url.port) == _flag(
+        _command(services["sglang"]), "--port"
+    )
     db = urlsplit(args.db)
     assert db.scheme.startswith("postgresql") and db.hostname == "postgres" and db.port == 5432
     assert db.path == "/" + services["postgres"]["environment"]["POSTGRES_DB"]
@@ -180,7 +198,10 @@ def test_trainer_wiring(services: dict[str, Any]) -> None:
     mounted = {v.split(":")[1]: v.split(":")[0] for v in services["trainer"]["volumes"]}
     config = load_config(ROOT / mounted[str(args.config)])
     assert config.device.startswith("cuda")
-    assert (config.batch_size, config.max_staleness) == (proxy_args.train_batch_size, proxy_args.max_staleness)
+    assert (config.batch_size, config.max_staleness) == (
+        proxy_args.train_batch_size,
+        proxy_args.max_staleness,
+    )
     (device,) = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia"
 
@@ -193,5 +214,5 @@ def test_dockerfile() -> None:
     project_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install ."))
     assert torch_at < project_at
     copied = {s.split()[1] for s in steps if s.startswith("COPY")}
-    for package in ("proxy", "trainer", "migrations", "pyproject.toml"):
+    for package in ("proxima", "proxy", "trainer", "migrations", "agents_examples", "pyproject.toml"):
         assert package in copied, package

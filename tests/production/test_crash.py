@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from openai import OpenAI
+from proxima.proxy.testing.live import LiveProxy
 
-from proxy.testing.live import LiveProxy
 from tests.production.procs import BackendProcess, wait_until
 
 CLIENTS = 16
@@ -50,30 +50,43 @@ class Client:
         try:
             while not stop.is_set():
                 s = self.proxy.new_session(group_id=f"client-{self.index}")
-                client = OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=60)
+                client = OpenAI(
+                    base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=60
+                )
                 messages: list[dict[str, Any]] = []
                 for turn in range(TURNS_PER_SESSION):
-                    messages.append({"role": "user", "content": f"client {self.index} turn {turn}: go on"})
+                    messages.append(
+                        {"role": "user", "content": f"client {self.index} turn {turn}: go on"}
+                    )
                     cid, reply = self._turn(client, messages, stream=turn % 2 == 1)
                     # Acknowledged: the client holds the whole response.
                     messages.append({"role": "assistant", "content": reply})
                     self.acked.append((s["session_id"], cid))
-                    self.open_session = OpenSession(s["session_id"], s["api_key"], s["base_url"],
-                                                    list(messages), cid)
-                httpx.post(f"{self.proxy.url}/rl/sessions/{s['session_id']}/finish", timeout=30,
-                           headers={"Authorization": f"Bearer {s['api_key']}"}).raise_for_status()
+                    self.open_session = OpenSession(
+                        s["session_id"], s["api_key"], s["base_url"], list(messages), cid
+                    )
+                httpx.post(
+                    f"{self.proxy.url}/rl/sessions/{s['session_id']}/finish",
+                    timeout=30,
+                    headers={"Authorization": f"Bearer {s['api_key']}"},
+                ).raise_for_status()
                 self.open_session = None
         except Exception as exc:  # the proxy was killed under us: expected, kept for the report
             self.error = exc
 
-    def _turn(self, client: OpenAI, messages: list[dict[str, Any]], *, stream: bool) -> tuple[str, str]:
+    def _turn(
+        self, client: OpenAI, messages: list[dict[str, Any]], *, stream: bool
+    ) -> tuple[str, str]:
         model = self.proxy.model_name
         if not stream:
-            r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS)
+            r = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=MAX_TOKENS
+            )
             return r.id, r.choices[0].message.content or ""
         text, cid, finished = "", "", False
-        for chunk in client.chat.completions.create(model=model, messages=messages,
-                                                    max_tokens=MAX_TOKENS, stream=True):
+        for chunk in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, stream=True
+        ):
             cid = chunk.id
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
@@ -83,16 +96,24 @@ class Client:
 
 
 @pytest.fixture
-def proxy(tiny_model_dir: Path, tmp_path: Path, fake_backend: BackendProcess) -> Iterator[LiveProxy]:
-    live = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}",
-                     log_path=tmp_path / "serve.log", extra_args=["--backend", fake_backend.url])
+def proxy(
+    tiny_model_dir: Path, tmp_path: Path, fake_backend: BackendProcess
+) -> Iterator[LiveProxy]:
+    live = LiveProxy(
+        tiny_model_dir,
+        db_url=f"sqlite:///{tmp_path / 'store.db'}",
+        log_path=tmp_path / "serve.log",
+        extra_args=["--backend", fake_backend.url],
+    )
     live.start()
     yield live
     live.stop()
 
 
 def _in_flight(proxy: LiveProxy) -> int:
-    return sum(b["in_flight"] for b in httpx.get(proxy.url + "/health", timeout=10).json()["backends"])
+    return sum(
+        b["in_flight"] for b in httpx.get(proxy.url + "/health", timeout=10).json()["backends"]
+    )
 
 
 def test_kill_9_under_load_loses_no_acknowledged_completion(proxy: LiveProxy) -> None:
@@ -126,7 +147,12 @@ def test_kill_9_under_load_loses_no_acknowledged_completion(proxy: LiveProxy) ->
         missing += sorted(cids - stored.keys())
         for cid in cids & stored.keys():
             c = stored[cid]
-            assert len(c["output_ids"]) == len(c["output_logprobs"]) == len(c["output_versions"]) == MAX_TOKENS
+            assert (
+                len(c["output_ids"])
+                == len(c["output_logprobs"])
+                == len(c["output_versions"])
+                == MAX_TOKENS
+            )
     assert missing == [], f"{len(missing)} of {len(acknowledged)} acknowledged completions lost"
 
     # Open sessions go on after the restart, token-exactly, with their own keys.
@@ -135,7 +161,8 @@ def test_kill_9_under_load_loses_no_acknowledged_completion(proxy: LiveProxy) ->
     for s in open_sessions:
         client = OpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0, timeout=60)
         r = client.chat.completions.create(
-            model=proxy.model_name, max_tokens=MAX_TOKENS,
+            model=proxy.model_name,
+            max_tokens=MAX_TOKENS,
             messages=[*s.messages, {"role": "user", "content": "after the restart"}],
         )
         stored = {c["id"]: c for c in proxy.trajectory(s.session_id)["completions"]}

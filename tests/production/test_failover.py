@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from proxima.proxy.testing.live import LiveProxy
 from transformers import AutoTokenizer
 
-from proxy.testing.live import LiveProxy
 from tests.production.procs import BackendProcess, wait_until
 
 MAX_TOKENS = 1500
@@ -25,7 +25,10 @@ MAX_TOKENS = 1500
 
 @pytest.fixture
 def two_backends(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[BackendProcess]]:
-    backends = [BackendProcess.engine(tiny_model_dir, log_path=tmp_path / f"engine{i}.log") for i in range(2)]
+    backends = [
+        BackendProcess.engine(tiny_model_dir, log_path=tmp_path / f"engine{i}.log")
+        for i in range(2)
+    ]
     try:
         for b in backends:
             b.start()
@@ -36,9 +39,13 @@ def two_backends(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[BackendP
 
 
 @pytest.fixture
-def proxy(tiny_model_dir: Path, tmp_path: Path, two_backends: list[BackendProcess]) -> Iterator[LiveProxy]:
+def proxy(
+    tiny_model_dir: Path, tmp_path: Path, two_backends: list[BackendProcess]
+) -> Iterator[LiveProxy]:
     live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log",
+        tiny_model_dir,
+        db_url=f"sqlite:///{tmp_path / 'store.db'}",
+        log_path=tmp_path / "serve.log",
         extra_args=[arg for b in two_backends for arg in ("--backend", b.url)],
         env={"PROXIMA_HEALTH_CHECK_INTERVAL": "0.5"},
     )
@@ -55,8 +62,11 @@ def test_backend_killed_mid_stream(proxy: LiveProxy, two_backends: list[BackendP
     s = proxy.new_session()
     client = OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0, timeout=300)
     stream = client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "Tell a very long story."}],
-        stream=True, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True},
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "Tell a very long story."}],
+        stream=True,
+        max_tokens=MAX_TOKENS,
+        extra_body={"ignore_eos": True},
     )
     text, chunks, finish, victim = "", 0, None, None
     for chunk in stream:
@@ -79,7 +89,9 @@ def test_backend_killed_mid_stream(proxy: LiveProxy, two_backends: list[BackendP
     assert health[survivor.url]["healthy"] is True
 
     (c,) = proxy.trajectory(s["session_id"])["completions"]
-    assert len(c["output_ids"]) == len(c["output_logprobs"]) == len(c["output_versions"]) == MAX_TOKENS
+    assert (
+        len(c["output_ids"]) == len(c["output_logprobs"]) == len(c["output_versions"]) == MAX_TOKENS
+    )
     assert set(c["output_versions"]) == {0}
     assert all(lp <= 0.0 for lp in c["output_logprobs"])
     assert c["finish_reason"] == "length"
@@ -88,26 +100,40 @@ def test_backend_killed_mid_stream(proxy: LiveProxy, two_backends: list[BackendP
 
     # Restarted on the same port, the backend rejoins at the next health check ...
     victim.start()
-    wait_until(lambda: _backends(proxy)[victim.url]["healthy"], timeout=30, what="the backend to rejoin")
+    wait_until(
+        lambda: _backends(proxy)[victim.url]["healthy"], timeout=30, what="the backend to rejoin"
+    )
     # ... and serves again: a new session goes to the least-loaded backend while the
     # survivor is busy with a long stream.
     busy = proxy.new_session()
-    busy_client = OpenAI(base_url=busy["base_url"], api_key=busy["api_key"], max_retries=0, timeout=300)
+    busy_client = OpenAI(
+        base_url=busy["base_url"], api_key=busy["api_key"], max_retries=0, timeout=300
+    )
     long_stream = busy_client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "Keep going."}],
-        stream=True, max_tokens=400, extra_body={"ignore_eos": True},
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "Keep going."}],
+        stream=True,
+        max_tokens=400,
+        extra_body={"ignore_eos": True},
     )
     next(iter(long_stream))
     in_flight = {url: b["in_flight"] for url, b in _backends(proxy).items()}
     first = next(url for url, n in in_flight.items() if n == 1)
     other = next(url for url in in_flight if url != first)
     fresh = proxy.new_session()
-    fresh_client = OpenAI(base_url=fresh["base_url"], api_key=fresh["api_key"], max_retries=0, timeout=300)
+    fresh_client = OpenAI(
+        base_url=fresh["base_url"], api_key=fresh["api_key"], max_retries=0, timeout=300
+    )
     probe = fresh_client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "Hi"}], stream=True, max_tokens=300,
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        stream=True,
+        max_tokens=300,
         extra_body={"ignore_eos": True},
     )
     next(iter(probe))
-    assert _backends(proxy)[other]["in_flight"] == 1, "the second stream should use the other backend"
+    assert _backends(proxy)[other]["in_flight"] == 1, (
+        "the second stream should use the other backend"
+    )
     assert sum(1 for _ in probe) > 0 and sum(1 for _ in long_stream) > 0
     assert len(proxy.trajectory(fresh["session_id"])["completions"][0]["output_ids"]) == 300

@@ -26,9 +26,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from proxima.proxy.testing.live import LiveProxy
 from schemathesis import GenerationMode
 
-from proxy.testing.live import LiveProxy
 from tests.production.procs import BackendProcess, create_production_key
 
 EXAMPLES_PER_OPERATION = 30
@@ -45,14 +45,21 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendProcess
 
 
 @pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-          backend: BackendProcess) -> Iterator[LiveProxy]:
+def proxy(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, backend: BackendProcess
+) -> Iterator[LiveProxy]:
     work = tmp_path_factory.mktemp("fuzz-proxy")
     live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log",
+        tiny_model_dir,
+        db_url=f"sqlite:///{work / 'store.db'}",
+        log_path=work / "serve.log",
         extra_args=["--backend", backend.url],
         # Generated requests stay cheap: small generations, few choices.
-        env={"PROXIMA_MAX_TOKENS_LIMIT": "64", "PROXIMA_DEFAULT_MAX_TOKENS": "16", "PROXIMA_MAX_N": "4"},
+        env={
+            "PROXIMA_MAX_TOKENS_LIMIT": "64",
+            "PROXIMA_DEFAULT_MAX_TOKENS": "16",
+            "PROXIMA_MAX_N": "4",
+        },
     )
     live.start()
     yield live
@@ -85,8 +92,11 @@ def _plausible(case: Any, model: str) -> Any:
     the fields whose cross-field rules a schema cannot express. The generated sampling fields
     (n, stop, max_tokens, temperature, tools, logprobs...) then reach generation."""
     if isinstance(case.body, dict):
-        body = {k: v for k, v in case.body.items()
-                if k not in ("echo", "suffix", "tool_choice", "response_format")}
+        body = {
+            k: v
+            for k, v in case.body.items()
+            if k not in ("echo", "suffix", "tool_choice", "response_format")
+        }
         body["model"] = model
         if "messages" in body:
             body["messages"] = [{"role": "user", "content": "fuzz"}]
@@ -103,21 +113,33 @@ def _fuzz_operation(
 ) -> tuple[dict[int, int], list[str]]:
     """Send up to ``EXAMPLES_PER_OPERATION`` generated requests; (count per status, problems)."""
     label = f"{op.method.upper()} {op.path}"
-    strategies = [op.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+    strategies = [
+        op.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    ]
     if "{session_id}" in op.path:
         # Also aim at the real session, so the handlers behind the access check get fuzzed.
-        strategies.append(op.as_strategy(GenerationMode.POSITIVE, path_parameters={"session_id": session_id}))
+        strategies.append(
+            op.as_strategy(GenerationMode.POSITIVE, path_parameters={"session_id": session_id})
+        )
     if op.method.upper() == "POST" and op.path.startswith("/v1/"):
         # Twice the weight: the requests that get past validation into generation and recording.
-        plausible = st.builds(_plausible, op.as_strategy(GenerationMode.POSITIVE), st.just(proxy.model_name))
+        plausible = st.builds(
+            _plausible, op.as_strategy(GenerationMode.POSITIVE), st.just(proxy.model_name)
+        )
         strategies += [plausible, plausible]
     deadline = time.monotonic() + SECONDS_PER_OPERATION
     problems: list[str] = []
     statuses: dict[int, int] = {}
 
     # derandomize: the same examples on every run, so a failure reproduces.
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=st.one_of(strategies), who=st.sampled_from(sorted(tokens)))
     def send(case: Any, who: str) -> None:
         if time.monotonic() > deadline:
@@ -139,7 +161,9 @@ def _fuzz_operation(
 
 
 def test_no_server_errors_under_fuzzing(proxy: LiveProxy) -> None:
-    schema = schemathesis.openapi.from_dict(httpx.get(proxy.url + "/openapi.json", timeout=30).json())
+    schema = schemathesis.openapi.from_dict(
+        httpx.get(proxy.url + "/openapi.json", timeout=30).json()
+    )
     session = proxy.new_session(group_id="fuzz")
     tokens = {"admin": proxy.admin_token, "session": session["api_key"]}
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -208,10 +232,21 @@ def test_session_key_stays_in_its_session(proxy: LiveProxy) -> None:
     assert httpx.get(f"{proxy.url}/rl/sessions/no-such-session", headers=key_a).status_code == 403
 
     # Generation cannot be steered into B by naming it: it is recorded in A.
-    for extra_headers, extra_body in (({"X-Session-Id": b["session_id"]}, {}), ({}, {"user": b["session_id"]})):
-        r = httpx.post(proxy.base_url + "/chat/completions", headers=key_a | extra_headers, timeout=60,
-                       json={"model": proxy.model_name, "max_tokens": 4,
-                             "messages": [{"role": "user", "content": "hi"}], **extra_body})
+    for extra_headers, extra_body in (
+        ({"X-Session-Id": b["session_id"]}, {}),
+        ({}, {"user": b["session_id"]}),
+    ):
+        r = httpx.post(
+            proxy.base_url + "/chat/completions",
+            headers=key_a | extra_headers,
+            timeout=60,
+            json={
+                "model": proxy.model_name,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                **extra_body,
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.headers["X-Proxima-Session-Id"] == a["session_id"]
     assert len(proxy.trajectory(a["session_id"])["completions"]) == 2
@@ -219,7 +254,11 @@ def test_session_key_stays_in_its_session(proxy: LiveProxy) -> None:
 
     # B's own key still works, and B is untouched by A's attempts.
     mine = httpx.get(other, headers=_auth(b["api_key"]))
-    assert mine.status_code == 200 and mine.json()["status"] == "open" and mine.json()["reward"] is None
+    assert (
+        mine.status_code == 200
+        and mine.json()["status"] == "open"
+        and mine.json()["reward"] is None
+    )
 
 
 def test_weight_version_must_fit_the_store(proxy: LiveProxy, tmp_path: Path) -> None:
@@ -229,8 +268,12 @@ def test_weight_version_must_fit_the_store(proxy: LiveProxy, tmp_path: Path) -> 
     completion with a 500 (the codec cannot encode it).
     """
     before = httpx.get(proxy.url + "/health").json()["version"]
-    r = httpx.post(proxy.url + "/admin/weights", json={"version": 2**31, "path": str(tmp_path)},
-                   headers=proxy.admin_headers(), timeout=60)
+    r = httpx.post(
+        proxy.url + "/admin/weights",
+        json={"version": 2**31, "path": str(tmp_path)},
+        headers=proxy.admin_headers(),
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "version"
     assert httpx.get(proxy.url + "/health").json()["version"] == before

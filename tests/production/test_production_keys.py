@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from proxima.proxy.store.records import SessionKind, SessionStatus
+from proxima.proxy.store.store import Store
+from proxima.proxy.testing.live import LiveProxy
+from proxima.proxy.testing.tiny_model import build_tiny_model
 
-from proxy.store.records import SessionKind, SessionStatus
-from proxy.store.store import Store
-from proxy.testing.live import LiveProxy
-from proxy.testing.tiny_model import build_tiny_model
 from tests.production.procs import create_production_key
 
 SESSION_HEADER = "X-Proxima-Session-Id"
@@ -46,7 +46,9 @@ def keys(db_url: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, work: Path, db_url: str, keys: dict[str, str]) -> Iterator[LiveProxy]:
+def proxy(
+    tiny_model_dir: Path, work: Path, db_url: str, keys: dict[str, str]
+) -> Iterator[LiveProxy]:
     live = LiveProxy(tiny_model_dir, db_url=db_url, log_path=work / "serve.log")
     live.start()
     yield live
@@ -57,10 +59,16 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _chat(proxy: LiveProxy, key: str, messages: list[dict], session: str | None = None) -> httpx.Response:
+def _chat(
+    proxy: LiveProxy, key: str, messages: list[dict], session: str | None = None
+) -> httpx.Response:
     headers = _auth(key) | ({"X-Session-Id": session} if session else {})
-    resp = httpx.post(proxy.base_url + "/chat/completions", headers=headers, timeout=120,
-                      json={"model": proxy.model_name, "messages": messages, "max_tokens": 12})
+    resp = httpx.post(
+        proxy.base_url + "/chat/completions",
+        headers=headers,
+        timeout=120,
+        json={"model": proxy.model_name, "messages": messages, "max_tokens": 12},
+    )
     assert resp.status_code == 200, resp.text
     return resp
 
@@ -73,12 +81,14 @@ async def _production_sessions(db_url: str) -> int:
         await store.close()
 
 
-async def test_unrecorded_key_is_served_and_leaves_no_trace(proxy: LiveProxy, keys: dict[str, str],
-                                                          db_url: str) -> None:
+async def test_unrecorded_key_is_served_and_leaves_no_trace(
+    proxy: LiveProxy, keys: dict[str, str], db_url: str
+) -> None:
     before = await _production_sessions(db_url)
     client = OpenAI(base_url=proxy.base_url, api_key=keys["quiet"], max_retries=0)
-    reply = client.chat.completions.create(model=proxy.model_name, max_tokens=8,
-                                           messages=[{"role": "user", "content": "Hello"}])
+    reply = client.chat.completions.create(
+        model=proxy.model_name, max_tokens=8, messages=[{"role": "user", "content": "Hello"}]
+    )
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
     resp = _chat(proxy, keys["quiet"], [{"role": "user", "content": "Hello"}], session="conv-q")
@@ -99,13 +109,18 @@ async def test_recorded_production_session_reward_and_claim(
 
     # A new policy version between the turns: each turn's tokens carry their own version.
     weights = build_tiny_model(tmp_path / "v1", seed=1)
-    pushed = httpx.post(proxy.url + "/admin/weights", json={"version": 1, "path": str(weights)},
-                        headers=proxy.admin_headers(), timeout=120)
+    pushed = httpx.post(
+        proxy.url + "/admin/weights",
+        json={"version": 1, "path": str(weights)},
+        headers=proxy.admin_headers(),
+        timeout=120,
+    )
     assert pushed.status_code == 200, pushed.text
 
     reply = first.json()["choices"][0]["message"]
-    second = _chat(proxy, key, [*first_turn, reply, {"role": "user", "content": "And 3+3?"}],
-                   session="conv-1")
+    second = _chat(
+        proxy, key, [*first_turn, reply, {"role": "user", "content": "And 3+3?"}], session="conv-1"
+    )
     assert second.headers[SESSION_HEADER] == session_id  # X-Session-Id groups them
     # Without X-Session-Id every request is a session of its own.
     lone = _chat(proxy, key, [{"role": "user", "content": "Hi"}])
@@ -118,22 +133,36 @@ async def test_recorded_production_session_reward_and_claim(
     c1, c2 = traj["completions"]
     assert (c1["id"], c2["id"]) == (first.json()["id"], second.json()["id"])
     assert c2["parent_id"] == c1["id"]
-    assert c2["prompt_ids"][: len(c1["prompt_ids"]) + len(c1["output_ids"])] == c1["prompt_ids"] + c1["output_ids"]
+    assert (
+        c2["prompt_ids"][: len(c1["prompt_ids"]) + len(c1["output_ids"])]
+        == c1["prompt_ids"] + c1["output_ids"]
+    )
     for c, version in ((c1, 0), (c2, 1)):
         assert len(c["output_ids"]) == len(c["output_logprobs"]) == len(c["output_versions"]) >= 1
         assert set(c["output_versions"]) == {version}
 
     # Another production key sees none of it.
-    assert httpx.get(f"{proxy.url}/rl/sessions/{session_id}", headers=_auth(keys["other"])).status_code == 403
-    assert httpx.post(f"{proxy.url}/rl/sessions/{session_id}/reward", json={"reward": 5.0},
-                      headers=_auth(keys["other"])).status_code == 403
+    assert (
+        httpx.get(f"{proxy.url}/rl/sessions/{session_id}", headers=_auth(keys["other"])).status_code
+        == 403
+    )
+    assert (
+        httpx.post(
+            f"{proxy.url}/rl/sessions/{session_id}/reward",
+            json={"reward": 5.0},
+            headers=_auth(keys["other"]),
+        ).status_code
+        == 403
+    )
 
     # The reward comes later (user feedback), with the same key; then the session is closed.
-    rewarded = httpx.post(f"{proxy.url}/rl/sessions/{session_id}/reward", json={"reward": 0.75},
-                          headers=_auth(key))
+    rewarded = httpx.post(
+        f"{proxy.url}/rl/sessions/{session_id}/reward", json={"reward": 0.75}, headers=_auth(key)
+    )
     assert rewarded.status_code == 200, rewarded.text
-    again = httpx.post(f"{proxy.url}/rl/sessions/{session_id}/reward", json={"reward": 1.0},
-                       headers=_auth(key))
+    again = httpx.post(
+        f"{proxy.url}/rl/sessions/{session_id}/reward", json={"reward": 1.0}, headers=_auth(key)
+    )
     assert again.status_code == 409
     finished = httpx.post(f"{proxy.url}/rl/sessions/{session_id}/finish", headers=_auth(key))
     assert finished.status_code == 200 and finished.json()["status"] == "finished"
@@ -142,7 +171,9 @@ async def test_recorded_production_session_reward_and_claim(
     store = await Store.open(db_url)
     try:
         claimed = await store.claim_sessions(limit=10, trainer_id="trainer-a")
-        assert [(s.id, s.kind, s.reward) for s in claimed] == [(session_id, SessionKind.PRODUCTION, 0.75)]
+        assert [(s.id, s.kind, s.reward) for s in claimed] == [
+            (session_id, SessionKind.PRODUCTION, 0.75)
+        ]
         assert await store.claim_sessions(limit=10, trainer_id="trainer-b") == []
         stored = await store.list_completions(session_id=session_id)
         assert [c.output_versions for c in stored] == [c1["output_versions"], c2["output_versions"]]
@@ -150,6 +181,9 @@ async def test_recorded_production_session_reward_and_claim(
     finally:
         await store.close()
     # Claimed: a late reward is refused rather than silently lost.
-    late = httpx.post(f"{proxy.url}/rl/sessions/{session_id}/reward",
-                      json={"reward": 1.0, "completion_id": c2["id"]}, headers=_auth(key))
+    late = httpx.post(
+        f"{proxy.url}/rl/sessions/{session_id}/reward",
+        json={"reward": 1.0, "completion_id": c2["id"]},
+        headers=_auth(key),
+    )
     assert late.status_code == 409

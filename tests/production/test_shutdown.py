@@ -7,15 +7,20 @@ import threading
 from pathlib import Path
 
 from openai import OpenAI
+from proxima.proxy.testing.live import LiveProxy
 
-from proxy.testing.live import LiveProxy
 from tests.production.procs import BackendProcess
 
 
-def test_sigterm_drains_in_flight_streams(tiny_model_dir: Path, tmp_path: Path,
-                                          fake_backend: BackendProcess) -> None:
-    proxy = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}",
-                      extra_args=["--backend", fake_backend.url], log_path=tmp_path / "serve.log")
+def test_sigterm_drains_in_flight_streams(
+    tiny_model_dir: Path, tmp_path: Path, fake_backend: BackendProcess
+) -> None:
+    proxy = LiveProxy(
+        tiny_model_dir,
+        db_url=f"sqlite:///{tmp_path / 'store.db'}",
+        extra_args=["--backend", fake_backend.url],
+        log_path=tmp_path / "serve.log",
+    )
     proxy.start()
     try:
         sessions = [proxy.new_session() for _ in range(3)]
@@ -24,9 +29,14 @@ def test_sigterm_drains_in_flight_streams(tiny_model_dir: Path, tmp_path: Path,
 
         def client(i: int) -> None:
             s = sessions[i]
-            stream = OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0).chat.completions.create(
-                model=proxy.model_name, messages=[{"role": "user", "content": "go"}], max_tokens=600,
-                stream=True, extra_body={"ignore_eos": True},
+            stream = OpenAI(
+                base_url=s["base_url"], api_key=s["api_key"], max_retries=0
+            ).chat.completions.create(
+                model=proxy.model_name,
+                messages=[{"role": "user", "content": "go"}],
+                max_tokens=600,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
             finish, ids = None, ""
             for n, chunk in enumerate(stream):

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proxima.proxy.testing.live import LiveProxy
+from proxima.proxy.testing.teach import teach
+from proxima.proxy.testing.tiny_model import build_tiny_model
 
-from proxy.testing.live import LiveProxy
-from proxy.testing.teach import teach
-from proxy.testing.tiny_model import build_tiny_model
 from tests.proxy.scripts import TEACH_EXAMPLES
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache"
@@ -26,11 +26,12 @@ def taught_model_dir() -> Path:
     Cached under ``.cache/`` by a hash of everything that determines it, so
     only the first run of a checkout pays the ~30 s of teaching.
     """
-    import proxy.testing.teach as teach_mod
-    import proxy.testing.tiny_model as tiny_mod
+    import proxima.proxy.testing.teach as teach_mod
+    import proxima.proxy.testing.tiny_model as tiny_mod
 
     digest = hashlib.sha256(
-        Path(tiny_mod.__file__).read_bytes() + Path(teach_mod.__file__).read_bytes()
+        Path(tiny_mod.__file__).read_bytes()
+        + Path(teach_mod.__file__).read_bytes()
         + repr(TEACH_EXAMPLES).encode()
     ).hexdigest()[:16]
     final = CACHE / f"taught-{digest}" / "tiny-tools"
@@ -44,9 +45,13 @@ def taught_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def live_proxy(taught_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+def live_proxy(
+    taught_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveProxy]:
     work = tmp_path_factory.mktemp("proxy")
-    proxy = LiveProxy(taught_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log")
+    proxy = LiveProxy(
+        taught_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+    )
     proxy.start()
     yield proxy
     proxy.stop()

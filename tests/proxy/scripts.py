@@ -27,7 +27,11 @@ _a1 = {
     "role": "assistant",
     "content": "",
     "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        }
     ],
 }
 _t1 = {"role": "tool", "tool_call_id": "call_1", "content": TOOL_RESULT}

@@ -13,9 +13,9 @@ import pytest
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
+from proxima.proxy.testing.live import LiveProxy
 from transformers import AutoTokenizer
 
-from proxy.testing.live import LiveProxy
 from tests.proxy.scripts import (
     ANSWER,
     CALL_TEXT,
@@ -28,7 +28,9 @@ from tests.proxy.scripts import (
 )
 
 
-def check_trajectory(proxy: LiveProxy, session_id: str, returned: list[str]) -> list[dict[str, Any]]:
+def check_trajectory(
+    proxy: LiveProxy, session_id: str, returned: list[str]
+) -> list[dict[str, Any]]:
     """The stored completions are exact: text, logprobs, versions, token-exact turns."""
     tokenizer = AutoTokenizer.from_pretrained(proxy.model_dir)
     completions = proxy.trajectory(session_id)["completions"]
@@ -62,7 +64,10 @@ def test_openai_sync_non_streaming(live_proxy: LiveProxy) -> None:
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert r1.id.startswith("chatcmpl-")
 
-    messages += [_assistant(r1.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
+    messages += [
+        _assistant(r1.choices[0].message),
+        {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT},
+    ]
     r2 = client.chat.completions.create(messages=messages, **kw)
     assert r2.choices[0].message.content == ANSWER
     assert r2.choices[0].finish_reason == "stop"
@@ -75,7 +80,9 @@ def test_openai_sync_non_streaming(live_proxy: LiveProxy) -> None:
     check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
 
 
-async def _stream_turn(client: AsyncOpenAI, model: str, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+async def _stream_turn(
+    client: AsyncOpenAI, model: str, messages: list[dict[str, Any]]
+) -> tuple[dict[str, Any], str]:
     """One streamed turn, reassembled into an assistant message the way SDK users do."""
     content, calls, finish = "", {}, None
     stream = await client.chat.completions.create(
@@ -93,7 +100,11 @@ async def _stream_turn(client: AsyncOpenAI, model: str, messages: list[dict[str,
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
             for _, c in sorted(calls.items())
         ]
     return message, finish
@@ -107,7 +118,10 @@ async def test_openai_async_streaming(live_proxy: LiveProxy) -> None:
     assert f1 == "tool_calls"
     assert m1["tool_calls"][0]["function"]["name"] == "get_weather"
     assert json.loads(m1["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-    messages += [m1, {"role": "tool", "tool_call_id": m1["tool_calls"][0]["id"], "content": TOOL_RESULT}]
+    messages += [
+        m1,
+        {"role": "tool", "tool_call_id": m1["tool_calls"][0]["id"], "content": TOOL_RESULT},
+    ]
     m2, f2 = await _stream_turn(client, live_proxy.model_name, messages)
     assert (m2["content"], f2) == (ANSWER, "stop")
     messages += [m2, {"role": "user", "content": THANKS}]
@@ -121,8 +135,12 @@ async def test_openai_async_streaming(live_proxy: LiveProxy) -> None:
 def test_langchain_bind_tools(live_proxy: LiveProxy, streaming: bool) -> None:
     s = live_proxy.new_session(group_id="langchain")
     llm = ChatOpenAI(
-        model=live_proxy.model_name, base_url=s["base_url"], api_key=s["api_key"],
-        temperature=0, max_tokens=80, streaming=streaming,
+        model=live_proxy.model_name,
+        base_url=s["base_url"],
+        api_key=s["api_key"],
+        temperature=0,
+        max_tokens=80,
+        streaming=streaming,
     ).bind_tools([WEATHER_TOOL])
     messages: list[Any] = [HumanMessage(QUESTION)]
     ai1 = llm.invoke(messages)
@@ -144,8 +162,11 @@ def test_edited_history_starts_a_branch(live_proxy: LiveProxy) -> None:
     first = [{"role": "user", "content": QUESTION}]
     r1 = client.chat.completions.create(messages=first, **kw)
     # The agent rewrites history (e.g. compaction): no earlier completion is extended.
-    edited = [{"role": "user", "content": "Tell me: " + QUESTION}, _assistant(r1.choices[0].message),
-              {"role": "user", "content": THANKS}]
+    edited = [
+        {"role": "user", "content": "Tell me: " + QUESTION},
+        _assistant(r1.choices[0].message),
+        {"role": "user", "content": THANKS},
+    ]
     client.chat.completions.create(messages=edited, **kw)
     c1, c2 = live_proxy.trajectory(s["session_id"])["completions"]
     assert c1["parent_id"] is None and c2["parent_id"] is None

@@ -10,18 +10,23 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-
-from proxy.backends.errors import BackendConnectionError, BackendOperationFailed, BackendRejected
-from proxy.backends.pool import BackendPool
-from proxy.backends.protocol import GenerateRequest, SamplingParams
-from proxy.backends.sglang import SGLangClient
-from proxy.generation import GenerationParams, GenerationResult, generate
-from proxy.serving import ThreadedServer
-from proxy.testing.fake_sglang import FakeBackend, create_fake_app
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendOperationFailed,
+    BackendRejected,
+)
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
+from proxima.proxy.backends.sglang import SGLangClient
+from proxima.proxy.generation import GenerationParams, GenerationResult, generate
+from proxima.proxy.serving import ThreadedServer
+from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
 
 def _client(apps: dict[str, Any]) -> httpx.AsyncClient:
-    return httpx.AsyncClient(mounts={url: httpx.ASGITransport(app=app) for url, app in apps.items()})
+    return httpx.AsyncClient(
+        mounts={url: httpx.ASGITransport(app=app) for url, app in apps.items()}
+    )
 
 
 def _incremental_app() -> FastAPI:
@@ -35,9 +40,14 @@ def _incremental_app() -> FastAPI:
 
         async def events():  # type: ignore[no-untyped-def]
             for i in range(n):
-                meta = {"id": "r", "completion_tokens": i + 1, "prompt_tokens": 3, "weight_version": "7",
-                        "finish_reason": {"type": "length", "length": n} if i == n - 1 else None,
-                        "output_token_logprobs": [[-0.5, 100 + i, None]]}
+                meta = {
+                    "id": "r",
+                    "completion_tokens": i + 1,
+                    "prompt_tokens": 3,
+                    "weight_version": "7",
+                    "finish_reason": {"type": "length", "length": n} if i == n - 1 else None,
+                    "output_token_logprobs": [[-0.5, 100 + i, None]],
+                }
                 yield f"data: {json.dumps({'text': 'x', 'output_ids': [100 + i], 'meta_info': meta})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -47,14 +57,21 @@ def _incremental_app() -> FastAPI:
 
 
 async def test_stream_accepts_cumulative_and_incremental_chunks() -> None:
-    req = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True),
-                          return_logprob=True)
-    async with _client({"http://cum": create_fake_app(FakeBackend(seed=1)), "http://inc": _incremental_app()}) as http:
+    req = GenerateRequest(
+        input_ids=[1, 2, 3],
+        sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True),
+        return_logprob=True,
+    )
+    async with _client(
+        {"http://cum": create_fake_app(FakeBackend(seed=1)), "http://inc": _incremental_app()}
+    ) as http:
         for url in ("http://cum", "http://inc"):
             deltas = [d async for d in SGLangClient(url, http=http).generate_stream(req)]
             ids = [t for d in deltas for t in d.token_ids]
             assert len(ids) == 5 == sum(len(d.logprobs) for d in deltas)
-            assert deltas[-1].finish_reason is not None and deltas[-1].finish_reason.type == "length"
+            assert (
+                deltas[-1].finish_reason is not None and deltas[-1].finish_reason.type == "length"
+            )
         assert ids == [100, 101, 102, 103, 104]
         assert deltas[0].weight_version == "7"
 
@@ -65,6 +82,7 @@ async def test_client_errors_are_typed() -> None:
     @app.post("/generate")
     async def bad() -> Any:
         from fastapi.responses import JSONResponse
+
         return JSONResponse({"error": {"message": "prompt too long"}}, status_code=400)
 
     @app.post("/update_weights_from_disk")

@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-
-from proxy.chat import (
+from proxima.proxy.chat import (
     ChatRenderer,
     ContextTooLong,
     InvalidMessages,
@@ -19,9 +18,9 @@ from proxy.chat import (
     messages_equivalent,
     normalize_messages,
 )
-from proxy.store.records import CompletionRecord
-from proxy.testing.tiny_model import build_tiny_tokenizer
-from proxy.tools import get_tool_parser
+from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
+from proxima.proxy.tools import get_tool_parser
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from proxy.detokenize import IncrementalDetokenizer
-from proxy.testing.tiny_model import build_tiny_tokenizer
+from proxima.proxy.detokenize import IncrementalDetokenizer
+from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ import logging
 
 import httpx
 from openai import OpenAI
-
-from proxy.logs import JsonFormatter, request_id_var, session_id_var
-from proxy.testing.live import LiveProxy
+from proxima.proxy.logs import JsonFormatter, request_id_var, session_id_var
+from proxima.proxy.testing.live import LiveProxy
 
 
 def test_metrics_and_request_ids(live_proxy: LiveProxy) -> None:
@@ -32,8 +31,15 @@ def test_metrics_and_request_ids(live_proxy: LiveProxy) -> None:
 
 
 def test_json_logs_carry_ids_and_never_keys() -> None:
-    record = logging.LogRecord("proxy.test", logging.WARNING, __file__, 1,
-                               "auth with %s failed", ("sk-proxima-s-abcdefghijklmnop",), None)
+    record = logging.LogRecord(
+        "proxima.proxy.test",
+        logging.WARNING,
+        __file__,
+        1,
+        "auth with %s failed",
+        ("sk-proxima-s-abcdefghijklmnop",),
+        None,
+    )
     record.backend = "http://127.0.0.1:1"
     t1, t2 = request_id_var.set("req-1"), session_id_var.set("sess-1")
     try:

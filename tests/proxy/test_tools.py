@@ -7,9 +7,8 @@ import random
 from typing import Any
 
 import pytest
-
-from proxy.testing.tiny_model import CHAT_TEMPLATE
-from proxy.tools import (
+from proxima.proxy.testing.tiny_model import CHAT_TEMPLATE
+from proxima.proxy.tools import (
     ContentDelta,
     InvalidToolChoice,
     ParsedOutput,

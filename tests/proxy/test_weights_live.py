@@ -9,10 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from proxima.proxy.testing.live import LiveProxy
+from proxima.proxy.testing.tiny_model import build_tiny_model
 from transformers import AutoTokenizer
-
-from proxy.testing.live import LiveProxy
-from proxy.testing.tiny_model import build_tiny_model
 
 LONG = {"max_tokens": 1800, "extra_body": {"ignore_eos": True}}
 
@@ -20,7 +19,9 @@ LONG = {"max_tokens": 1800, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
     work = tmp_path_factory.mktemp("weights-proxy")
-    live = LiveProxy(tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log")
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+    )
     live.start()
     yield live
     live.stop()
@@ -35,14 +36,20 @@ def test_weight_update_mid_stream(proxy: LiveProxy, tmp_path: Path) -> None:
     s = proxy.new_session()
     client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
     stream = client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "Tell a long story."}],
-        stream=True, **LONG,
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        stream=True,
+        **LONG,
     )
     text, update = "", {}
 
     def push() -> None:
-        update["resp"] = httpx.post(proxy.url + "/admin/weights", json={"version": 1, "path": str(new_weights)},
-                                    headers=proxy.admin_headers(), timeout=120)
+        update["resp"] = httpx.post(
+            proxy.url + "/admin/weights",
+            json={"version": 1, "path": str(new_weights)},
+            headers=proxy.admin_headers(),
+            timeout=120,
+        )
 
     pusher = threading.Thread(target=push)
     for n, chunk in enumerate(stream, 1):
@@ -68,7 +75,10 @@ def test_stream_delivers_before_generation_ends(proxy: LiveProxy) -> None:
     s = proxy.new_session()
     client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
     stream = client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "Go on."}], stream=True, **LONG
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "Go on."}],
+        stream=True,
+        **LONG,
     )
     chunks = iter(stream)
     first_content = next(c for c in chunks if c.choices and c.choices[0].delta.content)
@@ -87,22 +97,36 @@ def test_n_choices_and_text_completions(proxy: LiveProxy) -> None:
     s = proxy.new_session()
     client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
     r = client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=8,
-        logprobs=True, top_logprobs=2,
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        n=3,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
     )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(len(c.logprobs.content) >= 1 for c in r.choices)
     assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
     stream = client.chat.completions.create(
-        model=proxy.model_name, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8, stream=True,
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=8,
+        stream=True,
         stream_options={"include_usage": True},
     )
     seen = {c.choices[0].index for c in stream if c.choices}
     assert seen == {0, 1}
-    t = client.completions.create(model=proxy.model_name, prompt="Once upon", max_tokens=6, logprobs=1)
+    t = client.completions.create(
+        model=proxy.model_name, prompt="Once upon", max_tokens=6, logprobs=1
+    )
     assert len(t.choices[0].logprobs.token_logprobs) == t.usage.completion_tokens
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=proxy.model_name, prompt="Once upon", max_tokens=6, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=proxy.model_name, prompt="Once upon", max_tokens=6, stream=True
+        )
+    )
     assert isinstance(streamed, str)
     completions = proxy.trajectory(s["session_id"])["completions"]
     assert len(completions) == 3 + 2 + 1 + 1

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state
-
-from proxy.testing.live import LiveProxy
+from proxima.proxy.testing.live import LiveProxy
 
 
 @pytest.fixture(scope="module")

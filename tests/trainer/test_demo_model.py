@@ -7,10 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-from proxy.chat import ChatRenderer
-from trainer.demo_model import (
+from proxima.proxy.chat import ChatRenderer
+from proxima.trainer.demo_model import (
     MARKER,
     MODEL_NAME,
     find_smollm2_gguf,
@@ -18,6 +16,7 @@ from trainer.demo_model import (
     looks_sensible,
     prepare_smollm2,
 )
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 
 def test_gguf_is_found_without_importing_the_package() -> None:

@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 import torch
+from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.proxy.store.records import CompletionRecord
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.log import read_log
+from proxima.trainer.loop import Trainer
+from proxima.trainer.weights import PushResult, latest_checkpoint, read_pending, weights_dir
 from transformers import AutoModelForCausalLM
-
-from proxy.store import SessionStatus, Store, ensure_schema
-from proxy.store.records import CompletionRecord
-from trainer.config import TrainerConfig
-from trainer.log import read_log
-from trainer.loop import Trainer
-from trainer.weights import PushResult, latest_checkpoint, read_pending, weights_dir
 
 _EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

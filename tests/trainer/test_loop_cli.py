@@ -6,12 +6,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from proxima.proxy.store import ensure_schema
+from proxima.trainer.cli import build_parser, config_from_args, main
+from proxima.trainer.config import MegatronConfig, TrainerConfig
+from proxima.trainer.weights import TrainerState, save_checkpoint
 from pydantic import ValidationError
-
-from proxy.store import ensure_schema
-from trainer.cli import build_parser, config_from_args, main
-from trainer.config import MegatronConfig, TrainerConfig
-from trainer.weights import TrainerState, save_checkpoint
 
 
 def test_flags_override_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

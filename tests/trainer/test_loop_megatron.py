@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.trainer.backends.torch_backend import MegatronPPOBackend
+from proxima.trainer.loop import Trainer
+from proxima.trainer.weights import weights_dir
 from transformers import AutoModelForCausalLM
 
-from proxy.store import SessionStatus, Store, ensure_schema
 from tests.trainer.test_loop import RecordingSink, _cfg, add_batch, statuses
-from trainer.backends.torch_backend import MegatronPPOBackend
-from trainer.loop import Trainer
-from trainer.weights import weights_dir
 
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 

@@ -20,10 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
-from torch import Tensor
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-from trainer.backends.megatron_backend import (
+from proxima.trainer.backends.megatron_backend import (
     MegatronBackend,
     MegatronParallelConfig,
     MicroBatch,
@@ -35,11 +32,13 @@ from trainer.backends.megatron_backend import (
     shard_for_tensor_parallel,
     split_segments,
 )
-from trainer.backends.megatron_compat import CpuRNGStatesTracker, free_port
-from trainer.batching import PackedBatch
-from trainer.config import OptimConfig
-from trainer.logprobs import forward_logprobs as hf_packed_logprobs
-from trainer.loss import decoupled_ppo_loss
+from proxima.trainer.backends.megatron_compat import CpuRNGStatesTracker, free_port
+from proxima.trainer.batching import PackedBatch
+from proxima.trainer.config import OptimConfig
+from proxima.trainer.logprobs import forward_logprobs as hf_packed_logprobs
+from proxima.trainer.loss import decoupled_ppo_loss
+from torch import Tensor
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
@@ -244,7 +243,7 @@ def test_split_segments_rejects_positions_that_do_not_restart_at_zero() -> None:
 
 
 def make_packed_batch(seed: int, lengths: list[int], temperature: float) -> PackedBatch:
-    """A PackedBatch as ``trainer.batching.pack`` lays it out, with random PPO inputs."""
+    """A PackedBatch as ``proxima.trainer.batching.pack`` lays it out, with random PPO inputs."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     input_ids = torch.randint(0, 263, (total,), generator=gen)

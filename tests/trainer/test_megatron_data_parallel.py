@@ -27,19 +27,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
-from torch import Tensor
-
-from trainer.backends.megatron_backend import (
+from proxima.trainer.backends.megatron_backend import (
     MegatronBackend,
     MegatronParallelConfig,
     mcore_to_hf,
     read_hf_state_dict,
 )
-from trainer.backends.megatron_compat import broadcast_object, free_port
-from trainer.backends.torch_backend import MegatronPPOBackend, assign_to_replicas, micro_batches
-from trainer.config import BatchingConfig, TrainerConfig
-from trainer.loop import _init_ranks
-from trainer.samples import Sample
+from proxima.trainer.backends.megatron_compat import broadcast_object, free_port
+from proxima.trainer.backends.torch_backend import (
+    MegatronPPOBackend,
+    assign_to_replicas,
+    micro_batches,
+)
+from proxima.trainer.config import BatchingConfig, TrainerConfig
+from proxima.trainer.loop import _init_ranks
+from proxima.trainer.samples import Sample
+from torch import Tensor
 
 LR = 1e-3
 LOGPROB_ATOL = 1e-5

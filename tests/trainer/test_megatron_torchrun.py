@@ -20,13 +20,12 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
+from proxima.proxy.store import SessionStatus, Store
+from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.backends.megatron_compat import free_port
+from proxima.trainer.log import read_log
+from proxima.trainer.weights import latest_checkpoint, weights_dir
 from transformers import AutoModelForCausalLM
-
-from proxy.store import SessionStatus, Store
-from proxy.testing.live import LiveProxy
-from trainer.backends.megatron_compat import free_port
-from trainer.log import read_log
-from trainer.weights import latest_checkpoint, weights_dir
 
 
 def run_session(proxy: LiveProxy, *, reward: float) -> str:
@@ -77,7 +76,7 @@ def test_two_ranks_under_torchrun_train_and_push(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "proxy.cli", "--log-level", "warning", "trainer",
+        "-m", "proxima.cli", "--log-level", "warning", "trainer",
         "--config", str(config), "--proxy", proxy.url, "--db", proxy.db_url,
         "--model", str(proxy.model_dir), "--admin-token", proxy.admin_token,
         "--max-steps", "1", "--no-progress",

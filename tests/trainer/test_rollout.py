@@ -20,10 +20,8 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
-from pydantic import SecretStr
-
-from proxy.testing.live import LiveProxy
-from trainer.rollout import (
+from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.rollout import (
     AgentError,
     AgentReward,
     RolloutController,
@@ -31,6 +29,7 @@ from trainer.rollout import (
     item_id,
     parse_reward,
 )
+from pydantic import SecretStr
 
 SHORT = {"max_tokens": 8, "temperature": 1.0}
 

@@ -12,8 +12,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-
-from trainer.binding import (
+from proxima.trainer.binding import (
     HTTP_CLIENT_MODULES,
     SessionBinding,
     bind_session,

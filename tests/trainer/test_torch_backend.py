@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from proxima.trainer.backends.torch_backend import TorchBackend, split_minibatches
+from proxima.trainer.config import BatchingConfig, OptimConfig, PPOConfig
+from proxima.trainer.loss import token_logprobs
+from proxima.trainer.samples import Sample
 from transformers import AutoModelForCausalLM
-
-from trainer.backends.torch_backend import TorchBackend, split_minibatches
-from trainer.config import BatchingConfig, OptimConfig, PPOConfig
-from trainer.loss import token_logprobs
-from trainer.samples import Sample
 
 TEMPERATURE = 0.8
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.store.codec import decode_int32
+from proxima.proxy.store.codec import decode_int32
 
 
 def test_short_train_run_completes_steps_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ lr = 1e-4
         [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "proxima.cli",
             "--log-format",
             "text",
             "--log-level",

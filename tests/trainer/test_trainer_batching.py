@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from proxima.trainer.batching import fixed_micro_batches, pack, plan_micro_batches, unpack
+from proxima.trainer.logprobs import (
+    VARLEN_SDPA,
+    block_causal_mask,
+    forward_logprobs,
+    use_varlen_attention,
+)
+from proxima.trainer.loss import PPOStats, decoupled_ppo_loss, token_logprobs
+from proxima.trainer.samples import Sample
 from transformers import AutoModelForCausalLM, PreTrainedModel
-
-from trainer.batching import fixed_micro_batches, pack, plan_micro_batches, unpack
-from trainer.logprobs import VARLEN_SDPA, block_causal_mask, forward_logprobs, use_varlen_attention
-from trainer.loss import PPOStats, decoupled_ppo_loss, token_logprobs
-from trainer.samples import Sample
 
 VOCAB = 263  # tiny model's vocabulary
 

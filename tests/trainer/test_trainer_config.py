@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
-
-from trainer.config import (
+from proxima.trainer.config import (
     AdvantageConfig,
     BatchingConfig,
     OptimConfig,
@@ -16,6 +14,7 @@ from trainer.config import (
     TrainerConfig,
     load_config,
 )
+from pydantic import ValidationError
 
 
 def test_defaults_and_eps_clip_high_follows_eps_clip() -> None:

@@ -24,13 +24,12 @@ from typing import Any
 
 import httpx
 from openai import OpenAI
-
-from proxy.store import SessionStatus, Store
-from proxy.testing.live import LiveProxy
-from trainer.config import TrainerConfig
-from trainer.log import read_log
-from trainer.loop import Trainer
-from trainer.weights import ProxyWeightSink, weights_dir
+from proxima.proxy.store import SessionStatus, Store
+from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.log import read_log
+from proxima.trainer.loop import Trainer
+from proxima.trainer.weights import ProxyWeightSink, weights_dir
 
 
 def run_session(proxy: LiveProxy, *, group: str, reward: float, tokens: int = 8) -> str:
@@ -146,7 +145,7 @@ async def test_one_step_pushes_while_a_completion_streams(proxy: LiveProxy, tmp_
 
 def _trainer_process(config: Path, log: Path) -> subprocess.Popen[bytes]:
     """``proxima trainer`` in a subprocess, as a user starts it."""
-    cmd = [sys.executable, "-m", "proxy.cli", "--log-level", "warning", "trainer",
+    cmd = [sys.executable, "-m", "proxima.cli", "--log-level", "warning", "trainer",
            "--config", str(config), "--no-progress"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 

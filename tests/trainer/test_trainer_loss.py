@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from trainer.loss import PPOStats, decoupled_ppo_loss, token_logprobs
+from proxima.trainer.loss import PPOStats, decoupled_ppo_loss, token_logprobs
 
 LOG = math.log
 

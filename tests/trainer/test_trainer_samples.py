@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
-from trainer.config import AdvantageConfig
-from trainer.samples import (
+from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.trainer.config import AdvantageConfig
+from proxima.trainer.samples import (
     Sample,
     build_samples,
     discounted_returns,

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer.weights import (
+from proxima.trainer.weights import (
     PendingStep,
     RecoveryError,
     TrainerState,

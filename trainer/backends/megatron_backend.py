@@ -55,19 +55,18 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer import TransformerConfig
-from safetensors.torch import load_file, save_file
-from torch import Tensor
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
-
-from trainer.backends.megatron_compat import (
+from proxima.trainer.backends.megatron_compat import (
     cpu_device_shim,
     cuda_available,
     init_distributed,
     init_model_parallel,
 )
-from trainer.batching import PackedBatch
-from trainer.config import OptimConfig
-from trainer.loss import token_logprobs
+from proxima.trainer.batching import PackedBatch
+from proxima.trainer.config import OptimConfig
+from proxima.trainer.loss import token_logprobs
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -616,9 +615,9 @@ class MicroBatch:
     def from_packed(cls, packed: PackedBatch) -> MicroBatch:
         """A trainer micro-batch as one packed row, with the PPO loss inputs.
 
-        ``loss_inputs`` match :func:`trainer.loss.decoupled_ppo_loss`'s tensor
+        ``loss_inputs`` match :func:`proxima.trainer.loss.decoupled_ppo_loss`'s tensor
         arguments (``prox_logprobs`` None when the batch carries none: the loss
-        then takes them from the training pass, see ``trainer.loss``). The
+        then takes them from the training pass, see ``proxima.trainer.loss``). The
         packed row's last target slot is dropped: it ends a sequence, so its
         ``loss_mask`` is 0.
         """
@@ -778,7 +777,7 @@ class MegatronBackend:
     def forward_packed_logprobs(
         self, packed: PackedBatch, temperature: float | Tensor | None = None
     ) -> Tensor:
-        """Logprobs of a packed micro-batch's ``targets``, like ``trainer.logprobs.forward_logprobs``.
+        """Logprobs of a packed micro-batch's ``targets``, like ``proxima.trainer.logprobs.forward_logprobs``.
 
         Shape: ``(T,)`` float32 on CPU, aligned with ``packed.targets``; a
         sequence's last position is 0 (it has no target). ``temperature``
@@ -821,7 +820,7 @@ class MegatronBackend:
         grad and returns ``(loss, stats)``; the step minimises the sum of the
         micro-batch losses (normalise inside the loss, e.g. by the global token
         count of the whole step across data-parallel replicas, as
-        ``trainer.loss.decoupled_ppo_loss`` does with ``total_loss_tokens``).
+        ``proxima.trainer.loss.decoupled_ppo_loss`` does with ``total_loss_tokens``).
         Gradients are then summed over data-parallel replicas.
 
         Under data parallelism a replica may get no micro-batch (fewer

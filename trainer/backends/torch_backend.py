@@ -1,7 +1,7 @@
 """The PPO backend interface, its torch implementation, and megatron behind the same interface.
 
 A training backend owns the model and its optimizer and offers what one
-training step of ``trainer.loop`` needs (:class:`PPOBackend`):
+training step of ``proxima.trainer.loop`` needs (:class:`PPOBackend`):
 
 - ``compute_logprobs(samples)``: per-sample token logprobs with the current
   weights, no grad (the proximal logprobs of decoupled PPO);
@@ -19,10 +19,10 @@ training step of ``trainer.loop`` needs (:class:`PPOBackend`):
 - ``export_hf(out_dir)``: an HF safetensors checkpoint (config, weights,
   tokenizer) the inference backends load;
 - ``load_hf_weights(model_dir)``, ``state_dict()`` / ``load_state_dict()``:
-  recovery and checkpoints (``trainer.weights``).
+  recovery and checkpoints (``proxima.trainer.weights``).
 
 :class:`TorchBackend` runs an HF ``AutoModelForCausalLM`` in float32 on the CPU
-or one GPU with the exact packed attention of ``trainer.logprobs``.
+or one GPU with the exact packed attention of ``proxima.trainer.logprobs``.
 :class:`MegatronPPOBackend` drives ``MegatronBackend`` (megatron-core, one
 process or tensor x data parallel under torchrun; its optimizer step does the
 backward/clip/step of the loop above) through the same interface; under data
@@ -45,15 +45,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from proxima.trainer.batching import (
+    PackedBatch,
+    fixed_micro_batches,
+    pack,
+    plan_micro_batches,
+    unpack,
+)
+from proxima.trainer.config import BatchingConfig, OptimConfig, PPOConfig, TrainerConfig
+from proxima.trainer.logprobs import forward_logprobs, use_varlen_attention
+from proxima.trainer.loss import PPOStats, decoupled_ppo_loss
+from proxima.trainer.samples import Sample
 from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM
-
-from trainer.batching import PackedBatch, fixed_micro_batches, pack, plan_micro_batches, unpack
-from trainer.config import BatchingConfig, OptimConfig, PPOConfig, TrainerConfig
-from trainer.logprobs import forward_logprobs, use_varlen_attention
-from trainer.loss import PPOStats, decoupled_ppo_loss
-from trainer.samples import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ class StepStats:
 
 
 class PPOBackend(Protocol):
-    """What ``trainer.loop`` needs from a training backend."""
+    """What ``proxima.trainer.loop`` needs from a training backend."""
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Token-aligned logprobs of each sample at its temperature, no grad.
@@ -286,7 +291,7 @@ class TorchBackend:
     """An HF causal LM in float32 with AdamW, on the CPU or one GPU.
 
     The model runs with ``proxima_varlen_sdpa`` attention (exact packed
-    sequences, see ``trainer.logprobs``). Dropout should be 0 in the model
+    sequences, see ``proxima.trainer.logprobs``). Dropout should be 0 in the model
     config (HF's default for Qwen2/Llama): proximal and current logprobs are
     then the same function of the weights, so the first minibatch starts at
     ``ratio = 1`` exactly.
@@ -449,7 +454,10 @@ class MegatronPPOBackend:
     """
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig) -> None:
-        from trainer.backends.megatron_backend import MegatronBackend, MegatronParallelConfig
+        from proxima.trainer.backends.megatron_backend import (
+            MegatronBackend,
+            MegatronParallelConfig,
+        )
 
         self.model_dir = Path(model_dir)
         self.ppo = cfg.ppo
@@ -497,7 +505,7 @@ class MegatronPPOBackend:
         returned stats merge every replica's (the loss summed over them), the
         same on every rank.
         """
-        from trainer.backends.megatron_backend import MicroBatch
+        from proxima.trainer.backends.megatron_backend import MicroBatch
 
         if not samples:
             raise ValueError("train_step needs at least one sample")
@@ -530,7 +538,7 @@ class MegatronPPOBackend:
 
     def load_hf_weights(self, model_dir: Path) -> None:
         """Convert an HF safetensors directory into the megatron model (each rank its shard)."""
-        from trainer.backends.megatron_backend import load_hf_weights, read_hf_state_dict
+        from proxima.trainer.backends.megatron_backend import load_hf_weights, read_hf_state_dict
 
         load_hf_weights(
             self.megatron.model,
@@ -552,8 +560,7 @@ class MegatronPPOBackend:
         if self.megatron.dist_env.world_size == 1:
             return state
         from megatron.core import parallel_state
-
-        from trainer.backends.megatron_compat import gather_objects
+        from proxima.trainer.backends.megatron_compat import gather_objects
 
         mine = None
         if self.megatron.data_parallel_rank == 0:

@@ -1,1 +1,1 @@
-"""Tests of the trajectory store (``proxy.store``) and its migrations."""
+"""Tests of the trajectory store (``proxima.proxy.store``) and its migrations."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy.store import Store
+from proxima.proxy.store import Store
 
 
 async def _claim_until_empty(url: str, trainer_id: str, barrier: Any, batch: int) -> list[str]:

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from proxima.proxy.store import Store, ensure_schema
 
-from proxy.store import Store, ensure_schema
 from tests.pg import (  # noqa: F401  (postgres_cluster is a fixture)
     POSTGRES_PARAM,
     create_test_database,

@@ -7,7 +7,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from proxy.store.records import CompletionRecord
+from proxima.proxy.store.records import CompletionRecord
 
 _EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -7,8 +7,8 @@ import queue
 import time
 
 import pytest
+from proxima.proxy.store import Conflict, NotFound, SessionKind, SessionStatus, Store
 
-from proxy.store import Conflict, NotFound, SessionKind, SessionStatus, Store
 from tests.proxy.store.claim_worker import claim_until_empty
 from tests.proxy.store.factories import completion, key_hash
 

@@ -6,8 +6,7 @@ import struct
 
 import numpy as np
 import pytest
-
-from proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
+from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
 
 
 def test_int32_round_trip_is_exact() -> None:

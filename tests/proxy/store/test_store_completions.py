@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+from proxima.proxy.store import Conflict, NotFound, Store
 
-from proxy.store import Conflict, NotFound, Store
 from tests.proxy.store.factories import completion, key_hash
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
-
-from proxy.store.engine import (
+from proxima.proxy.store.database import (
     SQLITE_BUSY_TIMEOUT_MS,
     create_engine,
     is_sqlite,
     normalize_db_url,
 )
+from sqlalchemy import text
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from proxima.proxy.store import Conflict, NotFound, Store
 
-from proxy.store import Conflict, NotFound, Store
 from tests.proxy.store.factories import key_hash
 
 

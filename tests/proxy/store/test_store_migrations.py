@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from proxima.proxy.store import migrate
+from proxima.proxy.store.database import create_engine
+from proxima.proxy.store.errors import StoreError
+from proxima.proxy.store.models import Base
+from proxima.proxy.store.store import Store
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
-
-from proxy.store import migrate
-from proxy.store.engine import create_engine
-from proxy.store.errors import StoreError
-from proxy.store.models import Base
-from proxy.store.store import Store
 
 TABLES = {"sessions", "completions", "policy_versions", "api_keys"}
 

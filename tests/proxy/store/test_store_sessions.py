@@ -6,8 +6,15 @@ import asyncio
 from datetime import UTC
 
 import pytest
+from proxima.proxy.store import (
+    Conflict,
+    NotFound,
+    RewardAlreadySet,
+    SessionKind,
+    SessionStatus,
+    Store,
+)
 
-from proxy.store import Conflict, NotFound, RewardAlreadySet, SessionKind, SessionStatus, Store
 from tests.proxy.store.factories import completion, key_hash
 
 

@@ -6,9 +6,13 @@ import math
 
 import pytest
 import torch
-
-from proxy.engine.sampling import make_generator, sample_batch, scaled_logprobs, truncated_probs
-from proxy.engine.schemas import SamplingParams
+from proxima.proxy.embedded.sampling import (
+    make_generator,
+    sample_batch,
+    scaled_logprobs,
+    truncated_probs,
+)
+from proxima.proxy.embedded.schemas import SamplingParams
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
 LOGPROBS = PROBS.log()

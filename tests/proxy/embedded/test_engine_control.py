@@ -8,8 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import PROMPTS, Reference, generate, logprobs_of
-
-from proxy.engine import Engine
+from proxima.proxy.embedded.engine import Engine
 
 LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
 

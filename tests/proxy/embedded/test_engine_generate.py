@@ -9,8 +9,7 @@ import httpx
 import pytest
 import torch
 from engine_helpers import PROMPTS, Reference, generate, logprobs_of, serve_in_process
-
-from proxy.engine import Engine
+from proxima.proxy.embedded.engine import Engine
 
 
 @pytest.fixture(scope="module")

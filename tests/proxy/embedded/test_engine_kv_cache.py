@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from proxy.engine.kv_cache import BatchKVCache
+from proxima.proxy.embedded.kv_cache import BatchKVCache
 
 
 def _row(length: int, fill: float) -> list[torch.Tensor]:

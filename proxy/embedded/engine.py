@@ -1,7 +1,7 @@
 """The engine's asyncio-facing side: load the model, submit requests, control the worker.
 
 Nothing here runs the model. :class:`Engine` validates requests, hands them to
-the :class:`~proxy.engine.worker.EngineWorker` thread, and turns the worker's
+the :class:`~proxy.embedded.worker.EngineWorker` thread, and turns the worker's
 deltas into cumulative :class:`GenerationState` snapshots. Every await is on an
 asyncio queue or a future, so the event loop never blocks on a forward pass.
 
@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from proxima.proxy.embedded import worker as cmd
+from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
+from proxima.proxy.embedded.sampling import make_generator
+from proxima.proxy.embedded.schemas import SamplingParams, UpdateWeightsResponse
+from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
+from proxima.proxy.embedded.worker import EngineWorker, WorkerStats
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-from proxy.engine import worker as cmd
-from proxy.engine.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
-from proxy.engine.sampling import make_generator
-from proxy.engine.schemas import SamplingParams, UpdateWeightsResponse
-from proxy.engine.weights import WeightLoadError, load_checked_state_dict
-from proxy.engine.worker import EngineWorker, WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,11 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI
+from proxima.proxy.embedded.app import create_engine_app
+from proxima.proxy.embedded.engine import Engine
+from proxima.proxy.embedded.live import EngineServer
+from proxima.proxy.testing.tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from proxy.engine import Engine, EngineServer, create_engine_app
-from proxy.testing.tiny_model import build_tiny_model
 
 
 @pytest.fixture

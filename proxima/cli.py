@@ -13,32 +13,43 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy.logs import configure_logging
+from proxima.proxy.logs import configure_logging
 
 DEFAULT_DB = "sqlite:///proxima.db"
 
 
 def _add_db(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", default=os.environ.get("PROXIMA_DB", DEFAULT_DB),
-                   help="SQLAlchemy URL of the trajectory store (default: %(default)s)")
+    p.add_argument(
+        "--db",
+        default=os.environ.get("PROXIMA_DB", DEFAULT_DB),
+        help="SQLAlchemy URL of the trajectory store (default: %(default)s)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from proxy.app import create_app
-    from proxy.config import Settings
-    from proxy.serving import bind_socket
+    from proxima.proxy.app import create_app
+    from proxima.proxy.config import Settings
+    from proxima.proxy.serving import bind_socket
 
     overrides = {
-        k: v for k, v in {
-            "model": args.model, "host": args.host, "port": args.port, "db": args.db,
-            "backends": args.backend or None, "admin_token": args.admin_token,
-            "served_model_name": args.served_model_name, "tool_parser": args.tool_parser,
-            "max_staleness": args.max_staleness, "train_batch_size": args.train_batch_size,
+        k: v
+        for k, v in {
+            "model": args.model,
+            "host": args.host,
+            "port": args.port,
+            "db": args.db,
+            "backends": args.backend or None,
+            "admin_token": args.admin_token,
+            "served_model_name": args.served_model_name,
+            "tool_parser": args.tool_parser,
+            "max_staleness": args.max_staleness,
+            "train_batch_size": args.train_batch_size,
             "context_length": args.context_length,
-        }.items() if v is not None
+        }.items()
+        if v is not None
     }
     try:
         settings = Settings(**overrides)
@@ -50,27 +61,35 @@ def _serve(args: argparse.Namespace) -> int:
     sock = bind_socket(settings.host, settings.port)
     app = create_app(settings)
     app.state.bound_port = sock.getsockname()[1]
-    print(f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
-          flush=True)
+    print(
+        f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
+        flush=True,
+    )
     # log_config=None: uvicorn keeps the structured handler configured above.
     # Keep-alive above the 5 s idle expiry of httpx/OpenAI SDK pools: otherwise a client may
     # reuse a connection the server is closing and see a connection error under load.
-    config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=30,
-                            timeout_keep_alive=75)
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, timeout_graceful_shutdown=30, timeout_keep_alive=75
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from proxy.engine import run_engine
+    from proxima.proxy.embedded.app import run_engine
 
-    run_engine(args.model, host=args.host, port=args.port,
-               max_running_requests=args.max_running_requests, weight_version=args.weight_version)
+    run_engine(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+    )
     return 0
 
 
 def _db(args: argparse.Namespace) -> int:
-    from proxy.store import migrate
+    from proxima.proxy.store import migrate
 
     if args.db_command == "upgrade":
         migrate.upgrade(args.db, args.revision)
@@ -81,9 +100,9 @@ def _db(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from proxy.auth import PRODUCTION_KEY_PREFIX, hash_key, new_key
-    from proxy.store import migrate
-    from proxy.store.store import Store
+    from proxima.proxy.auth import PRODUCTION_KEY_PREFIX, hash_key, new_key
+    from proxima.proxy.store import migrate
+    from proxima.proxy.store.store import Store
 
     async def run() -> int:
         await migrate.ensure_schema(args.db)
@@ -91,14 +110,17 @@ def _keys(args: argparse.Namespace) -> int:
         try:
             if args.keys_command == "create":
                 key = new_key(PRODUCTION_KEY_PREFIX)
-                rec = await store.create_api_key(name=args.name, key_hash=hash_key(key),
-                                                 record=not args.no_record)
+                rec = await store.create_api_key(
+                    name=args.name, key_hash=hash_key(key), record=not args.no_record
+                )
                 print(f"id: {rec.id}\nname: {rec.name}\nrecord: {rec.record}\nkey: {key}")
                 print("Store the key now: only its hash is kept.", file=sys.stderr)
             elif args.keys_command == "list":
                 for rec in await store.list_api_keys():
                     state = "revoked" if rec.revoked_at else "active"
-                    print(f"{rec.id}\t{rec.name}\trecord={rec.record}\t{state}\t{rec.created_at:%Y-%m-%d %H:%M}")
+                    print(
+                        f"{rec.id}\t{rec.name}\trecord={rec.record}\t{state}\t{rec.created_at:%Y-%m-%d %H:%M}"
+                    )
             else:
                 rec = await store.revoke_api_key(key_id=args.key_id)
                 print(f"revoked {rec.id} ({rec.name})")
@@ -110,14 +132,14 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _trainer(args: argparse.Namespace) -> int:
-    from trainer.cli import run
+    from proxima.trainer.cli import run
 
     return run(args)
 
 
 def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # Imported lazily where it runs; the flags themselves are the trainer's own.
-    from trainer.cli import add_arguments
+    from proxima.trainer.cli import add_arguments
 
     p = sub.add_parser("trainer", help="train on rewarded sessions and push weights to the proxy")
     add_arguments(p)
@@ -127,12 +149,14 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from trainer.train import eval_only, load_run_config, train
+    from proxima.trainer.train import eval_only, load_run_config, train
 
     try:
         cfg = load_run_config(args.config)
     except (ValidationError, ValueError, OSError) as exc:
-        print(f"proxima {args.command}: invalid configuration {args.config}: {exc}", file=sys.stderr)
+        print(
+            f"proxima {args.command}: invalid configuration {args.config}: {exc}", file=sys.stderr
+        )
         return 2
     if args.output_dir is not None:
         cfg.output_dir = args.output_dir
@@ -144,31 +168,55 @@ def _train(args: argparse.Namespace) -> int:
     try:
         asyncio.run(train(cfg, progress=not args.no_progress))
     except KeyboardInterrupt:
-        print("proxima train: stopped; the trainer checkpoint in "
-              f"{cfg.output_dir / 'trainer'} resumes the run", file=sys.stderr)
+        print(
+            "proxima train: stopped; the trainer checkpoint in "
+            f"{cfg.output_dir / 'trainer'} resumes the run",
+            file=sys.stderr,
+        )
         return 130
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="proxima", description="Train unmodified LLM agents with "
-                                     "asynchronous RL through an OpenAI-compatible proxy.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="json", choices=["json", "text"],
-                        help="json: one structured object per line (default); text: for humans")
+    parser = argparse.ArgumentParser(
+        prog="proxima",
+        description="Train unmodified LLM agents with "
+        "asynchronous RL through an OpenAI-compatible proxy.",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--log-format",
+        default="json",
+        choices=["json", "text"],
+        help="json: one structured object per line (default); text: for humans",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible proxy (and the embedded engine)")
-    p.add_argument("--model", type=Path, default=os.environ.get("PROXIMA_MODEL"),
-                   help="HF model directory (tokenizer + chat template; served by the embedded engine)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=os.environ.get("PROXIMA_MODEL"),
+        help="HF model directory (tokenizer + chat template; served by the embedded engine)",
+    )
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 = any free port)")
     _add_db(p)
-    p.add_argument("--backend", action="append", metavar="URL",
-                   help="SGLang-protocol backend URL; repeat for several. None: embedded engine")
-    p.add_argument("--admin-token", default=None, help="admin bearer token (or PROXIMA_ADMIN_TOKEN)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="SGLang-protocol backend URL; repeat for several. None: embedded engine",
+    )
+    p.add_argument(
+        "--admin-token", default=None, help="admin bearer token (or PROXIMA_ADMIN_TOKEN)"
+    )
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
-    p.add_argument("--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)")
+    p.add_argument(
+        "--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)"
+    )
     p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
     p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")
     p.add_argument("--context-length", type=int, default=None, help="override the context window")
@@ -184,10 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_trainer(sub)
 
-    for name, text in (("train", "one command: proxy + engine, rollouts of your agent, trainer, eval"),
-                       ("eval", "held-out accuracy of the configured model through the proxy")):
+    for name, text in (
+        ("train", "one command: proxy + engine, rollouts of your agent, trainer, eval"),
+        ("eval", "held-out accuracy of the configured model through the proxy"),
+    ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--config", type=Path, required=True, help="run config (.toml, .json, .yaml)")
+        p.add_argument(
+            "--config", type=Path, required=True, help="run config (.toml, .json, .yaml)"
+        )
         p.add_argument("--output-dir", type=Path, default=None, help="override output_dir")
         if name == "train":
             p.add_argument("--steps", type=int, default=None, help="override steps")

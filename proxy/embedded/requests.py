@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from proxy.engine.sampling import SampledToken
-from proxy.engine.schemas import SamplingParams
+from proxima.proxy.embedded.sampling import SampledToken
+from proxima.proxy.embedded.schemas import SamplingParams
 
 logger = logging.getLogger(__name__)
 

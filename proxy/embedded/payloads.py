@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.engine.engine import Engine, GenerationState
+from proxima.proxy.embedded.engine import Engine, GenerationState
 
 
 def output_text(engine: Engine, state: GenerationState, *, skip_special_tokens: bool) -> str:

@@ -25,11 +25,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicCache
-
-from proxy.engine.kv_cache import BatchKVCache
-from proxy.engine.requests import (
+from proxima.proxy.embedded.kv_cache import BatchKVCache
+from proxima.proxy.embedded.requests import (
     DeltaSink,
     GenerationDelta,
     WorkerRequest,
@@ -37,8 +34,10 @@ from proxy.engine.requests import (
     finish_length,
     post_deltas,
 )
-from proxy.engine.sampling import SampledToken, sample_batch
-from proxy.engine.weights import apply_state_dict
+from proxima.proxy.embedded.sampling import SampledToken, sample_batch
+from proxima.proxy.embedded.weights import apply_state_dict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicCache
 
 logger = logging.getLogger(__name__)
 

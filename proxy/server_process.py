@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from proxy.engine_process import free_port, wait_healthy
+from proxima.proxy.serving import free_port, wait_healthy
 
 
 @dataclass
@@ -39,15 +38,30 @@ class ProxyProcess:
 
     def start(self, timeout: float = 180.0) -> ProxyProcess:
         cmd = [
-            sys.executable, "-m", "proxy.cli", "--log-level", "warning", "serve",
-            "--model", str(self.model_dir), "--port", str(self.port), "--db", self.db_url,
-            "--admin-token", self.admin_token, *self.extra_args,
+            sys.executable,
+            "-m",
+            "proxima.cli",
+            "--log-level",
+            "warning",
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--port",
+            str(self.port),
+            "--db",
+            self.db_url,
+            "--admin-token",
+            self.admin_token,
+            *self.extra_args,
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+        )
         try:
-            wait_healthy(self.proc, self.url, timeout=timeout, name="proxima serve", log=self.log_path)
+            wait_healthy(
+                self.proc, self.url, timeout=timeout, name="proxima serve", log=self.log_path
+            )
         except RuntimeError:
             self.stop()
             raise
@@ -70,11 +84,15 @@ class ProxyProcess:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
     def new_session(self, **body: Any) -> dict[str, Any]:
-        resp = httpx.post(self.url + "/rl/sessions", json=body, headers=self.admin_headers(), timeout=30)
+        resp = httpx.post(
+            self.url + "/rl/sessions", json=body, headers=self.admin_headers(), timeout=30
+        )
         resp.raise_for_status()
         return resp.json()
 
     def trajectory(self, session_id: str) -> dict[str, Any]:
-        resp = httpx.get(f"{self.url}/rl/sessions/{session_id}", headers=self.admin_headers(), timeout=30)
+        resp = httpx.get(
+            f"{self.url}/rl/sessions/{session_id}", headers=self.admin_headers(), timeout=30
+        )
         resp.raise_for_status()
         return resp.json()

@@ -1,4 +1,4 @@
-"""The engine's HTTP server: SGLang's native API over :class:`~proxy.engine.engine.Engine`.
+"""The engine's HTTP server: SGLang's native API over :class:`~proxy.embedded.engine.Engine`.
 
 The lifespan loads the model (off the event loop) and starts the worker
 thread; routes receive the engine through :data:`EngineDep`.
@@ -19,15 +19,14 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-
-from proxy.engine.engine import (
+from proxima.proxy.embedded.engine import (
     Engine,
     EngineUnavailableError,
     InvalidRequestError,
     RequestHandle,
 )
-from proxy.engine.payloads import generate_payload
-from proxy.engine.schemas import (
+from proxima.proxy.embedded.payloads import generate_payload
+from proxima.proxy.embedded.schemas import (
     AbortRequest,
     GenerateRequest,
     ModelInfo,
@@ -253,6 +252,9 @@ def run_engine(
     ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``).
     """
     uvicorn.run(
-        create_engine_app(model_dir, **kwargs), host=host, port=port, log_level="warning",
+        create_engine_app(model_dir, **kwargs),
+        host=host,
+        port=port,
+        log_level="warning",
         access_log=False,
     )

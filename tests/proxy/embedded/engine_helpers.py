@@ -10,9 +10,8 @@ from typing import Any
 
 import httpx
 import torch
+from proxima.proxy.embedded.app import create_engine_app
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from proxy.engine import create_engine_app
 
 PROMPTS = [
     "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from proxy.engine.schemas import SamplingParams
+from proxima.proxy.embedded.schemas import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

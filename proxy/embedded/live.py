@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from proxy.engine.app import create_engine_app
-from proxy.serving import ThreadedServer
+from proxima.proxy.embedded.app import create_engine_app
+from proxima.proxy.serving import ThreadedServer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class EngineServer(ThreadedServer):
         self, model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, **engine_kwargs: Any
     ) -> None:
         super().__init__(
-            create_engine_app(model_dir, **engine_kwargs), host=host, port=port,
+            create_engine_app(model_dir, **engine_kwargs),
+            host=host,
+            port=port,
             name="proxima-engine-http",
         )

@@ -1,0 +1,1 @@
+"""Inference backends: the SGLang HTTP client, its wire schema, and the routing pool."""
