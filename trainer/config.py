@@ -114,6 +114,24 @@ class AdvantageConfig(_Section):
         description="Divide advantages by the group's (population) std of episode returns G_1; "
         "a group with zero std gets zero advantage.",
     )
+    ungrouped: Literal["batch", "alone"] = Field(
+        "batch",
+        description=(
+            "Sessions without a group_id (production traffic): batch pools all of a batch's "
+            "ungrouped sessions into one group, a batch-level baseline; alone keeps each a group "
+            "of one, which gives zero advantage unless its turns' returns differ."
+        ),
+    )
+    zero_signal: Literal["filter", "skip", "keep"] = Field(
+        "filter",
+        description=(
+            "Samples whose advantages are all zero (a group whose returns tie): filter leaves "
+            "them out of the loss and its token mean (DAPO's dynamic sampling, without "
+            "resampling), and takes no optimizer step and pushes no version when nothing is "
+            "left; skip trains the batch as is but takes no step when every advantage is zero; "
+            "keep always steps (AdamW momentum then moves the weights on a zero gradient)."
+        ),
+    )
     sample_mode: Literal["chain", "individual"] = Field(
         "chain",
         description=(

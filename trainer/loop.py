@@ -7,10 +7,14 @@ One step (:meth:`Trainer.step`), top to bottom:
    to exactly one trainer; claims accumulate over polls until the batch is
    full.
 2. Load their completions and build samples (returns, group-relative
-   advantages; ``proxima.trainer.samples``).
-3. Drop samples older than ``current_version - max_staleness`` (counted), and
+   advantages; ``proxima.trainer.samples``). A session whose records cannot
+   be trained (``samples.session_problem``) is dropped with its reason logged,
+   so a bad session can never fail a step again after every restart.
+3. Drop samples older than ``current_version - max_staleness`` (counted),
    samples longer than ``batching.max_tokens_per_mb`` (counted, with a
-   warning). Sessions with no sample left are marked DROPPED.
+   warning), and samples without signal (``advantage.zero_signal``: all
+   advantages zero). Sessions with no sample left are marked DROPPED; a batch
+   with nothing left takes no optimizer step and pushes no version.
 4. Proximal logprobs: the current weights (the policy before this step) at
    each sample's sampling temperature; ``prox = behav`` when
    ``ppo.decoupled`` is false. With one minibatch per step they come from
@@ -50,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -71,7 +76,13 @@ from proxima.trainer.log import (
     advantage_moments,
     staleness_histogram,
 )
-from proxima.trainer.samples import Sample, build_samples, filter_stale
+from proxima.trainer.samples import (
+    Sample,
+    build_samples,
+    filter_stale,
+    session_problem,
+    zero_signal_filter,
+)
 from proxima.trainer.weights import (
     PendingStep,
     ProxyWeightSink,
@@ -123,6 +134,7 @@ class Trainer:
         self._executor = executor
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
+        self._vocab_size = _vocab_size(cfg.connection.model_dir)
 
     # ------------------------------------------------------------------ start-up
 
@@ -237,18 +249,22 @@ class Trainer:
             return None
         wait_s = time.monotonic() - started
 
-        # 2. Trajectories -> samples with returns and group-relative advantages.
+        # 2. Trajectories -> samples with returns and group-relative advantages. A session
+        #    whose records cannot be trained is dropped with its reason (never a failed step,
+        #    which would release the claim and fail again on the next claim).
         batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
-        samples = build_samples(batch, cfg.advantage)
+        samples = build_samples(_without_invalid(batch, self._vocab_size), cfg.advantage)
 
-        # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch.
+        # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch; and
+        #    what carries no signal (advantage.zero_signal).
         samples, stale = filter_stale(samples, version, cfg.max_staleness)
         samples, too_long = _drop_too_long(samples, cfg.batching.max_tokens_per_mb)
+        samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
         trained = set(trained_ids)
         dropped_ids = [s.id for s in sessions if s.id not in trained]
         await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
-        metrics = _BatchMetrics.of(batch, samples, version, stale + too_long)
+        metrics = _BatchMetrics.of(batch, samples, version, stale + too_long + no_signal)
         if not samples:
             times = StepTimes(wait=wait_s, total=time.monotonic() - started)
             return self._log_step(metrics, dropped_ids, None, None, times)
@@ -648,6 +664,35 @@ async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: i
         )
     clear_pending(output_dir)
     return marked
+
+
+def _vocab_size(model_dir: Path | None) -> int | None:
+    """The policy's vocabulary size from its HF ``config.json`` (None when unknown)."""
+    if model_dir is None:
+        return None
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _without_invalid(
+    batch: list[tuple[SessionRecord, list[CompletionRecord]]], vocab_size: int | None
+) -> list[tuple[SessionRecord, list[CompletionRecord]]]:
+    """The batch without sessions whose records cannot be trained (each logged with why).
+
+    They are left CLAIMED here and marked DROPPED with the other dropped sessions.
+    """
+    kept = []
+    for session, completions in batch:
+        problem = session_problem(completions, vocab_size=vocab_size)
+        if problem is None:
+            kept.append((session, completions))
+        else:
+            logger.error("session %s cannot be trained, dropped: %s", session.id, problem)
+    return kept
 
 
 def _drop_too_long(samples: list[Sample], max_tokens: int) -> tuple[list[Sample], int]:

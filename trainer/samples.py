@@ -1,43 +1,25 @@
-"""Sessions -> training sequences, with discounted returns and group-relative advantages.
+"""Sessions -> training sequences with per-token advantages.
 
 A session is one agent run: a set of completions (turns) linked by
 ``parent_id``, per-turn rewards (optional) and a final session reward.
+Returns and advantages are computed by ``proxima.trainer.advantages`` over the
+turns ordered by ``created_at`` across the whole session; every generated
+token of a turn carries that turn's advantage.
 
-Returns (DESIGN.md, "Rewards and advantages"). The turns of a session, ordered
-by ``created_at`` across the whole session, are ``t = 1..T`` with rewards
-``r_t`` (``CompletionRecord.reward``, unset = 0; the session reward is *added*
-to the last turn's ``r_T``)::
+Temperature: a sample carries the temperature its behaviour logprobs were
+*reported* at (:func:`logprob_temperature`), which is not always the one
+requested. A greedy request (temperature below ``GREEDY_TEMPERATURE``) is
+served by argmax, and both SGLang (``SamplingParams`` rewrites ``T < 1e-6`` to
+``T = 1, top_k = 1``) and the embedded engine (``effective_temperature``)
+report its logprobs at ``T = 1``; the trainer recomputes them at ``T = 1`` too,
+so ``w = exp(prox - behav)`` compares like with like. Greedy tokens are not
+samples of the distribution their logprob describes; the importance weight
+then measures how far the policy moved, not an unbiased correction.
 
-    G_t = r_t + gamma * G_{t+1},    G_{T+1} = 0
-
-Advantages (GRPO, Shao et al. 2024, eq. 3 for the group mean/std; RLOO,
-Ahmadian et al. 2024, eq. 6 for leave-one-out). For session ``i`` of a group
-``g`` with episode returns ``R_j = G_1^{(j)}`` of its sessions::
-
-    b_i = mean_{j in g} R_j                      (group_mean)
-    b_i = mean_{j in g, j != i} R_j              (leave_one_out)
-    b_i = 0                                      (none)
-    A_t^{(i)} = (G_t^{(i)} - b_i) / sigma_g      sigma_g = pstd_{j in g} R_j  (normalize_std)
-    A_t^{(i)} =  G_t^{(i)} - b_i                 (otherwise)
-
-Each generated token of turn ``t`` carries ``A_t``.
-
-Where this departs from the papers:
-
-1. GRPO's outcome supervision gives every token the single normalised episode
-   reward. Here the *baseline and scale are episode-level* (``b_i`` and
-   ``sigma_g`` come from ``G_1``), but the *quantity centred is the per-turn
-   return* ``G_t``, so per-turn rewards survive normalisation: two turns with
-   different returns keep different advantages. With only a final reward and
-   ``gamma = 1`` every ``G_t = G_1`` and this is exactly GRPO / RLOO.
-2. A group whose episode returns are all equal carries no relative signal and
-   gets zero advantage on every turn (with any baseline but ``none``); so
-   does a single-session group under ``leave_one_out`` (no other session to
-   form a baseline). We never divide by ``sigma + epsilon``: zero std means
-   zero advantage, small std means a genuinely small spread. The std is the
-   population std (ddof = 0), as GRPO's reference implementations use.
-3. Sessions with no completions have no turns and are left out of their
-   group's statistics (they have nothing to train).
+Validation: :func:`session_problem` says why a session's records cannot be
+trained (misaligned lists, non-finite logprobs, positive logprobs, negative
+token ids); the loop drops such a session with that reason instead of failing
+the step, so one bad session never stops training or loops on restart.
 
 Sequences (``sample_mode``):
 
@@ -55,18 +37,43 @@ Sequences (``sample_mode``):
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 
+from .advantages import (
+    Baseline,
+    advantage_groups,
+    discounted_returns,
+    group_advantages,
+)
 from .config import AdvantageConfig
 
-Baseline = Literal["group_mean", "leave_one_out", "none"]
+__all__ = [
+    "Baseline",
+    "Sample",
+    "build_samples",
+    "discounted_returns",
+    "filter_stale",
+    "group_advantages",
+    "logprob_temperature",
+    "session_problem",
+    "zero_signal_filter",
+]
 
 NOT_GENERATED_VERSION = -1  # `versions` value of prompt / context tokens
+
+GREEDY_TEMPERATURE = 1e-5
+"""Requested temperatures below this are greedy, with logprobs reported at ``T = 1``
+(the embedded engine's threshold; SGLang's is 1e-6, a gap no client sends)."""
+
+
+def logprob_temperature(completion: CompletionRecord) -> float:
+    """The temperature ``completion``'s logprobs were reported at: 1.0 for greedy requests."""
+    requested = completion.temperature
+    return 1.0 if requested < GREEDY_TEMPERATURE else requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,82 +131,6 @@ class Sample:
         return min(trained)
 
 
-# --------------------------------------------------------------------------- returns
-
-
-def discounted_returns(rewards: Sequence[float], discount: float) -> list[float]:
-    """Per-turn returns ``G_t = r_t + discount * G_{t+1}`` with ``G_{T+1} = 0``.
-
-    Shape: ``(T,) -> (T,)``. Example: rewards ``[1, 0, 2]``, discount 0.9 ->
-    ``[1 + 0.9 * 0 + 0.81 * 2, 0 + 0.9 * 2, 2] = [2.62, 1.8, 2.0]``.
-    """
-    returns = [0.0] * len(rewards)
-    next_return = 0.0  # G_{T+1}
-    for t in reversed(range(len(rewards))):
-        next_return = float(rewards[t]) + discount * next_return  # G_t = r_t + gamma * G_{t+1}
-        returns[t] = next_return
-    return returns
-
-
-def group_advantages(
-    returns_by_session: Mapping[str, Sequence[float]],
-    group_of: Mapping[str, str],
-    *,
-    baseline: Baseline,
-    normalize_std: bool,
-) -> dict[str, list[float]]:
-    """Group-relative per-turn advantages (see the module docstring for the equations).
-
-    Args:
-        returns_by_session: session id -> its per-turn returns ``G_1..G_T`` (``(T_i,)``).
-            Sessions with no turns are left out of the statistics (and get ``[]``).
-        group_of: session id -> group id (sessions sharing a group id are compared).
-        baseline: ``group_mean`` (GRPO), ``leave_one_out`` (RLOO) or ``none``.
-        normalize_std: divide by the group's population std of episode returns ``G_1``.
-
-    Returns:
-        session id -> per-turn advantages ``A_1..A_T`` (same length as its returns).
-        Zero for every turn of a group whose episode returns are all equal
-        (any baseline but ``none``) and of a single-session group under
-        ``leave_one_out``.
-    """
-    if baseline == "none" and normalize_std:
-        raise ValueError("normalize_std needs a baseline (group_mean or leave_one_out)")
-    members: dict[str, list[str]] = {}
-    for session_id, returns in returns_by_session.items():
-        if returns:
-            members.setdefault(group_of[session_id], []).append(session_id)
-
-    advantages: dict[str, list[float]] = {
-        sid: [] for sid, returns in returns_by_session.items() if not returns
-    }
-    for session_ids in members.values():
-        episode = [float(returns_by_session[sid][0]) for sid in session_ids]  # R_j = G_1^(j)
-        n = len(episode)
-        # statistics.* use exact rational arithmetic on floats: equal returns give sigma == 0.0
-        # exactly, so the zero-variance test below is not at the mercy of rounding.
-        sigma = statistics.pstdev(episode) if n > 1 else 0.0  # population std over the group
-        no_signal = baseline != "none" and (
-            sigma == 0.0 or (baseline == "leave_one_out" and n == 1)
-        )
-        total = math.fsum(episode)
-        group_mean = statistics.mean(episode)  # exact: equal returns give exactly that value
-        for sid, own in zip(session_ids, episode, strict=True):
-            returns = [float(g) for g in returns_by_session[sid]]
-            if no_signal:
-                advantages[sid] = [0.0] * len(returns)
-                continue
-            if baseline == "group_mean":
-                b = group_mean  # b_i = mean_j R_j
-            elif baseline == "leave_one_out":
-                b = (total - own) / (n - 1)  # b_i = mean_{j != i} R_j
-            else:
-                b = 0.0
-            scale = sigma if normalize_std else 1.0
-            advantages[sid] = [(g - b) / scale for g in returns]  # A_t = (G_t - b_i) / sigma_g
-    return advantages
-
-
 # --------------------------------------------------------------------------- sequences
 
 
@@ -209,17 +140,41 @@ def _extends(child: CompletionRecord, parent: CompletionRecord) -> bool:
     return (
         len(child.prompt_ids) >= len(prefix)
         and child.prompt_ids[: len(prefix)] == prefix
-        and child.temperature == parent.temperature
+        and logprob_temperature(child) == logprob_temperature(parent)
     )
 
 
-def _check_completion(completion: CompletionRecord) -> None:
-    n = len(completion.output_ids)
-    if len(completion.output_logprobs) != n or len(completion.output_versions) != n:
-        raise ValueError(
-            f"completion {completion.id}: {n} output_ids but {len(completion.output_logprobs)} "
-            f"logprobs and {len(completion.output_versions)} versions"
+def _completion_problem(c: CompletionRecord, vocab_size: int | None) -> str | None:
+    n = len(c.output_ids)
+    if len(c.output_logprobs) != n or len(c.output_versions) != n:
+        return (
+            f"completion {c.id}: {n} output_ids but {len(c.output_logprobs)} "
+            f"logprobs and {len(c.output_versions)} versions"
         )
+    ids = c.prompt_ids + c.output_ids
+    if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+        return f"completion {c.id}: token id outside the vocabulary [0, {vocab_size})"
+    bad = [x for x in c.output_logprobs if not math.isfinite(x) or x > 1e-4]
+    if bad:
+        return f"completion {c.id}: logprob {bad[0]} is not a finite value <= 0"
+    if not math.isfinite(c.temperature) or c.temperature < 0:
+        return f"completion {c.id}: temperature {c.temperature} is not a finite value >= 0"
+    return None
+
+
+def session_problem(
+    completions: Sequence[CompletionRecord], *, vocab_size: int | None = None
+) -> str | None:
+    """Why these records of one session cannot be trained, or None when they can.
+
+    Checked per completion: aligned output lists, token ids in ``[0, vocab_size)``,
+    logprobs finite and ``<= 0`` (1e-4 of rounding allowed), temperature finite and ``>= 0``.
+    """
+    for c in completions:
+        problem = _completion_problem(c, vocab_size)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _paths(
@@ -252,7 +207,7 @@ def _session_samples(
     advantage_of_turn: Mapping[str, float],
     mode: Literal["chain", "individual"],
 ) -> list[Sample]:
-    group_id = session.group_id if session.group_id is not None else session.id
+    group_id = session.group_id if session.group_id is not None else session.id  # for logging
     assigned: set[str] = set()
     samples = []
     for path in _paths(completions, mode):
@@ -281,7 +236,7 @@ def _session_samples(
                     behav_logprobs=behav,
                     versions=versions,
                     advantages=adv,
-                    temperature=leaf.temperature,
+                    temperature=logprob_temperature(leaf),
                     completion_ids=tuple(trained),
                 )
             )
@@ -304,26 +259,29 @@ def build_samples(
     """Turn finished sessions into training sequences with per-token advantages.
 
     Per session: order turns by ``created_at``, compute rewards and returns, then
-    advantages relative to the session's group (``group_id``, or the session alone
-    when it has none), and lay the completions out as sequences (``cfg.sample_mode``).
+    advantages relative to the session's group (``group_id``; sessions without
+    one are pooled per ``cfg.ungrouped``), and lay the completions out as
+    sequences (``cfg.sample_mode``). Raises ``ValueError`` naming the session
+    when one has records :func:`session_problem` rejects.
     Samples come out session by session, paths in created_at order of their leaves.
     """
     ordered: dict[str, tuple[SessionRecord, list[CompletionRecord]]] = {}
     for session, completions in sessions:
         if session.id in ordered:
             raise ValueError(f"session {session.id} appears twice in the batch")
-        for c in completions:
-            _check_completion(c)
+        problem = session_problem(completions)
+        if problem is not None:
+            raise ValueError(f"session {session.id}: {problem}")
         ordered[session.id] = (session, sorted(completions, key=lambda c: c.created_at))
 
     returns = {
         sid: discounted_returns(session_rewards(session, turns), cfg.discount)
         for sid, (session, turns) in ordered.items()
     }
-    group_of = {
-        sid: session.group_id if session.group_id is not None else sid
-        for sid, (session, _) in ordered.items()
-    }
+    group_of = advantage_groups(
+        {sid: session.group_id for sid, (session, _) in ordered.items()},
+        ungrouped=cfg.ungrouped,
+    )
     advantages = group_advantages(
         returns, group_of, baseline=cfg.baseline, normalize_std=cfg.normalize_std
     )
@@ -333,6 +291,32 @@ def build_samples(
         advantage_of_turn = {c.id: a for c, a in zip(turns, advantages[sid], strict=True)}
         samples.extend(_session_samples(session, turns, advantage_of_turn, cfg.sample_mode))
     return samples
+
+
+def zero_signal_filter(
+    samples: Sequence[Sample], mode: Literal["filter", "skip", "keep"]
+) -> tuple[list[Sample], int]:
+    """Leave out samples that carry no policy gradient (``advantage.zero_signal``).
+
+    A sample whose trained tokens all have ``A = 0`` adds nothing to the
+    gradient but its tokens to the token-mean denominator, diluting every
+    other token's weight. ``filter`` removes such samples (DAPO, Yu et al.
+    2025, dynamic sampling, but the batch is not refilled); ``skip`` removes
+    all samples only when none has signal (so no optimizer step is taken and
+    no version pushed); ``keep`` removes nothing.
+
+    Returns ``(kept, removed_count)``; ``kept`` preserves the input order.
+    """
+    has_signal = [
+        any(a != 0.0 for a, m in zip(s.advantages, s.loss_mask, strict=True) if m) for s in samples
+    ]
+    if mode == "filter":
+        kept = [s for s, signal in zip(samples, has_signal, strict=True) if signal]
+    elif mode == "skip":
+        kept = list(samples) if any(has_signal) else []
+    else:
+        kept = list(samples)
+    return kept, len(samples) - len(kept)
 
 
 def filter_stale(

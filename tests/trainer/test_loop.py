@@ -82,11 +82,12 @@ _clock = iter(range(10**6))
 async def add_session(
     store: Store,
     *,
-    group: str,
+    group: str | None,
     reward: float,
     versions: list[int],
     logprob: float = -1.0,
     temperature: float = 1.0,
+    bad_token: int | None = None,
 ) -> str:
     """A finished, rewarded session with one completion whose tokens have ``versions``."""
     session = await store.create_session(
@@ -99,7 +100,8 @@ async def add_session(
             session_id=session.id,
             parent_id=None,
             prompt_ids=[rng.randrange(256) for _ in range(6)],
-            output_ids=[rng.randrange(256) for _ in versions],
+            output_ids=[rng.randrange(256) for _ in versions[:-1]]
+            + [rng.randrange(256) if bad_token is None else bad_token],
             output_logprobs=[logprob] * len(versions),
             output_versions=versions,
             finish_reason="stop",
@@ -242,6 +244,54 @@ async def test_a_batch_with_nothing_left_is_marked_but_not_pushed(
     assert record is not None and not record.pushed and record.version == 3
     assert (record.dropped_samples, record.dropped_sessions, record.ppo) == (4, 4, {})
     assert sink.pushed == [] and await statuses(store, ids) == [(SessionStatus.DROPPED, None)] * 4
+
+
+async def test_greedy_and_untrainable_sessions_never_stop_training(
+    store: Store, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Greedy completions (temperature 0) train at T = 1, where their logprobs were reported;
+    # a session with a token outside the vocabulary is dropped with its reason, once.
+    greedy = [
+        await add_session(store, group="g", reward=float(r), versions=[0] * 3, temperature=0.0)
+        for r in (1, 0)
+    ]
+    good = await add_session(store, group="h", reward=1.0, versions=[0] * 3)
+    bad = await add_session(store, group="h", reward=0.0, versions=[0] * 3, bad_token=10**6)
+    sink = RecordingSink(store)
+    trainer = await Trainer.start(
+        _cfg(tmp_path, tiny_model_dir), store=store, sink=sink, console=False
+    )
+    record = await trainer.step()
+    await trainer.close()
+    assert record is not None and record.pushed and sink.pushed == [1]
+    assert (record.sessions, record.trained_sessions, record.dropped_sessions) == (4, 2, 2)
+    assert await statuses(store, [*greedy, good, bad]) == [
+        (SessionStatus.TRAINED, 1),
+        (SessionStatus.TRAINED, 1),
+        (SessionStatus.DROPPED, None),  # alone in its group after the bad one left: no signal
+        (SessionStatus.DROPPED, None),
+    ]
+
+
+async def test_a_batch_without_signal_takes_no_step(
+    store: Store, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    ids = [await add_session(store, group="tie", reward=1.0, versions=[0] * 3) for _ in range(4)]
+    sink = RecordingSink(store)
+    cfg = _cfg(tmp_path, tiny_model_dir)
+    trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
+    record = await trainer.step()
+    assert record is not None and not record.pushed and record.ppo == {}
+    assert sink.pushed == [] and await statuses(store, ids) == [(SessionStatus.DROPPED, None)] * 4
+    # keep: the old behaviour, a step on a zero gradient that still pushes a version
+    ids = [await add_session(store, group="tie2", reward=1.0, versions=[0] * 3) for _ in range(4)]
+    await trainer.close()
+    cfg = _cfg(tmp_path, tiny_model_dir, advantage={"zero_signal": "keep"})
+    trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
+    record = await trainer.step()
+    await trainer.close()
+    assert record is not None and record.pushed and sink.pushed == [1]
+    assert record.ppo["grad_norm"] == 0.0
 
 
 async def test_restart_resumes_at_the_pushed_version_after_a_crash(

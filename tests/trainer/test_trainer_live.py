@@ -6,6 +6,8 @@
 2. Crash: the trainer CLI is SIGKILLed mid-run and restarted; it resumes at
    the pushed version, and every rewarded session ends TRAINED or DROPPED
    exactly once.
+3. Fidelity: the trainer's version-0 logprobs reproduce the behaviour logprobs
+   the engine recorded (greedy, tempered and unit temperature).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import httpx
 from openai import OpenAI
 from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.backends.torch_backend import build_backend
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import read_log
 from proxima.trainer.loop import Trainer
+from proxima.trainer.samples import build_samples
 from proxima.trainer.weights import ProxyWeightSink, weights_dir
 
 
@@ -254,3 +258,46 @@ def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
     for step in (e for e in events if e["event"] == "step" and e["pushed"]):
         assert trained_into.get(step["version"], 0) == step["trained_sessions"], step
     assert all(n <= 2 for n in trained_into.values())  # batch_size sessions per version at most
+
+
+async def test_version_zero_logprobs_reproduce_the_recorded_ones(
+    proxy: LiveProxy, tmp_path: Path
+) -> None:
+    # Greedy (temperature 0), tempered and unit-temperature completions through the proxy;
+    # the trainer's version-0 logprobs equal the engine's recorded behaviour logprobs, so
+    # the importance weight w = exp(prox - behav) is 1 (within 1e-4 per token).
+    sessions = []
+    for temperature in (0.0, 0.7, 1.0):
+        session = proxy.new_session(group_id="w")
+        client = OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        reply = ""
+        for turn in range(2):  # two turns: the second extends the first (one chained sample)
+            messages = [{"role": "user", "content": "Count to nine."}]
+            if turn:
+                messages += [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "More."},
+                ]
+            reply = client.chat.completions.create(
+                model=proxy.model_name, messages=messages, max_tokens=12,
+                temperature=temperature, extra_body={"ignore_eos": True},
+            ).choices[0].message.content  # fmt: skip
+        sessions.append(session["session_id"])
+    store = await Store.open(proxy.db_url)
+    try:
+        batch = []
+        for sid in sessions:
+            session = await store.get_session(session_id=sid)
+            batch.append((session, await store.list_completions(session_id=sid)))
+    finally:
+        await store.close()
+    cfg = TrainerConfig.model_validate(trainer_config(proxy, tmp_path))
+    samples = build_samples(batch, cfg.advantage)
+    assert [s.temperature for s in samples] == [1.0, 0.7, 1.0]
+    assert [len(s.completion_ids) for s in samples] == [2, 2, 2]
+    backend = build_backend(cfg, proxy.model_dir)
+    for sample, prox in zip(samples, backend.compute_logprobs(samples), strict=True):
+        trained = [i for i, m in enumerate(sample.loss_mask) if m]
+        assert len(trained) == 24
+        for i in trained:
+            assert abs(prox[i] - sample.behav_logprobs[i]) < 1e-4, (sample.temperature, i)

@@ -1,7 +1,12 @@
-"""Sessions -> samples: returns, group advantages, chain building, staleness."""
+"""Sessions -> samples: chain building, temperatures, validation, staleness, zero signal.
+
+Returns and advantages themselves: ``test_trainer_advantages.py``.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -11,9 +16,10 @@ from proxima.trainer.config import AdvantageConfig
 from proxima.trainer.samples import (
     Sample,
     build_samples,
-    discounted_returns,
     filter_stale,
-    group_advantages,
+    logprob_temperature,
+    session_problem,
+    zero_signal_filter,
 )
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -57,62 +63,6 @@ def _completion(
         sampling={"temperature": temperature},
         reward=reward,
     )
-
-
-# --------------------------------------------------------------------------- returns
-
-
-def test_discounted_returns_hand_computed() -> None:
-    # G_3 = 2; G_2 = 0 + 0.9 * 2 = 1.8; G_1 = 1 + 0.9 * 1.8 = 2.62
-    assert discounted_returns([1.0, 0.0, 2.0], 0.9) == pytest.approx([2.62, 1.8, 2.0])
-    assert discounted_returns([1.0, 0.0, 2.0], 1.0) == pytest.approx([3.0, 2.0, 2.0])
-    assert discounted_returns([], 0.9) == []
-
-
-def test_group_mean_std_advantages_keep_per_turn_rewards() -> None:
-    returns = {"a": [2.62, 1.8, 2.0], "b": [0.0]}
-    adv = group_advantages(returns, {"a": "g", "b": "g"}, baseline="group_mean", normalize_std=True)
-    # R = [2.62, 0]; b = 1.31; population std = 1.31
-    # a: [(2.62 - 1.31), (1.8 - 1.31), (2.0 - 1.31)] / 1.31 = [1.0, 0.374046, 0.526718]
-    # b: (0 - 1.31) / 1.31 = -1
-    assert adv["a"] == pytest.approx([1.0, 0.49 / 1.31, 0.69 / 1.31])
-    assert adv["b"] == pytest.approx([-1.0])
-    assert len(set(adv["a"])) == 3  # different per-turn returns stay different
-
-
-def test_leave_one_out_hand_computed() -> None:
-    returns = {"x": [1.0], "y": [2.0], "z": [6.0, 4.0]}
-    group = dict.fromkeys(returns, "g")
-    adv = group_advantages(returns, group, baseline="leave_one_out", normalize_std=False)
-    # b_x = (2 + 6) / 2 = 4; b_y = (1 + 6) / 2 = 3.5; b_z = (1 + 2) / 2 = 1.5
-    assert adv == {"x": [-3.0], "y": [-1.5], "z": [4.5, 2.5]}
-
-
-def test_zero_variance_group_gets_zero_advantage() -> None:
-    # 0.1 * 3 is not exactly representable: a float mean would leave a ~1e-17 "std".
-    returns = {"a": [0.1, 5.0], "b": [0.1], "c": [0.1, -1.0, 0.1]}
-    group = dict.fromkeys(returns, "g")
-    for baseline in ("group_mean", "leave_one_out"):
-        for normalize in (True, False):
-            adv = group_advantages(returns, group, baseline=baseline, normalize_std=normalize)
-            assert adv == {"a": [0.0, 0.0], "b": [0.0], "c": [0.0, 0.0, 0.0]}
-
-
-def test_single_session_groups() -> None:
-    single = {"a": [1.0, 3.0]}
-    loo = group_advantages(single, {"a": "a"}, baseline="leave_one_out", normalize_std=False)
-    assert loo == {"a": [0.0, 0.0]}  # nothing to compare against
-    raw = group_advantages(single, {"a": "a"}, baseline="none", normalize_std=False)
-    assert raw == {"a": [1.0, 3.0]}  # no baseline: A_t = G_t
-    with pytest.raises(ValueError, match="baseline"):
-        group_advantages(single, {"a": "a"}, baseline="none", normalize_std=True)
-
-
-def test_groups_are_normalised_independently() -> None:
-    returns = {"a": [1.0], "b": [3.0], "c": [10.0], "d": [30.0]}
-    group = {"a": "g1", "b": "g1", "c": "g2", "d": "g2"}
-    adv = group_advantages(returns, group, baseline="group_mean", normalize_std=True)
-    assert adv == {"a": [-1.0], "b": [1.0], "c": [-1.0], "d": [1.0]}
 
 
 # --------------------------------------------------------------------------- sequences
@@ -189,13 +139,88 @@ def test_group_advantages_through_build_samples() -> None:
     assert [s.advantages for s in samples] == [[0.0, 1.0, 1.0], [0.0, -1.0]]
 
 
-def test_mismatched_logprobs_are_rejected() -> None:
-    bad = CompletionRecord(
+def test_ungrouped_sessions_get_a_batch_baseline() -> None:
+    # Three production sessions (no group_id) with rewards 1, 0, 0: pooled, mean 1/3,
+    # population std sqrt(2) / 3 = 0.4714045 -> A = (2/3) / 0.4714 = sqrt(2), -(1/3) / 0.4714
+    sessions = [
+        (
+            _session(sid, group=None, reward=r),
+            [_completion(sid + "c", [1], [2], minute=i, session=sid)],
+        )
+        for i, (sid, r) in enumerate([("p1", 1.0), ("p2", 0.0), ("p3", 0.0)])
+    ]
+    samples = build_samples(sessions, AdvantageConfig())
+    assert [s.advantages[1] for s in samples] == pytest.approx(
+        [math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)]
+    )
+    alone = build_samples(sessions, AdvantageConfig(ungrouped="alone"))
+    assert [s.advantages[1] for s in alone] == [0.0, 0.0, 0.0]  # groups of one
+
+
+# Temperatures the logprobs were reported at (SGLang: T < 1e-6 -> T = 1, top_k = 1; the
+# embedded engine: T < 1e-5 -> T = 1): requested -> reported.
+LOGPROB_TEMPERATURES = [(0.0, 1.0), (1e-6, 1.0), (1e-5, 1e-5), (0.7, 0.7), (1.0, 1.0)]
+
+
+@pytest.mark.parametrize(("requested", "reported"), LOGPROB_TEMPERATURES)
+def test_greedy_completions_train_at_temperature_one(requested: float, reported: float) -> None:
+    c = _completion("c", [1], [2, 3], minute=1, temperature=requested)
+    assert logprob_temperature(c) == reported
+    (sample,) = build_samples([(_session("s", reward=1.0), [c])], AdvantageConfig())
+    assert sample.temperature == reported
+
+
+def test_greedy_and_unit_temperature_turns_chain() -> None:
+    # Both report logprobs at T = 1, so the child continues its parent's sequence.
+    completions = [
+        _completion("c1", [1], [2], minute=1, temperature=0.0),
+        _completion("c2", [1, 2, 3], [4], minute=2, parent="c1", temperature=1.0),
+    ]
+    (sample,) = build_samples([(_session("s", reward=1.0), completions)], AdvantageConfig())
+    assert sample.completion_ids == ("c1", "c2") and sample.temperature == 1.0
+
+
+def _record(**overrides: object) -> CompletionRecord:
+    fields: dict = dict(
         id="c", session_id="s", parent_id=None, prompt_ids=[1], output_ids=[2, 3],
-        output_logprobs=[-1.0], output_versions=[0, 0], finish_reason="stop", created_at=T0,
+        output_logprobs=[-1.0, -0.5], output_versions=[0, 0], finish_reason="stop",
+        created_at=T0, sampling={"temperature": 1.0},
     )  # fmt: skip
-    with pytest.raises(ValueError, match="2 output_ids but 1 logprobs"):
+    fields.update(overrides)
+    return CompletionRecord(**fields)
+
+
+INVALID_RECORDS = [
+    ({"output_logprobs": [-1.0]}, "2 output_ids but 1 logprobs"),
+    ({"output_versions": [0]}, "1 versions"),
+    ({"output_logprobs": [-1.0, float("nan")]}, "not a finite value <= 0"),
+    ({"output_logprobs": [-1.0, float("-inf")]}, "not a finite value <= 0"),
+    ({"output_logprobs": [-1.0, 0.5]}, "not a finite value <= 0"),
+    ({"output_ids": [2, -3]}, "outside the vocabulary"),
+    ({"output_ids": [2, 300]}, r"outside the vocabulary \[0, 256\)"),
+    ({"sampling": {"temperature": -1.0}}, "temperature -1.0"),
+    ({"sampling": {"temperature": float("inf")}}, "temperature inf"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), INVALID_RECORDS)
+def test_records_that_cannot_be_trained_are_named(overrides: dict, message: str) -> None:
+    bad = _record(**overrides)
+    assert session_problem([_record(id="ok")], vocab_size=256) is None
+    problem = session_problem([_record(id="ok"), bad], vocab_size=256)
+    assert problem is not None and problem.startswith("completion c:")
+    assert re.search(message, problem)
+
+
+def test_build_samples_names_the_bad_session() -> None:
+    bad = _record(output_logprobs=[-1.0])
+    with pytest.raises(ValueError, match="session s: completion c: 2 output_ids but 1 logprobs"):
         build_samples([(_session("s"), [bad])], AdvantageConfig())
+
+
+def test_rounding_above_zero_is_accepted() -> None:
+    # float32 logprobs of a near-certain token can round to +1e-7.
+    assert session_problem([_record(output_logprobs=[1e-7, -0.5])], vocab_size=256) is None
 
 
 def _sample_with_versions(versions: list[int]) -> Sample:
@@ -220,6 +245,40 @@ def test_filter_stale_drops_by_oldest_trained_token() -> None:
     assert dropped == 1
     kept, dropped = filter_stale(samples, current_version=10, max_staleness=0)  # synchronous
     assert [s.oldest_version for s in kept] == [10] and dropped == 3
+
+
+def _sample_with_advantages(sid: str, advantages: list[float]) -> Sample:
+    n = len(advantages) + 1
+    return Sample(
+        session_id=sid,
+        group_id="g",
+        input_ids=list(range(n)),
+        loss_mask=[0] + [1] * len(advantages),
+        behav_logprobs=[0.0] * n,
+        versions=[-1] + [0] * len(advantages),
+        advantages=[5.0, *advantages],  # the prompt token's value is not trained: ignored
+        temperature=1.0,
+    )
+
+
+# samples' trained advantages -> (kept session ids, removed count) per mode
+ZERO_SIGNAL_CASES = [
+    ([[1.0, 1.0], [0.0], [0.0, -0.5]], "filter", ["s0", "s2"], 1),
+    ([[1.0, 1.0], [0.0], [0.0, -0.5]], "skip", ["s0", "s1", "s2"], 0),
+    ([[1.0, 1.0], [0.0], [0.0, -0.5]], "keep", ["s0", "s1", "s2"], 0),
+    ([[0.0, 0.0], [0.0]], "filter", [], 2),
+    ([[0.0, 0.0], [0.0]], "skip", [], 2),
+    ([[0.0, 0.0], [0.0]], "keep", ["s0", "s1"], 0),
+]
+
+
+@pytest.mark.parametrize(("advantages", "mode", "kept_ids", "removed"), ZERO_SIGNAL_CASES)
+def test_zero_signal_filter(
+    advantages: list[list[float]], mode: str, kept_ids: list[str], removed: int
+) -> None:
+    samples = [_sample_with_advantages(f"s{i}", a) for i, a in enumerate(advantages)]
+    kept, count = zero_signal_filter(samples, mode)  # type: ignore[arg-type]
+    assert [s.session_id for s in kept] == kept_ids and count == removed
 
 
 def test_sample_rejects_misaligned_lists() -> None:
