@@ -1,12 +1,15 @@
 """megatron-core backend on CPU: exact HF <-> mcore conversion, logprob and update parity.
 
 Tolerances (float32 on CPU): logprobs agree with the HF model to 1e-5
-(observed ~1e-6; the two compute the same ops in a different order). Gradients
-agree to ``atol=1e-6, rtol=1e-4``. After one AdamW step, weights agree to
-``1e-7`` wherever ``|grad| > 1e-5``. AdamW's first step is ``lr * g / (|g| + eps)``
-with ``eps = 1e-8``, whose sensitivity to ``g`` is ``lr * eps / g**2``: for tiny
-gradients (embedding rows summed from many tokens carry ~1e-8 absolute error)
-the update can move by a fraction of ``lr``, hence ``0.05 * lr`` everywhere.
+(observed ~1e-6; the two compute the same ops in a different order).
+Gradients agree up to summation order (``tests/trainer/closeness.py``: an
+absolute tolerance scaled by the largest gradient element, plus ``1e-4``
+relative), the loss to ``1e-5`` relative and the gradient norm to ``1e-4``.
+Weights after the AdamW step are not compared with HF's (AdamW's first step
+``lr * g / (|g| + eps)`` turns the summation noise of a near-zero ``g`` into an
+lr-sized difference, another on each CPU); the test checks instead that the
+step is AdamW with the configured hyperparameters applied to megatron's own
+gradients.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from proxima.trainer.loss import decoupled_ppo_loss
 from torch import Tensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from tests.trainer.closeness import adamw_replay, assert_adamw_applied, assert_grads_close
+
 pytestmark = pytest.mark.usefixtures("megatron_process_group")
 
 LOGPROB_ATOL = 1e-5
-GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 LR = 1e-3
 TEMPERATURE = 0.7
 
@@ -88,19 +92,12 @@ def mcore_grads_as_hf(backend: MegatronBackend) -> dict[str, Tensor]:
     return mcore_to_hf(grads, backend.shape)
 
 
-def assert_adamw_weights_close(
-    updated: dict[str, Tensor], reference: dict[str, Tensor], grads: dict[str, Tensor]
+def assert_step_is_adamw(
+    megatron: MegatronBackend, initial: dict[str, Tensor], optim: OptimConfig
 ) -> None:
-    """Weights after one AdamW step agree (see the module docstring for the tolerances)."""
-    compared = 0
-    for key, ref in reference.items():
-        diff = (updated[key] - ref).abs()
-        clear = grads[key].abs() > 1e-5  # k_proj.bias has none: its gradient is exactly 0
-        compared += int(clear.sum())
-        if clear.any():
-            assert diff[clear].max().item() <= 1e-7, key
-        assert diff.max().item() <= 0.05 * LR, key
-    assert compared > 0
+    """The weights moved by one AdamW step (``optim``) on megatron's own (clipped) gradients."""
+    expected = adamw_replay(initial, [mcore_grads_as_hf(megatron)], optim)[0]
+    assert_adamw_applied(megatron.to_hf_state_dict(), expected, optim)
 
 
 # --------------------------------------------------------------------------- conversion
@@ -299,26 +296,22 @@ def test_adamw_step_matches_hf(tiny_model_dir: Path) -> None:
     result = megatron.train_step(micro_batches, loss_fn)
 
     model = hf_model(tiny_model_dir).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=optim.betas, weight_decay=0.01)
     loss, _ = loss_fn(hf_logprobs(model, input_ids, TEMPERATURE), advantages)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     hf_grads = {name: p.grad for name, p in model.named_parameters()}
-    optimizer.step()
 
     assert len(result.stats) == 2
-    assert result.loss == pytest.approx(loss.item(), abs=1e-6)
-    assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-4)
     mcore_grads = mcore_grads_as_hf(megatron)
-    for key, grad in mcore_grads.items():
-        torch.testing.assert_close(grad, hf_grads[key], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=key)
-    updated = megatron.to_hf_state_dict()
-    reference = {k: v for k, v in model.state_dict().items() if k in updated}
-    assert updated.keys() == reference.keys()
-    assert_adamw_weights_close(updated, reference, hf_grads)
+    assert mcore_grads.keys() == {k for k in hf_grads if k in megatron.to_hf_state_dict()}
+    assert_grads_close(mcore_grads, {k: hf_grads[k] for k in mcore_grads})
+    assert_step_is_adamw(megatron, read_hf_state_dict(tiny_model_dir), optim)
     # and the step did move the weights
     assert not torch.equal(
-        updated["model.norm.weight"], read_hf_state_dict(tiny_model_dir)["model.norm.weight"]
+        megatron.to_hf_state_dict()["model.norm.weight"],
+        read_hf_state_dict(tiny_model_dir)["model.norm.weight"],
     )
 
 
@@ -334,9 +327,6 @@ def test_decoupled_ppo_step_on_packed_batches_matches_hf(tiny_model_dir: Path) -
     result = megatron.train_step([MicroBatch.from_packed(p) for p in packs], loss_fn)
 
     model = hf_model(tiny_model_dir).train()
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=optim.betas, weight_decay=optim.weight_decay
-    )
     hf_loss = torch.zeros(())
     for p in packs:
         loss, _ = loss_fn(
@@ -350,18 +340,14 @@ def test_decoupled_ppo_step_on_packed_batches_matches_hf(tiny_model_dir: Path) -
         hf_loss += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     hf_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    optimizer.step()
 
     assert result.grad_norm > 0.1  # clipping was active
-    assert result.loss == pytest.approx(hf_loss.item(), abs=1e-6)
-    assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert result.loss == pytest.approx(hf_loss.item(), rel=1e-5, abs=1e-6)
+    assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-4)
     assert float(result.stats[0].loss_tokens) == packs[0].num_loss_tokens
-    for key, grad in mcore_grads_as_hf(megatron).items():
-        torch.testing.assert_close(grad, hf_grads[key], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=key)
-    updated = megatron.to_hf_state_dict()
-    assert_adamw_weights_close(
-        updated, {k: v for k, v in model.state_dict().items() if k in updated}, hf_grads
-    )
+    mcore_grads = mcore_grads_as_hf(megatron)  # after clipping, as AdamW got them
+    assert_grads_close(mcore_grads, {k: hf_grads[k] for k in mcore_grads})
+    assert_step_is_adamw(megatron, read_hf_state_dict(tiny_model_dir), optim)
 
 
 def test_export_hf_loads_in_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -409,8 +395,10 @@ def _tensor_parallel_worker(rank: int, port: int, model_dir: str, out_dir: str) 
         functools.partial(weighted_pg_loss, total_tokens=advantages.numel()),
     )
     local_shapes = {n: tuple(p.shape) for n, p in megatron.model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in megatron.model.named_parameters() if p.grad is not None}
     torch.save(
         {
+            "grads": grads,  # this rank's shards, mcore layout
             "logprobs": before,
             "initial": initial,
             "updated": megatron.to_hf_state_dict(),
@@ -437,28 +425,25 @@ def test_tensor_parallel_2_on_cpu_gloo_matches_hf(tiny_model_dir: Path, tmp_path
     model = hf_model(tiny_model_dir).train()
     with torch.no_grad():
         expected = hf_logprobs(model, input_ids, TEMPERATURE)
-    defaults = OptimConfig()
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=defaults.betas, weight_decay=defaults.weight_decay
-    )
     loss, _ = weighted_pg_loss(
         hf_logprobs(model, input_ids, TEMPERATURE), advantages, total_tokens=advantages.numel()
     )
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     hf_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    optimizer.step()
     hf_state = read_hf_state_dict(tiny_model_dir)
+    shape = model_shape(model.config, MegatronParallelConfig(tensor_parallel=2))
+    grads = mcore_to_hf(merge_tensor_parallel_shards([r["grads"] for r in ranks]), shape)
+    assert_grads_close(grads, {k: hf_grads[k] for k in grads})
+    defaults = OptimConfig(lr=LR)
+    stepped = adamw_replay(hf_state, [grads], defaults)[0]
     for result in ranks:
         assert result["qkv_shape"] == (64, 64)  # one query group of two: half of (128, 64)
         torch.testing.assert_close(result["logprobs"], expected, atol=LOGPROB_ATOL, rtol=0)
         assert all(torch.equal(result["initial"][k], t) for k, t in hf_state.items())
-        assert result["loss"] == pytest.approx(loss.item(), abs=1e-6)
-        assert result["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
-        updated = result["updated"]
-        assert_adamw_weights_close(
-            updated, {k: v for k, v in model.state_dict().items() if k in updated}, hf_grads
-        )
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        assert result["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
+        assert_adamw_applied(result["updated"], stepped, defaults)
 
 
 def test_parallel_config_rejects_what_cannot_run(tiny_model_dir: Path) -> None:

@@ -13,7 +13,10 @@ from proxima.trainer.backends.torch_backend import TorchBackend, split_minibatch
 from proxima.trainer.config import BatchingConfig, OptimConfig, PPOConfig
 from proxima.trainer.loss import token_logprobs
 from proxima.trainer.samples import Sample
+from torch import Tensor
 from transformers import AutoModelForCausalLM
+
+from tests.trainer.closeness import assert_grads_close
 
 TEMPERATURE = 0.8
 
@@ -72,7 +75,9 @@ def test_compute_logprobs_equals_each_sequence_alone(tiny_model_dir: Path) -> No
         trained = torch.tensor(sample.loss_mask[1:]) > 0  # (L-1,)
         got_values = torch.tensor(values[1:])
         assert trained.any() and not trained.all()
-        torch.testing.assert_close(got_values[trained], expected[trained], atol=1e-5, rtol=0)
+        # Packed and alone run different matmul shapes (another summation order): |logprob| ~5,
+        # float32 noise ~1e-6; a sequence attending across the pack moves them by > 1e-2.
+        torch.testing.assert_close(got_values[trained], expected[trained], atol=1e-4, rtol=0)
         assert got_values[~trained].eq(0.0).all()
 
 
@@ -88,22 +93,37 @@ def test_train_step_moves_weights_and_lowers_the_loss(tiny_model_dir: Path) -> N
     assert "model.embed_tokens.weight" in changed and len(changed) == len(before)
 
 
+def _record_grads(backend: TorchBackend) -> list[dict[str, Tensor]]:
+    """The gradients each optimizer step of ``backend`` is given (after clipping), by name."""
+    steps: list[dict[str, Tensor]] = []
+    names = {id(p): name for name, p in backend.model.named_parameters()}
+
+    def record(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        steps.append({names[id(p)]: p.grad.clone() for p in params if p.grad is not None})
+
+    backend.optimizer.register_step_pre_hook(record)
+    return steps
+
+
 def test_micro_batching_does_not_change_the_update(tiny_model_dir: Path) -> None:
+    """One micro-batch or four: the same loss and the same gradients reach AdamW.
+
+    Compared before the optimizer (see tests/trainer/closeness.py for why not after) at
+    tolerances of summation order; a micro-batch normalised by its own token count, or one
+    left out, changes the gradients by percents.
+    """
     one = _backend(tiny_model_dir, batching=BatchingConfig(max_tokens_per_mb=512))
     many = _backend(tiny_model_dir, batching=BatchingConfig(max_tokens_per_mb=30, min_mbs=3))
+    grads_one, grads_many = _record_grads(one), _record_grads(many)
     batch = _with_prox(one, _samples())
     a, b = one.train_step(batch), many.train_step(batch)
     assert a.micro_batches == 1 and b.micro_batches >= 3
-    assert a.ppo.loss.item() == pytest.approx(b.ppo.loss.item(), abs=1e-6)
-    assert a.grad_norms[0] == pytest.approx(b.grad_norms[0], rel=1e-5)
-    for (name, p), q in zip(one.model.named_parameters(), many.model.parameters(), strict=True):
-        if name.endswith("k_proj.bias"):
-            # A key bias shifts every score of a query equally, which softmax ignores: its true
-            # gradient is 0, and AdamW's normalised first step (g / (|g| + eps)) blows float
-            # noise up to a fraction of lr. Compare it at lr scale only.
-            torch.testing.assert_close(p, q, atol=2e-3, rtol=0, msg=name)
-        else:
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    assert a.ppo.loss.item() == pytest.approx(b.ppo.loss.item(), rel=1e-5, abs=1e-6)
+    assert a.grad_norms[0] == pytest.approx(b.grad_norms[0], rel=1e-4)
+    assert len(grads_one) == len(grads_many) == 1
+    assert len(grads_one[0]) == len(list(one.model.parameters()))
+    assert_grads_close(grads_many[0], grads_one[0])
 
 
 def test_minibatches_split_sessions_and_step_once_each(tiny_model_dir: Path) -> None:
@@ -125,6 +145,7 @@ def test_grad_clip_and_export_round_trip(tiny_model_dir: Path, tmp_path: Path) -
     backend.export_hf(tmp_path / "v1")
     assert (tmp_path / "v1" / "tokenizer.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32)
+    # Bitwise: safetensors stores the float32 values as they are.
     for (name, p), q in zip(backend.model.named_parameters(), exported.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), atol=0, rtol=0, msg=name)
     fresh = _backend(tiny_model_dir)
@@ -143,6 +164,7 @@ def test_state_dict_round_trip_restores_the_optimizer(tiny_model_dir: Path) -> N
     twin = _backend(tiny_model_dir)
     twin.load_state_dict(state)
     a, b = backend.train_step(batch), twin.train_step(batch)
+    # Bitwise: the same ops on the same inputs in one process, in the same order.
     assert a.ppo.loss.item() == b.ppo.loss.item()
     for p, q in zip(backend.model.parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -153,13 +175,15 @@ def test_one_minibatch_takes_prox_from_its_own_forward_pass(tiny_model_dir: Path
     detached logprobs, which equal a separate no-grad pass at the same weights."""
     recomputed = _backend(tiny_model_dir)
     own_pass = _backend(tiny_model_dir)
+    grads_recomputed, grads_own = _record_grads(recomputed), _record_grads(own_pass)
     samples = _samples()
     with_prox = recomputed.train_step(_with_prox(recomputed, samples))
     without = own_pass.train_step(samples)
-    assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), abs=1e-6)
+    assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), rel=1e-5, abs=1e-6)
+    # ratio = exp(l - prox) is 1 exactly without prox; with the recomputed one it is 1 to a few
+    # ulps (the no-grad pass may round differently), so their KL is ~1e-14.
     assert without.ppo.approx_kl.item() == pytest.approx(0.0, abs=1e-7)
-    for name, value in recomputed.model.state_dict().items():
-        torch.testing.assert_close(own_pass.model.state_dict()[name], value, atol=1e-6, rtol=0)
+    assert_grads_close(grads_own[0], grads_recomputed[0])
 
 
 def test_later_minibatches_need_recomputed_prox(tiny_model_dir: Path) -> None:

@@ -19,6 +19,8 @@ from proxima.trainer.loss import PPOStats, decoupled_ppo_loss, token_logprobs
 from proxima.trainer.samples import Sample
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tests.trainer.closeness import assert_grads_close
+
 VOCAB = 263  # tiny model's vocabulary
 
 
@@ -182,7 +184,9 @@ def test_packed_logprobs_equal_per_sequence(tiny_model_dir: Path, attn: str) -> 
         reference = torch.cat([_per_sequence_logprobs(model, s) for s in samples])  # (T,)
     valid = torch.ones_like(packed.loss_mask, dtype=torch.bool)
     valid[packed.cu_seqlens[1:] - 1] = False  # last position of each sequence has no target
-    torch.testing.assert_close(packed_lp[valid], reference[valid], atol=1e-5, rtol=1e-5)
+    # Another matmul shape, another summation order: |logprob| ~5 with float32 noise ~1e-6; a
+    # token attending across sequences moves it by > 1e-2.
+    torch.testing.assert_close(packed_lp[valid], reference[valid], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", VARLEN_SDPA])
@@ -235,10 +239,9 @@ def test_micro_batched_step_equals_full_batch(tiny_model_dir: Path, attn: str) -
     mb_loss, mb_grads, mb_stats = step(plan)
 
     assert full_stats.clip_fraction.item() > 0 and full_stats.masked_tokens.item() > 0
-    assert mb_loss == pytest.approx(full_loss, abs=1e-6)
+    assert mb_loss == pytest.approx(full_loss, rel=1e-5, abs=1e-6)
     assert full_grads.keys() == mb_grads.keys() and len(full_grads) > 0
-    for name, grad in full_grads.items():
-        torch.testing.assert_close(mb_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_grads_close(mb_grads, full_grads)
     for key, value in full_stats.as_dict().items():
         assert mb_stats.as_dict()[key] == pytest.approx(value, abs=1e-5), key
 
@@ -261,8 +264,7 @@ def test_loss_tokens_only_gives_the_same_logprobs_and_gradients(tiny_model_dir: 
 
     full, full_grads = run(False)
     kept, kept_grads = run(True)
-    torch.testing.assert_close(kept[mask], full[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kept[mask], full[mask], atol=1e-4, rtol=0)  # see above
     assert kept[~mask].eq(0.0).all()
     assert kept_grads.keys() == full_grads.keys() and len(full_grads) > 0
-    for name, grad in full_grads.items():
-        torch.testing.assert_close(kept_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_grads_close(kept_grads, full_grads)

@@ -82,7 +82,7 @@ async def test_update_weights_from_disk_changes_version_and_output(
     expected_ids, expected_logprobs = other.greedy(prompt_ids, max_new_tokens=16)
     assert after["meta_info"]["weight_version"] == "v1"
     assert after["output_ids"] == expected_ids
-    assert logprobs_of(after) == pytest.approx(expected_logprobs, abs=1e-5)
+    assert logprobs_of(after) == pytest.approx(expected_logprobs, abs=1e-4)  # summation order
     assert logprobs_of(after) != pytest.approx(logprobs_of(before), abs=1e-3)
 
 
