@@ -36,17 +36,8 @@ checkpoint is written.
 Model work runs on one dedicated thread so the event loop stays responsive
 (the stop signal, store polling); every backend call happens on that thread.
 
-Under ``torchrun`` (``backend = "megatron"``; world = ``tensor_parallel`` x
-data-parallel replicas): rank 0 alone opens the store, talks to the proxy,
-writes weights, checkpoints and the log. It broadcasts the resume plan, then
-every backend call (the step's samples for the proximal logprobs and the
-train step, the export, the checkpoint gather) over a gloo control group; the
-other ranks load the same plan and replay those calls, so the model runs on
-every rank together: each data-parallel replica takes its share of the
-step's micro-batches, and every rank gets the whole result (logprobs, step
-statistics). When rank 0 stops (``max_steps``, a signal, an error) it
-broadcasts a stop sentinel and the other ranks exit; they ignore signals
-themselves.
+Under ``torchrun`` (``backend = "megatron"``) this loop runs on rank 0 alone;
+every backend call is replayed on the other ranks (``proxima.trainer.torchrun``).
 """
 
 from __future__ import annotations
@@ -57,7 +48,6 @@ import functools
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +57,7 @@ from typing import Any, TypeVar
 
 from proxima.proxy.store import SessionKind, SessionRecord, SessionStatus, Store
 from proxima.proxy.store.records import CompletionRecord
-from proxima.trainer.backends.torch_backend import PPOBackend, StepStats, build_backend
+from proxima.trainer.backends.torch_backend import PPOBackend, StepStats
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import (
     StepRecord,
@@ -83,11 +73,18 @@ from proxima.trainer.samples import (
     session_problem,
     zero_signal_filter,
 )
+from proxima.trainer.torchrun import (
+    BroadcastingBackend,
+    RankZeroLeader,
+    follow_rank_zero,
+    init_ranks,
+    load_backend,
+    torchrun_world_size,
+)
 from proxima.trainer.weights import (
     PendingStep,
     ProxyWeightSink,
     PushResult,
-    ResumePlan,
     TrainerState,
     WeightSink,
     clear_pending,
@@ -146,7 +143,7 @@ class Trainer:
         store: Store,
         sink: WeightSink,
         console: bool = True,
-        leader: _RankZeroLeader | None = None,
+        leader: RankZeroLeader | None = None,
     ) -> Trainer:
         """Recover (``proxima.trainer.weights`` rule), load the backend, and resume at the pushed version.
 
@@ -186,13 +183,13 @@ class Trainer:
         loop = asyncio.get_running_loop()
         try:
             backend = await loop.run_in_executor(
-                executor, functools.partial(_load_backend, cfg, model_dir, plan)
+                executor, functools.partial(load_backend, cfg, model_dir, plan)
             )
         except BaseException:
             executor.shutdown(wait=True)
             raise
         if leader is not None:
-            backend = _BroadcastingBackend(backend, leader)
+            backend = BroadcastingBackend(backend, leader)
         state = TrainerState(trainer_id=trainer_id, version=plan.version, step=plan.step)
         log = TrainLog(output_dir, console=console, total_steps=cfg.loop.max_steps)
         log.event(
@@ -450,12 +447,12 @@ async def run_trainer(
             "the trainer needs " + ", ".join(f"connection.{m} ({flags[m]})" for m in missing)
         )
     assert conn.db_url is not None
-    leader: _RankZeroLeader | None = None
-    if _torchrun_world_size() > 1:
-        rank = _init_ranks(cfg)
+    leader: RankZeroLeader | None = None
+    if torchrun_world_size() > 1:
+        rank = init_ranks(cfg)
         if rank != 0:
-            return await _follow_rank_zero(cfg)
-        leader = _RankZeroLeader()
+            return await follow_rank_zero(cfg)
+        leader = RankZeroLeader()
     try:
         store = await Store.open(conn.db_url)
         own_sink = sink is None
@@ -479,151 +476,7 @@ async def run_trainer(
             await asyncio.to_thread(leader.stop)
 
 
-# --------------------------------------------------------------------------- torchrun
-
-
-def _torchrun_world_size() -> int:
-    """The number of processes torchrun started (1 when not under torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _init_ranks(cfg: TrainerConfig) -> int:
-    """Join the torchrun job (process group and control group); this process's rank."""
-    if cfg.backend != "megatron":
-        raise ValueError(
-            f'backend = "{cfg.backend}" runs in one process, but torchrun started '
-            f"{_torchrun_world_size()}: launch `proxima trainer` without torchrun, or set "
-            'backend = "megatron" for a multi-process run (the processes are [megatron] '
-            "tensor_parallel x data-parallel replicas)"
-        )
-    from proxima.trainer.backends.megatron_compat import control_group, init_distributed
-
-    env = init_distributed()
-    control_group()
-    return env.rank
-
-
-class _RankZeroLeader:
-    """Rank 0's side of the torchrun protocol.
-
-    Messages, in order: the :class:`ResumePlan` (or None: rank 0 failed to
-    start), then ``(method, *args)`` per backend call, then ``("stop",)``.
-    """
-
-    def __init__(self) -> None:
-        self._plan_sent = False
-        self._stopped = False
-
-    def send_plan(self, plan: ResumePlan) -> None:
-        from proxima.trainer.backends.megatron_compat import broadcast_object
-
-        broadcast_object(plan)
-        self._plan_sent = True
-
-    def send(self, method: str, *args: Any) -> None:
-        from proxima.trainer.backends.megatron_compat import broadcast_object
-
-        if self._stopped:
-            raise RuntimeError("the other ranks were already told to stop")
-        broadcast_object((method, *args))
-
-    def stop(self) -> None:
-        """Tell the other ranks to exit (once)."""
-        if self._stopped:
-            return
-        from proxima.trainer.backends.megatron_compat import broadcast_object
-
-        self._stopped = True
-        broadcast_object(("stop",) if self._plan_sent else None)
-
-
-class _BroadcastingBackend:
-    """Rank 0's backend: each call is broadcast to the other ranks, then run here."""
-
-    def __init__(self, backend: PPOBackend, leader: _RankZeroLeader) -> None:
-        self.backend = backend
-        self.leader = leader
-
-    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        self.leader.send("compute_logprobs", list(samples))
-        return self.backend.compute_logprobs(samples)
-
-    def train_step(self, samples: Sequence[Sample]) -> StepStats:
-        self.leader.send("train_step", list(samples))
-        return self.backend.train_step(samples)
-
-    def export_hf(self, out_dir: Path) -> None:
-        self.leader.send("export_hf", out_dir)
-        self.backend.export_hf(out_dir)
-
-    def load_hf_weights(self, model_dir: Path) -> None:
-        self.leader.send("load_hf_weights", model_dir)
-        self.backend.load_hf_weights(model_dir)
-
-    def state_dict(self) -> dict[str, Any]:
-        self.leader.send("state_dict")
-        return self.backend.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.leader.send("load_state_dict", state)
-        self.backend.load_state_dict(state)
-
-
-_FOLLOWED_METHODS = frozenset(
-    {
-        "compute_logprobs",
-        "train_step",
-        "export_hf",
-        "load_hf_weights",
-        "state_dict",
-        "load_state_dict",
-    }
-)
-
-
-async def _follow_rank_zero(cfg: TrainerConfig) -> int:
-    """A rank other than 0: replay rank 0's backend calls until it says stop.
-
-    Never opens the store or the proxy. Returns the number of train steps run.
-    """
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
-    try:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, _follow, cfg)
-    finally:
-        executor.shutdown(wait=True)
-
-
-def _follow(cfg: TrainerConfig) -> int:
-    from proxima.trainer.backends.megatron_compat import broadcast_object
-
-    plan = broadcast_object()
-    if plan is None:
-        return 0  # rank 0 failed before loading the model
-    assert cfg.connection.model_dir is not None
-    backend = _load_backend(cfg, cfg.connection.model_dir, plan)
-    steps = 0
-    while True:
-        method, *args = broadcast_object()
-        if method == "stop":
-            return steps
-        if method not in _FOLLOWED_METHODS:
-            raise RuntimeError(f"rank 0 sent an unknown command {method!r}")
-        getattr(backend, method)(*args)
-        steps += method == "train_step"
-
-
 # --------------------------------------------------------------------------- internals
-
-
-def _load_backend(cfg: TrainerConfig, model_dir: Path, plan: ResumePlan) -> PPOBackend:
-    """Build the backend from the initial model and bring it to ``plan``'s state."""
-    backend = build_backend(cfg, model_dir)
-    if plan.checkpoint is not None:
-        backend.load_state_dict(plan.checkpoint.load_tensors())
-    if plan.weights_path is not None:
-        backend.load_hf_weights(plan.weights_path)
-    return backend
 
 
 async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:

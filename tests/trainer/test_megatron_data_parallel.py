@@ -42,8 +42,8 @@ from proxima.trainer.backends.torch_backend import (
     micro_batches,
 )
 from proxima.trainer.config import BatchingConfig, TrainerConfig
-from proxima.trainer.loop import _init_ranks
 from proxima.trainer.samples import Sample
+from proxima.trainer.torchrun import init_ranks
 from torch import Tensor
 
 from tests.trainer.closeness import adamw_replay, assert_adamw_applied, assert_grads_close
@@ -293,7 +293,7 @@ def test_torch_backend_under_torchrun_points_at_megatron(
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = _cfg(tiny_model_dir).model_copy(update={"backend": "torch"})
     with pytest.raises(ValueError, match='torchrun started 2.*set backend = "megatron"'):
-        _init_ranks(cfg)
+        init_ranks(cfg)
 
 
 def test_one_minibatch_takes_prox_from_its_own_forward_pass(single: MegatronPPOBackend) -> None:
