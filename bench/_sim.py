@@ -53,6 +53,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from proxima.proxy.backends.protocol import (
+    AbortRequestBody,
+    GenerateRequest,
+    UpdateWeightsFromDiskBody,
+)
 from proxima.proxy.testing.fake_sglang import generate_response, sglang_app
 
 
@@ -169,13 +174,12 @@ class SimGenerator:
         return min(n, int((time.monotonic() - started) * rate))
 
     async def run(
-        self, body: dict[str, Any], *, incremental: bool = False
+        self, request: GenerateRequest, *, incremental: bool = False
     ) -> AsyncIterator[dict[str, Any]]:
         await self.gate.wait()
-        rid = body.get("rid") or f"sim-{self.rng.getrandbits(48):x}"
-        params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens", 128))
-        prompt_len = len(body.get("input_ids") or [])
+        rid = request.rid or f"sim-{self.rng.getrandbits(48):x}"
+        max_new = request.sampling_params.max_new_tokens
+        prompt_len = len(request.input_ids or [])
         version = self.weight_version
         ids: list[int] = []
         lps: list[list[Any]] = []
@@ -199,7 +203,7 @@ class SimGenerator:
                         lps.append([-self.rng.random() * 3.0, ids[-1], None])
                     self.generated_tokens += made
                 if rid in self.aborted:
-                    finish = {"type": "abort", "message": "aborted"}
+                    finish = {"type": "abort", "message": "Abort", "status_code": None}
                     self.aborts += 1
                 elif len(ids) >= max_new:
                     finish = {"type": "length", "length": len(ids)}
@@ -230,7 +234,7 @@ class SimGenerator:
             if not self.inflight:
                 self.idle.set()
 
-    async def pause(self) -> None:
+    async def pause(self, mode: str = "abort") -> None:
         if self.interrupt == "abort":
             self.gate.clear()
             self._abort_all()
@@ -245,7 +249,8 @@ class SimGenerator:
         self.weight_version = version
         self.update_load_s += time.monotonic() - started
 
-    async def update(self, version: str) -> None:
+    async def update(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
+        version = body.weight_version or self.weight_version
         if self.interrupt == "drain":
             started = time.monotonic()
             self.gate.clear()
@@ -257,19 +262,21 @@ class SimGenerator:
                 self.gate.set()
         else:  # abort: nothing decodes now (paused); swap: in-flight requests go on
             await self._load(version)
+        return {"success": True, "message": "ok", "num_paused_requests": 0}
 
 
 def create_sim_app(sim: SimGenerator) -> FastAPI:
-    async def generate(body: dict[str, Any]) -> Any:
-        incremental = sim.incremental and bool(body.get("stream"))
-        return await generate_response(lambda b: sim.run(b, incremental=incremental), body)
+    async def generate(request: GenerateRequest) -> Any:
+        incremental = sim.incremental and request.stream
+        return await generate_response(lambda r: sim.run(r, incremental=incremental), request)
 
-    async def abort(body: dict[str, Any]) -> None:
-        if body.get("abort_all"):
+    async def abort(body: AbortRequestBody) -> None:
+        if body.abort_all:
             if sim.interrupt == "abort":
                 sim._abort_all()
-        elif body.get("rid"):
-            sim.abort([body["rid"]])
+        elif body.rid:
+            # SGLang matches the rid as a prefix.
+            sim.abort([rid for rid in sim.inflight if rid.startswith(body.rid)])
 
     app = sglang_app(
         "simulated sglang",

@@ -1,62 +1,128 @@
-"""SGLang's native HTTP API, declared by the project (sglang is not imported).
+"""SGLang's native HTTP API: the one declaration of the backend wire format.
 
-These pydantic models are the wire format of the backend protocol: the proxy's
-client sends them to a real SGLang server or to the embedded engine, which
-speak the same API. Field names are SGLang's own.
+Every piece that speaks SGLang's API uses these pydantic models: the proxy's
+client (:mod:`proxima.proxy.backends.sglang`), the embedded engine
+(:mod:`proxima.proxy.embedded.app`), the fake SGLang
+(:mod:`proxima.proxy.testing.fake_sglang`) and the bench simulator. Field
+names, defaults and shapes are SGLang 0.5.23's own (``sglang/api/v1``, its
+JSON contract; ``tests/proxy/test_sglang_contract.py`` checks the bodies the
+proxy sends against SGLang's own decoder).
+
+Requests are strict: an unknown key is an error (the servers answer 400).
+SGLang itself rejects unknown ``sampling_params`` keys ("unknown field `seed`,
+expected one of ...") and ignores unknown top-level keys; ours reject both, so
+a misspelt field never passes silently. Replies are lenient (SGLang adds
+fields from release to release).
 
 Streaming ``/generate`` answers Server-Sent Events ``data: {GenerateResponse}``
 ending with ``data: [DONE]``. SGLang's default stream chunks are cumulative
-(full ``output_ids`` and ``output_token_logprobs`` so far); with
+(all ``output_ids`` and ``output_token_logprobs`` so far); with
 ``--incremental-streaming-output`` they carry only the new tokens. The client
 accepts both (see ``SGLangClient.generate_stream``).
+
+To add a sampling option, add a field to :class:`SamplingParams` with SGLang's
+name and default; the engine, the fake and the client then accept it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (argmax), as in SGLang."""
+
+_STRICT = ConfigDict(extra="forbid")
+_LENIENT = ConfigDict(extra="allow")
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Per-request sampling options (SGLang's ``sampling_params``)."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    model_config = _STRICT
+
+    max_new_tokens: int = Field(128, ge=0, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Keep the k most likely tokens; -1 keeps all.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * max prob.")
+    stop: str | list[str] | None = Field(None, description="Stop strings (cut from `text`).")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
+    ignore_eos: bool = Field(False, description="Do not stop at the model's eos tokens.")
+    skip_special_tokens: bool = Field(True, description="Drop special tokens from `text`.")
+    sampling_seed: int | None = Field(None, description="Seed of this request's sampler.")
+
+    @model_validator(mode="after")
+    def _check_top_k(self) -> SamplingParams:
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether this request takes the argmax instead of sampling."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty strings dropped)."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Body of ``POST /generate`` (one prompt; SGLang's batched form is not used)."""
+
+    model_config = _STRICT
 
     input_ids: list[int] | None = None
     text: str | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: int = Field(0, ge=0, description="Top alternatives per output token.")
     logprob_start_len: int = -1
     rid: str | None = None
     stream: bool = False
 
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+    def wire(self, *, stream: bool) -> dict[str, Any]:
+        """The JSON body to send (unset optional fields left out, as SGLang's defaults)."""
+        return self.model_copy(update={"stream": stream}).model_dump(exclude_none=True)
+
 
 class FinishReason(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """``meta_info.finish_reason``: ``stop`` (matched), ``length``, or ``abort``.
+
+    An abort with a ``status_code`` is an error the scheduler reports in the
+    stream (e.g. a prompt over its input limit); an abort without one is an
+    interruption (``/abort_request``, ``/pause_generation``).
+    """
+
+    model_config = _LENIENT
 
     type: Literal["stop", "length", "abort"] | str
-    matched: int | str | None = None
+    matched: int | str | list[int] | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @property
+    def is_error(self) -> bool:
+        """An abort that carries an HTTP status: the request failed, do not resume it."""
+        return self.type == "abort" and self.status_code is not None
 
 
 class MetaInfo(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _LENIENT
 
     id: str
     finish_reason: FinishReason | None = None
@@ -64,14 +130,14 @@ class MetaInfo(BaseModel):
     completion_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str | None = None
-    # [[logprob, token_id, token_text | None], ...]
+    # [[logprob | null, token_id, token_text | null], ...]; orjson writes -inf/NaN as null.
     output_token_logprobs: list[list[Any]] | None = None
-    # per output token: [[logprob, token_id, text], ...] for the top-k alternatives
+    # per output token: [[logprob | null, token_id, text], ...] for the top-k alternatives
     output_top_logprobs: list[list[list[Any]] | None] | None = None
 
 
 class GenerateResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _LENIENT
 
     text: str | None = None
     output_ids: list[int] = Field(default_factory=list)
@@ -79,15 +145,27 @@ class GenerateResponse(BaseModel):
 
 
 class AbortRequestBody(BaseModel):
+    """Body of ``POST /abort_request``; SGLang matches ``rid`` as a prefix of request ids."""
+
+    model_config = _STRICT
+
     rid: str = ""
     abort_all: bool = False
 
 
 class PauseGenerationBody(BaseModel):
+    """Body of ``POST /pause_generation``."""
+
+    model_config = _STRICT
+
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
 class UpdateWeightsFromDiskBody(BaseModel):
+    """Body of ``POST /update_weights_from_disk``."""
+
+    model_config = _STRICT
+
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -95,8 +173,36 @@ class UpdateWeightsFromDiskBody(BaseModel):
 
 
 class UpdateWeightsResponse(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Reply of ``POST /update_weights_from_disk`` (HTTP 400 when ``success`` is false).
+
+    ``num_paused_requests`` is a list (one count per data-parallel rank) when
+    SGLang runs with ``--dp-size > 1``.
+    """
+
+    model_config = _LENIENT
 
     success: bool
     message: str = ""
-    num_paused_requests: int = 0
+    num_paused_requests: int | list[int] = 0
+
+
+class ModelInfo(BaseModel):
+    """Reply of ``GET /model_info`` (``/get_model_info`` is SGLang's deprecated alias)."""
+
+    model_config = _LENIENT
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: dict[str, Any] | None = None
+    weight_version: str | None = None
+    max_context_length: int | None = None
+
+
+class StatusResponse(BaseModel):
+    """Reply of ``/pause_generation`` and ``/continue_generation``."""
+
+    model_config = _LENIENT
+
+    message: str
+    status: str = "ok"

@@ -9,6 +9,7 @@ admin calls raise on ``success: false``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from proxima.proxy.backends.protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    ModelInfo,
     PauseGenerationBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightsResponse,
@@ -33,7 +35,8 @@ from proxima.proxy.backends.protocol import (
 # reads get a generous limit, connecting does not.
 GENERATE_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
 ADMIN_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
-HEALTH_TIMEOUT = httpx.Timeout(5.0)
+# Longer than SGLang's own health timeout (20 s): a slow probe is not a failed one.
+HEALTH_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=5.0, pool=5.0)
 
 
 @dataclass(slots=True)
@@ -48,8 +51,43 @@ class GenerateDelta:
     prompt_tokens: int = 0
 
 
-def _top_pairs(entry: list[list[Any]] | None) -> list[tuple[int, float]]:
-    return [(int(t), float(lp)) for lp, t, *_ in entry or []]
+# OpenAI's own floor for a logprob too small to show: SGLang sends top-k
+# alternatives of probability zero as JSON null (orjson writes -inf as null).
+LOGPROB_FLOOR = -9999.0
+
+
+def _chosen_logprob(entry: list[Any], url: str) -> float:
+    """The sampled token's logprob; a null or non-finite one is the backend's fault.
+
+    A sampled token cannot have probability zero, so null (orjson's -inf or
+    NaN) or NaN means broken weights or numerics: refused, never recorded.
+    """
+    value = entry[0]
+    if value is None or not math.isfinite(value):
+        raise BackendOperationFailed(
+            f"the backend returned a non-finite logprob ({value!r}) for token {entry[1]}; "
+            "its weights or numerics are broken (NaN weights?)",
+            url=url,
+        )
+    return float(value)
+
+
+def _top_pairs(entry: list[list[Any]] | None, url: str) -> list[tuple[int, float]]:
+    pairs = []
+    for lp, token, *_ in entry or []:
+        if lp is None or lp == -math.inf:
+            lp = LOGPROB_FLOOR  # probability zero
+        elif not math.isfinite(lp):
+            raise BackendOperationFailed(
+                f"the backend returned a non-finite top logprob ({lp!r}) for token {token}",
+                url=url,
+            )
+        pairs.append((int(token), max(float(lp), LOGPROB_FLOOR)))
+    return pairs
+
+
+def _tail(values: list[Any], n: int) -> list[Any]:
+    return values[len(values) - n :] if n else []
 
 
 class SGLangClient:
@@ -86,7 +124,7 @@ class SGLangClient:
             return resp.text
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        body = request.model_copy(update={"stream": False}).model_dump(exclude_none=True)
+        body = request.wire(stream=False)
         data = await self._post("/generate", body, GENERATE_TIMEOUT)
         return GenerateResponse.model_validate(data)
 
@@ -94,10 +132,12 @@ class SGLangClient:
         """Stream ``/generate``; yields only the tokens that are new in each chunk.
 
         SGLang's default chunks are cumulative; with incremental streaming they
-        carry deltas. A chunk is cumulative when its ``output_ids`` cover all
-        ``completion_tokens`` so far.
+        carry deltas, except the abort of a queued request, which repeats the
+        last token (``output_ids=[last]``) and all logprobs. Every chunk's
+        ``completion_tokens`` is the running total, so the new tokens are the
+        last ``completion_tokens - seen`` of its lists in every mode.
         """
-        body = request.model_copy(update={"stream": True}).model_dump(exclude_none=True)
+        body = request.wire(stream=True)
         seen = 0
         try:
             async with self._http.stream(
@@ -121,28 +161,9 @@ class SGLangClient:
                         raise BackendRejected(
                             _error_text(chunk.get("error", chunk)), url=self.base_url
                         )
-                    # Plain dict access, not pydantic: default SGLang chunks are cumulative,
-                    # so validating each one would cost O(n^2) over a generation.
-                    ids = chunk.get("output_ids") or []
-                    cumulative = len(ids) == meta.get("completion_tokens", -1) and len(ids) >= seen
-                    start = seen if cumulative else 0
-                    new_ids = ids[start:]
-                    lps = meta.get("output_token_logprobs") or []
-                    new_lps = lps[start:] if cumulative else lps
-                    tops = meta.get("output_top_logprobs") or []
-                    new_tops = tops[start:] if cumulative else tops
-                    seen = len(ids) if cumulative else seen + len(ids)
-                    if len(new_lps) != len(new_ids):
-                        new_lps = new_lps[-len(new_ids) :] if new_ids else []
-                    finish = meta.get("finish_reason")
-                    yield GenerateDelta(
-                        token_ids=new_ids,
-                        logprobs=[float(e[0]) for e in new_lps],
-                        top_logprobs=[_top_pairs(e) for e in new_tops],
-                        weight_version=meta.get("weight_version"),
-                        finish_reason=FinishReason.model_validate(finish) if finish else None,
-                        prompt_tokens=meta.get("prompt_tokens", 0),
-                    )
+                    delta = self._delta(chunk, meta, seen)
+                    seen += len(delta.token_ids)
+                    yield delta
         except httpx.HTTPError as exc:
             raise BackendConnectionError(
                 f"/generate stream broke: {exc!r}", url=self.base_url
@@ -150,6 +171,35 @@ class SGLangClient:
         if not done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)
+
+    def _delta(self, chunk: dict[str, Any], meta: dict[str, Any], seen: int) -> GenerateDelta:
+        # Plain dict access, not pydantic: default SGLang chunks are cumulative,
+        # so validating each one would cost O(n^2) over a generation.
+        ids = chunk.get("output_ids") or []
+        total = meta.get("completion_tokens")
+        new = len(ids) if total is None else total - seen
+        if not 0 <= new <= len(ids):
+            raise BackendOperationFailed(
+                f"inconsistent /generate chunk: {len(ids)} output ids, completion_tokens "
+                f"{total}, {seen} tokens seen before",
+                url=self.base_url,
+            )
+        new_ids = _tail(ids, new)
+        lps = _tail(meta.get("output_token_logprobs") or [], new)
+        if lps and len(lps) != new:
+            raise BackendOperationFailed(
+                f"/generate chunk has {len(lps)} logprobs for {new} new tokens", url=self.base_url
+            )
+        tops = _tail(meta.get("output_top_logprobs") or [], new)
+        finish = meta.get("finish_reason")
+        return GenerateDelta(
+            token_ids=new_ids,
+            logprobs=[_chosen_logprob(e, self.base_url) for e in lps],
+            top_logprobs=[_top_pairs(e, self.base_url) for e in tops],
+            weight_version=meta.get("weight_version"),
+            finish_reason=FinishReason.model_validate(finish) if finish else None,
+            prompt_tokens=meta.get("prompt_tokens", 0),
+        )
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
         body = AbortRequestBody(rid=rid, abort_all=abort_all).model_dump()
@@ -185,20 +235,23 @@ class SGLangClient:
         await self._post("/flush_cache", None, ADMIN_TIMEOUT)
 
     async def health(self) -> bool:
+        """SGLang's ``GET /health``: a one-token generation, so it answers only when the
+        scheduler does. It blocks while generation is paused and answers 503 itself
+        after 20 s (``HEALTH_CHECK_TIMEOUT``), so our timeout is longer: SGLang's
+        verdict decides, not our timer (see ``BackendPool.check_health``)."""
         try:
             resp = await self._http.get(self.base_url + "/health", timeout=HEALTH_TIMEOUT)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
 
-    async def get_model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
+        """``GET /model_info`` (SGLang's ``/get_model_info`` is deprecated)."""
         try:
-            resp = await self._http.get(self.base_url + "/get_model_info", timeout=HEALTH_TIMEOUT)
+            resp = await self._http.get(self.base_url + "/model_info", timeout=ADMIN_TIMEOUT)
         except httpx.HTTPError as exc:
-            raise BackendConnectionError(
-                f"/get_model_info failed: {exc!r}", url=self.base_url
-            ) from exc
-        return self._check(resp, "/get_model_info")
+            raise BackendConnectionError(f"/model_info failed: {exc!r}", url=self.base_url) from exc
+        return ModelInfo.model_validate(self._check(resp, "/model_info"))
 
 
 def _error_text(err: Any) -> str:

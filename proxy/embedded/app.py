@@ -19,6 +19,15 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from proxima.proxy.backends.protocol import (
+    AbortRequestBody,
+    GenerateRequest,
+    ModelInfo,
+    PauseGenerationBody,
+    SamplingParams,
+    StatusResponse,
+    UpdateWeightsFromDiskBody,
+)
 from proxima.proxy.embedded.engine import (
     Engine,
     EngineUnavailableError,
@@ -26,15 +35,6 @@ from proxima.proxy.embedded.engine import (
     RequestHandle,
 )
 from proxima.proxy.embedded.payloads import generate_payload
-from proxima.proxy.embedded.schemas import (
-    AbortRequest,
-    GenerateRequest,
-    ModelInfo,
-    PauseGenerationRequest,
-    SamplingParams,
-    StatusResponse,
-    UpdateWeightsFromDiskRequest,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ async def _sse_chunks(
 
 
 @router.post("/abort_request")
-async def abort_request(body: AbortRequest, engine: EngineDep) -> Response:
+async def abort_request(body: AbortRequestBody, engine: EngineDep) -> Response:
     """Abort one request by rid, or all; they finish with ``abort`` and their partial tokens."""
     aborted = await engine.abort(body.rid or None, abort_all=body.abort_all)
     logger.info("abort_request rid=%r abort_all=%s aborted=%d", body.rid, body.abort_all, aborted)
@@ -105,7 +105,7 @@ async def abort_request(body: AbortRequest, engine: EngineDep) -> Response:
 
 
 @router.post("/pause_generation")
-async def pause_generation(body: PauseGenerationRequest, engine: EngineDep) -> StatusResponse:
+async def pause_generation(body: PauseGenerationBody, engine: EngineDep) -> StatusResponse:
     """Hold new and queued requests until ``/continue_generation``."""
     aborted = await engine.pause(body.mode)
     logger.info("generation paused (mode=%s, aborted=%d)", body.mode, aborted)
@@ -122,7 +122,7 @@ async def continue_generation(engine: EngineDep) -> StatusResponse:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(
-    body: UpdateWeightsFromDiskRequest, engine: EngineDep
+    body: UpdateWeightsFromDiskBody, engine: EngineDep
 ) -> JSONResponse:
     """Load new weights between decode steps; HTTP 400 with ``success: false`` on failure."""
     result = await engine.update_weights_from_disk(
@@ -163,9 +163,11 @@ async def health_generate(engine: EngineDep) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
-async def get_model_info(engine: EngineDep) -> ModelInfo:
-    """Model and tokenizer paths, weight version and context length."""
+async def model_info(engine: EngineDep) -> ModelInfo:
+    """Model and tokenizer paths, weight version and context length (``/get_model_info``:
+    SGLang's deprecated alias)."""
     return ModelInfo(
         model_path=engine.model_path,
         tokenizer_path=engine.model_path,

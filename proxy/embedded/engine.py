@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from proxima.proxy.backends.protocol import SamplingParams, UpdateWeightsResponse
 from proxima.proxy.embedded import worker as cmd
 from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
 from proxima.proxy.embedded.sampling import make_generator
-from proxima.proxy.embedded.schemas import SamplingParams, UpdateWeightsResponse
 from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
 from proxima.proxy.embedded.worker import EngineWorker, WorkerStats
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -311,7 +311,7 @@ class Engine:
             params=params,
             top_logprobs_num=top_logprobs_num,
             sink=sink,
-            generator=make_generator(params.seed),
+            generator=make_generator(params.sampling_seed),
             stop_token_ids=frozenset(stop_ids),
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)),
             stream=stream,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from proxima.proxy.backends.protocol import SamplingParams
 from proxima.proxy.embedded.sampling import SampledToken
-from proxima.proxy.embedded.schemas import SamplingParams
 
 logger = logging.getLogger(__name__)
 

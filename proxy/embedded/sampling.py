@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from proxima.proxy.embedded.schemas import SamplingParams
+from proxima.proxy.backends.protocol import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

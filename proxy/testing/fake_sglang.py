@@ -1,25 +1,63 @@
-"""A fast SGLang-protocol backend with a timing model instead of a model.
+"""A fast SGLang server with a timing model instead of a model, as awkward as the real one.
 
-It speaks the same native API as SGLang and the embedded engine (``/generate``
-streaming and not, with cumulative chunks; ``/abort_request``,
-``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``,
-``/health``, ``/get_model_info``, ``/flush_cache``), so the proxy's code path
-is exercised unchanged. Tokens are drawn from a seeded RNG; each request
-decodes at ``tokens_per_s`` (0 = as fast as possible). Used by benchmarks and
-load tests where a real model would measure the model, not the proxy.
+It serves SGLang 0.5.23's native API (``/generate`` streaming and not,
+``/abort_request``, ``/pause_generation``, ``/continue_generation``,
+``/update_weights_from_disk``, ``/health``, ``/model_info``, ``/flush_cache``)
+with the request models of :mod:`proxima.proxy.backends.protocol`, so the
+proxy's code path is exercised unchanged. Tokens are drawn from a seeded RNG
+(from ``sampling_seed`` and the prompt when the request gives one); each
+request decodes at ``tokens_per_s`` (0 = as fast as possible). Used by tests,
+benchmarks and load tests where a real model would measure the model, not the
+proxy.
+
+What it copies from SGLang (file names are SGLang's), because the proxy must
+cope with each:
+
+- strict bodies: an unknown key is a 400 ``{"error": "..."}``;
+- ``/health`` and ``/health_generate`` run a one-token generation that waits
+  while generation is paused, answering 503 after ``health_timeout_s``
+  (``HEALTH_CHECK_TIMEOUT``, 20 s) and 200 only at a one-second poll
+  (``entrypoints/http_server.py``);
+- stream chunks are cumulative, or with ``incremental`` (SGLang's
+  ``--incremental-streaming-output``) only the new tokens; an abort of a
+  queued request that had produced tokens then sends ``output_ids=[last]``
+  with the full ``completion_tokens`` and all logprobs
+  (``TokenizerManager._handle_abort_req``);
+- a prompt over ``max_input_tokens`` finishes at once with
+  ``{"type": "abort", "status_code": 400, "err_type": "BadRequestError"}``
+  (``validate_input_length``); a plain abort carries ``status_code: null``;
+- ``/abort_request`` matches ``rid`` as a prefix (``Scheduler.abort_request``);
+- logprobs of -inf are JSON ``null`` (orjson): top-k alternatives of a
+  greedy request beyond the chosen token, and the chosen token's own logprob
+  at the positions listed in ``null_logprob_at``;
+- ``num_paused_requests`` is a list of ``dp_size`` counts when ``dp_size > 1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from proxima.proxy.backends.protocol import (
+    AbortRequestBody,
+    GenerateRequest,
+    PauseGenerationBody,
+    SamplingParams,
+    UpdateWeightsFromDiskBody,
+)
+from pydantic import BaseModel, ValidationError
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+Chunk = dict[str, Any]
 
 
 class FakeBackend:
@@ -31,85 +69,241 @@ class FakeBackend:
         eos_id: int | None = None,
         chunk_tokens: int = 1,
         seed: int = 0,
+        incremental: bool = False,
+        dp_size: int = 1,
+        max_input_tokens: int | None = None,
+        weight_load_s: float = 0.0,
+        health_timeout_s: float = 20.0,
+        health_poll_s: float = 1.0,
+        null_logprob_at: frozenset[int] = frozenset(),
+        record_bodies: bool = False,
     ):
         self.vocab_size = vocab_size
         self.tokens_per_s = tokens_per_s
         self.eos_id = eos_id
         self.chunk_tokens = max(1, chunk_tokens)
+        self.incremental = incremental
+        self.dp_size = dp_size
+        self.max_input_tokens = max_input_tokens
+        self.weight_load_s = weight_load_s
+        self.health_timeout_s = health_timeout_s
+        self.health_poll_s = health_poll_s
+        self.null_logprob_at = null_logprob_at
         self.weight_version = "0"
         self.rng = random.Random(seed)
-        self.paused = asyncio.Event()
-        self.paused.set()  # set = running
+        self.gate = asyncio.Event()  # set = not paused
+        self.gate.set()
         self.aborted: set[str] = set()
         self.running: set[str] = set()
+        self.retracted: set[str] = set()
         self.generated_tokens = 0
         self.requests = 0
+        self.health_probes = 0
+        self.record_bodies = record_bodies
+        self.bodies: list[dict[str, Any]] = []  # every /generate body (with record_bodies)
+        self.last_receive = 0.0  # loop time of the last token made (SGLang's last_receive_tstamp)
 
-    def _finish(self, kind: str, n: int) -> dict[str, Any]:
+    @property
+    def paused(self) -> bool:
+        return not self.gate.is_set()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """SGLang's rule: ``abort_all``, or every request whose rid starts with ``rid``."""
+        if not abort_all and not rid:
+            return  # SGLang ignores an empty rid (it would match everything)
+        self.aborted |= {r for r in self.running if abort_all or r.startswith(rid)}
+
+    def _rng(self, request: GenerateRequest) -> random.Random:
+        seed = request.sampling_params.sampling_seed
+        if seed is None:
+            return self.rng
+        return random.Random(f"{seed}:{request.input_ids}")
+
+    def _finish(self, kind: str, n: int, request: GenerateRequest) -> dict[str, Any]:
         if kind == "length":
             return {"type": "length", "length": n}
         if kind == "abort":
-            return {"type": "abort", "message": "aborted"}
+            return {"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
+        if kind == "too_long":
+            limit = self.max_input_tokens
+            return {
+                "type": "abort",
+                "message": f"Input length ({len(request.input_ids or [])} tokens) exceeds the "
+                f"maximum allowed length ({limit} tokens). Use a shorter input or enable "
+                "--allow-auto-truncate.",
+                "status_code": 400,
+                "err_type": "BadRequestError",
+            }
         return {"type": "stop", "matched": self.eos_id}
 
-    async def run(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        await self.paused.wait()
-        rid = body.get("rid") or f"fake-{self.rng.getrandbits(48):x}"
-        params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens", 128))
-        prompt_len = len(body.get("input_ids") or [])
+    def _logprob_entry(
+        self, rng: random.Random, token: int, position: int, request: GenerateRequest
+    ) -> tuple[list[Any], list[list[Any]]]:
+        chosen = None if position in self.null_logprob_at else -rng.random() * 3.0
+        top: list[list[Any]] = []
+        if request.top_logprobs_num:
+            top.append([chosen, token, None])
+            for k in range(1, request.top_logprobs_num):
+                other = (token + k) % self.vocab_size
+                # At temperature 0 every other token has logprob -inf: orjson writes null.
+                lp = None if request.sampling_params.is_greedy else -3.0 - rng.random() * k
+                top.append([lp, other, None])
+        return [chosen, token, None], top
+
+    async def run(self, request: GenerateRequest, *, stream: bool = False) -> AsyncIterator[Chunk]:
+        """The chunks SGLang would send for ``request`` (cumulative unless incremental)."""
+        rid = request.rid or uuid.uuid4().hex
+        incremental = stream and self.incremental
+        prompt_len = len(request.input_ids or [])
+        params = request.sampling_params
+        rng = self._rng(request)
         ids: list[int] = []
         lps: list[list[Any]] = []
-        self.running.add(rid)
+        tops: list[list[list[Any]]] = []
+        sent = 0
         self.requests += 1
-        finish = None
+
+        def chunk(finish: dict[str, Any] | None, *, abort_echo: bool = False) -> Chunk:
+            start = sent if incremental and not abort_echo else 0
+            out_ids = ids[start:]
+            if abort_echo and incremental:
+                out_ids = ids[-1:]  # TokenizerManager._handle_abort_req
+            meta: dict[str, Any] = {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "weight_version": self.weight_version,
+            }
+            if request.return_logprob:
+                meta["output_token_logprobs"] = lps[start:]
+                if request.top_logprobs_num:
+                    meta["output_top_logprobs"] = tops[start:]
+            return {"text": "", "output_ids": out_ids, "meta_info": meta}
+
         try:
+            if self.max_input_tokens is not None and prompt_len >= self.max_input_tokens:
+                yield chunk(self._finish("too_long", 0, request))
+                return
+            await self.gate.wait()  # TokenizerManager holds new requests while paused
+            self.running.add(rid)  # only now does the scheduler know it
+            finish = None
             while finish is None:
-                step = min(self.chunk_tokens, max_new - len(ids))
-                for _ in range(step):
-                    ids.append(self.rng.randrange(self.vocab_size))
-                    lps.append([-self.rng.random() * 3.0, ids[-1], None])
-                self.generated_tokens += step
                 if rid in self.aborted:
-                    finish = self._finish("abort", len(ids))
-                elif len(ids) >= max_new:
-                    finish = self._finish("length", len(ids))
-                yield {
-                    "text": "",
-                    "output_ids": ids,
-                    "meta_info": {
-                        "id": rid,
-                        "finish_reason": finish,
-                        "prompt_tokens": prompt_len,
-                        "completion_tokens": len(ids),
-                        "cached_tokens": 0,
-                        "weight_version": self.weight_version,
-                        "output_token_logprobs": lps,
-                    },
-                }
-                if self.tokens_per_s > 0:
-                    await asyncio.sleep(step / self.tokens_per_s)
-                elif finish is None:
-                    await asyncio.sleep(0)
+                    # A retracted request sits in the waiting queue: SGLang answers its
+                    # abort from the tokenizer side (the echo path).
+                    echo = rid in self.retracted
+                    yield chunk(self._finish("abort", len(ids), request), abort_echo=echo)
+                    return
+                if rid in self.retracted:
+                    await asyncio.sleep(0.005)
+                    continue
+                step = min(self.chunk_tokens, params.max_new_tokens - len(ids))
+                for _ in range(step):
+                    token = rng.randrange(self.vocab_size)
+                    lp, top = self._logprob_entry(rng, token, len(ids), request)
+                    ids.append(token)
+                    lps.append(lp)
+                    tops.append(top)
+                    self.generated_tokens += 1
+                    if token == self.eos_id and not params.ignore_eos:
+                        finish = self._finish("stop", len(ids), request)
+                        break
+                self.last_receive = asyncio.get_running_loop().time()
+                if finish is None and len(ids) >= params.max_new_tokens:
+                    finish = self._finish("length", len(ids), request)
+                yield chunk(finish)
+                sent = len(ids)
+                if finish is None:
+                    await asyncio.sleep(step / self.tokens_per_s if self.tokens_per_s > 0 else 0)
         finally:
             self.running.discard(rid)
             self.aborted.discard(rid)
+            self.retracted.discard(rid)
+
+    def retract(self, rid: str) -> None:
+        """Move a running request back to the waiting queue (SGLang does so under memory
+        pressure); it keeps its output and makes no progress until aborted."""
+        self.retracted.add(rid)
+
+    async def pause(self, mode: str) -> None:
+        self.gate.clear()
+        if mode == "abort":
+            self.abort(abort_all=True)
+
+    async def resume(self) -> None:
+        self.gate.set()
+
+    async def update(self, body: UpdateWeightsFromDiskBody) -> dict[str, Any]:
+        paused = len(self.running)
+        if body.abort_all_requests:
+            self.abort(abort_all=True)
+        if self.weight_load_s:
+            await asyncio.sleep(self.weight_load_s)
+        if body.weight_version is not None:
+            self.weight_version = body.weight_version
+        counts: int | list[int] = paused
+        if self.dp_size > 1:
+            counts = [paused if rank == 0 else 0 for rank in range(self.dp_size)]
+        return {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": counts,
+        }
+
+    async def health(self) -> int:
+        """SGLang's health check: one greedy token, 200 once the scheduler answers anything."""
+        self.health_probes += 1
+        probe = GenerateRequest(
+            input_ids=[0],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
+        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def gen() -> None:
+            async for _ in self.run(probe):
+                break
+
+        task = asyncio.create_task(gen())
+        try:
+            while loop.time() < started + self.health_timeout_s:
+                await asyncio.sleep(self.health_poll_s)
+                if self.last_receive > started:
+                    return 200
+            return 503
+        finally:
+            task.cancel()
+
+
+def _bad_request(exc: ValidationError | json.JSONDecodeError) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate(json.loads(raw or b"{}"))
+    except (ValidationError, json.JSONDecodeError) as exc:
+        return _bad_request(exc)
 
 
 async def generate_response(
-    run: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]], body: dict[str, Any]
+    run: Callable[[GenerateRequest], AsyncIterator[Chunk]], request: GenerateRequest
 ) -> Any:
-    """SGLang's ``/generate`` answer for ``run``'s cumulative outputs: SSE or one final JSON."""
-    if body.get("stream"):
+    """SGLang's ``/generate`` answer for ``run``'s chunks: SSE, or the final chunk as JSON."""
+    if request.stream:
 
         async def events() -> AsyncIterator[bytes]:
-            async for out in run(body):
+            async for out in run(request):
                 yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-    last: dict[str, Any] = {}
-    async for out in run(body):
+    last: Chunk = {}
+    async for out in run(request):
         last = out
     return JSONResponse({**last, "output_ids": list(last["output_ids"])})
 
@@ -118,54 +312,72 @@ def sglang_app(
     title: str,
     model_path: str,
     *,
-    generate: Callable[[dict[str, Any]], Awaitable[Any]],
-    abort: Callable[[dict[str, Any]], Awaitable[None]],
-    pause: Callable[[], Awaitable[None]],
+    generate: Callable[[GenerateRequest], Awaitable[Any]],
+    abort: Callable[[AbortRequestBody], Awaitable[None]],
+    pause: Callable[[str], Awaitable[None]],
     resume: Callable[[], Awaitable[None]],
-    update: Callable[[str], Awaitable[None]],
+    update: Callable[[UpdateWeightsFromDiskBody], Awaitable[dict[str, Any]]],
     weight_version: Callable[[], str],
+    health: Callable[[], Awaitable[int]] | None = None,
+    on_body: Callable[[dict[str, Any]], None] | None = None,
 ) -> FastAPI:
-    """An app with SGLang's native routes over the given callbacks.
+    """An app with SGLang's native routes over the given callbacks; bodies are checked strictly.
 
-    ``generate`` gets the ``/generate`` body and returns the response;
-    ``abort`` the ``/abort_request`` body (``rid`` or ``abort_all``);
-    ``update`` the new weight version (the current one when the body names none).
+    ``generate`` gets the parsed ``/generate`` body and returns the response;
+    ``abort`` the ``/abort_request`` body; ``pause`` the pause mode;
+    ``update`` the weight update body, returning SGLang's reply;
+    ``health`` the status of ``/health`` (200 at once when not given);
+    ``on_body`` sees every raw ``/generate`` body.
     """
     app = FastAPI(title=title)
 
     @app.post("/generate")
     async def generate_route(request: Request) -> Any:
-        return await generate(json.loads(await request.body()))
+        if on_body is not None:
+            with contextlib.suppress(json.JSONDecodeError):
+                on_body(json.loads(await request.body()))
+        parsed = await _parse(request, GenerateRequest)
+        return parsed if isinstance(parsed, Response) else await generate(parsed)
 
     @app.post("/abort_request")
-    async def abort_route(request: Request) -> dict[str, Any]:
-        await abort(json.loads(await request.body() or b"{}"))
-        return {}
+    async def abort_route(request: Request) -> Any:
+        parsed = await _parse(request, AbortRequestBody)
+        if isinstance(parsed, Response):
+            return parsed
+        await abort(parsed)
+        return Response(status_code=200)
 
     @app.post("/pause_generation")
-    async def pause_route() -> dict[str, Any]:
-        await pause()
-        return {}
+    async def pause_route(request: Request) -> Any:
+        parsed = await _parse(request, PauseGenerationBody)
+        if isinstance(parsed, Response):
+            return parsed
+        await pause(parsed.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_route() -> dict[str, Any]:
         await resume()
-        return {}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/update_weights_from_disk")
-    async def update_route(request: Request) -> dict[str, Any]:
-        body = json.loads(await request.body())
-        await update(str(body.get("weight_version") or weight_version()))
-        return {"success": True, "message": "ok", "num_paused_requests": 0}
+    async def update_route(request: Request) -> Any:
+        parsed = await _parse(request, UpdateWeightsFromDiskBody)
+        if isinstance(parsed, Response):
+            return parsed
+        result = await update(parsed)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush() -> dict[str, Any]:
-        return {}
+    async def flush() -> Response:
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {}
+    @app.get("/health_generate")
+    async def health_route() -> Response:
+        return Response(status_code=200 if health is None else await health())
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def info() -> dict[str, Any]:
         return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
@@ -176,28 +388,20 @@ def sglang_app(
 def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
     fake = backend or FakeBackend()
 
-    async def abort(body: dict[str, Any]) -> None:
-        fake.aborted |= set(fake.running) if body.get("abort_all") else {body.get("rid", "")}
-
-    async def pause() -> None:
-        fake.paused.clear()
-        fake.aborted |= set(fake.running)
-
-    async def resume() -> None:
-        fake.paused.set()
-
-    async def update(version: str) -> None:
-        fake.weight_version = version
+    async def abort(body: AbortRequestBody) -> None:
+        fake.abort(body.rid, body.abort_all)
 
     app = sglang_app(
         "fake sglang",
         "fake",
-        generate=lambda body: generate_response(fake.run, body),
+        generate=lambda req: generate_response(lambda r: fake.run(r, stream=r.stream), req),
         abort=abort,
-        pause=pause,
-        resume=resume,
-        update=update,
+        pause=fake.pause,
+        resume=fake.resume,
+        update=fake.update,
         weight_version=lambda: fake.weight_version,
+        health=fake.health,
+        on_body=fake.bodies.append if fake.record_bodies else None,
     )
     app.state.fake = fake
     return app
@@ -206,14 +410,18 @@ def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
 def main() -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(description="fake SGLang-protocol backend (timing model)")
+    p = argparse.ArgumentParser(description="fake SGLang server (timing model)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tokens-per-s", type=float, default=0.0)
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--chunk-tokens", type=int, default=1)
+    p.add_argument("--incremental-streaming-output", action="store_true")
     args = p.parse_args()
     backend = FakeBackend(
-        vocab_size=args.vocab_size, tokens_per_s=args.tokens_per_s, chunk_tokens=args.chunk_tokens
+        vocab_size=args.vocab_size,
+        tokens_per_s=args.tokens_per_s,
+        chunk_tokens=args.chunk_tokens,
+        incremental=args.incremental_streaming_output,
     )
     uvicorn.run(
         create_fake_app(backend),

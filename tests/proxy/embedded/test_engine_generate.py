@@ -42,7 +42,7 @@ async def test_sampled_logprobs_are_log_softmax_at_temperature(
     client: httpx.AsyncClient, reference: Reference
 ) -> None:
     prompt_ids = reference.encode(PROMPTS[0])
-    params = {"temperature": 0.7, "max_new_tokens": 20, "seed": 11, "ignore_eos": True}
+    params = {"temperature": 0.7, "max_new_tokens": 20, "sampling_seed": 11, "ignore_eos": True}
     reply = await generate(
         client, input_ids=prompt_ids, sampling_params=params, return_logprob=True
     )
@@ -67,7 +67,10 @@ async def test_batched_equals_alone(
         for prompt in PROMPTS
     ]
     bodies.append(
-        {**bodies[0], "sampling_params": {"temperature": 0.9, "max_new_tokens": 40, "seed": 3}}
+        {
+            **bodies[0],
+            "sampling_params": {"temperature": 0.9, "max_new_tokens": 40, "sampling_seed": 3},
+        }
     )
     alone = [await generate(client, **body) for body in bodies]
     assert engine.stats.peak_batch_size == 1
@@ -82,7 +85,7 @@ async def test_stop_token_ids_stop_with_the_token_included(
     client: httpx.AsyncClient, reference: Reference
 ) -> None:
     body = {"input_ids": reference.encode(PROMPTS[1]), "return_logprob": True}
-    params = {"temperature": 1.0, "max_new_tokens": 30, "seed": 5, "ignore_eos": True}
+    params = {"temperature": 1.0, "max_new_tokens": 30, "sampling_seed": 5, "ignore_eos": True}
     full = (await generate(client, **body, sampling_params=params))["output_ids"]
     stop_id = full[6]
     cut = full.index(stop_id) + 1
@@ -121,7 +124,7 @@ async def test_eos_stops_unless_ignored(eos_model_dir: Path) -> None:
 
 async def test_stop_string_truncates_text(client: httpx.AsyncClient, reference: Reference) -> None:
     body = {"input_ids": reference.encode(PROMPTS[3])}
-    params = {"temperature": 1.0, "max_new_tokens": 40, "seed": 2, "ignore_eos": True}
+    params = {"temperature": 1.0, "max_new_tokens": 40, "sampling_seed": 2, "ignore_eos": True}
     full = (await generate(client, **body, sampling_params=params))["output_ids"]
     decode = reference.tokenizer.decode
     full_text = decode(full, skip_special_tokens=True)

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from proxima.proxy.backends.protocol import SamplingParams
 from proxima.proxy.embedded.sampling import (
     make_generator,
     sample_batch,
     scaled_logprobs,
     truncated_probs,
 )
-from proxima.proxy.embedded.schemas import SamplingParams
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
 LOGPROBS = PROBS.log()
@@ -57,7 +57,7 @@ def test_greedy_takes_argmax_and_reports_its_logprob() -> None:
 
 
 def test_sampling_respects_truncation_and_seed() -> None:
-    params = SamplingParams(temperature=1.0, top_k=2, seed=123)
+    params = SamplingParams(temperature=1.0, top_k=2, sampling_seed=123)
     logits = LOGPROBS.unsqueeze(0)
 
     def draw(generator: torch.Generator) -> list[int]:
@@ -72,7 +72,7 @@ def test_sampling_respects_truncation_and_seed() -> None:
 def test_rows_sample_independently_of_their_batch() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [
-        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.8, sampling_seed=1),
         SamplingParams(temperature=0),
         SamplingParams(top_p=0.9),
     ]

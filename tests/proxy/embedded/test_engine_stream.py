@@ -30,7 +30,7 @@ async def test_stream_chunks_are_cumulative_and_arrive_progressively(live_url: s
         "text": "Once upon a time",
         "sampling_params": {
             "temperature": 0.8,
-            "seed": 4,
+            "sampling_seed": 4,
             "max_new_tokens": 64,
             "ignore_eos": True,
         },
