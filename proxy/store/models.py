@@ -156,3 +156,29 @@ class PolicyVersionRow(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     path: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class VersionEvalRow(Base):
+    """One evaluation score of a policy version (version 0: the starting model)."""
+
+    __tablename__ = "version_evals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(Integer, index=True)
+    score: Mapped[float] = mapped_column(Float)
+    items: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PromotionRow(Base):
+    """One change of the production deployment: a promotion or a rollback."""
+
+    __tablename__ = "production_promotions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    action: Mapped[str] = mapped_column(String(16))
+    version: Mapped[int] = mapped_column(Integer)
+    canary_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    canary_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -96,3 +96,24 @@ class PolicyVersionRecord:
     version: int
     path: str | None
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class VersionEvalRecord:
+    version: int
+    score: float
+    items: int | None
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionRecord:
+    """A production change: ``action`` is ``promote`` or ``rollback``; the state it set."""
+
+    id: int
+    action: str
+    version: int
+    canary_version: int | None
+    canary_fraction: float | None
+    created_at: datetime

@@ -18,6 +18,7 @@ from proxima.proxy.store.database import create_engine, normalize_db_url
 from proxima.proxy.store.errors import StoreError
 from proxima.proxy.store.keys import ApiKeysMixin
 from proxima.proxy.store.migrate import head_revision
+from proxima.proxy.store.registry import RegistryMixin
 from proxima.proxy.store.sessions import SessionsMixin
 from proxima.proxy.store.versions import PolicyVersionsMixin
 from sqlalchemy.engine import make_url
@@ -26,7 +27,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 logger = logging.getLogger(__name__)
 
 
-class Store(SessionsMixin, CompletionsMixin, ApiKeysMixin, PolicyVersionsMixin, ClaimsMixin):
+class Store(
+    SessionsMixin, CompletionsMixin, ApiKeysMixin, PolicyVersionsMixin, ClaimsMixin, RegistryMixin
+):
     """Async repository of the trajectory database (SQLite or PostgreSQL)."""
 
     @classmethod

@@ -16,7 +16,14 @@ from proxima.proxy.store.store import Store
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 
-TABLES = {"sessions", "completions", "policy_versions", "api_keys"}
+TABLES = {
+    "sessions",
+    "completions",
+    "policy_versions",
+    "api_keys",
+    "version_evals",
+    "production_promotions",
+}
 
 
 async def _tables(url: str) -> set[str]:
@@ -113,4 +120,4 @@ def test_scripts_are_found_from_any_working_directory(
     monkeypatch.chdir(tmp_path)
     migrate.upgrade("cwd.db")
     assert (tmp_path / "cwd.db").is_file()
-    assert migrate.current_revision(f"sqlite:///{tmp_path / 'cwd.db'}") == "0001"
+    assert migrate.current_revision(f"sqlite:///{tmp_path / 'cwd.db'}") == migrate.head_revision()

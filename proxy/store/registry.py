@@ -1,0 +1,91 @@
+"""Version registry operations of the ``Store``: eval scores and production promotions.
+
+Pushed versions themselves are ``policy_versions`` (``versions.py``); this
+mixin adds what an operator decides with them: the scores ``proxima eval``
+measured for a version, and the append-only history of what production
+served (each promotion or rollback is one row holding the state it set).
+"""
+
+from __future__ import annotations
+
+from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store.models import PromotionRow, VersionEvalRow, utcnow
+from proxima.proxy.store.records import PromotionRecord, VersionEvalRecord
+from sqlalchemy import select
+
+
+def _eval_record(row: VersionEvalRow) -> VersionEvalRecord:
+    return VersionEvalRecord(
+        version=row.version,
+        score=row.score,
+        items=row.items,
+        name=row.name,
+        created_at=row.created_at,
+    )
+
+
+def _promotion_record(row: PromotionRow) -> PromotionRecord:
+    return PromotionRecord(
+        id=row.id,
+        action=row.action,
+        version=row.version,
+        canary_version=row.canary_version,
+        canary_fraction=row.canary_fraction,
+        created_at=row.created_at,
+    )
+
+
+class RegistryMixin(StoreBase):
+    """Eval scores of versions and the production promotion history."""
+
+    async def record_version_eval(
+        self, *, version: int, score: float, items: int | None = None, name: str = "eval"
+    ) -> VersionEvalRecord:
+        """Remember one evaluation of ``version``; the newest one is its score."""
+        if version < 0:
+            raise ValueError(f"policy versions are >= 0, got {version}")
+        async with self._write() as db:
+            row = VersionEvalRow(
+                version=version, score=score, items=items, name=name, created_at=utcnow()
+            )
+            db.add(row)
+            await db.flush()
+            return _eval_record(row)
+
+    async def latest_version_evals(self) -> dict[int, VersionEvalRecord]:
+        """The newest evaluation of every evaluated version."""
+        query = select(VersionEvalRow).order_by(VersionEvalRow.id)
+        async with self._read() as db:
+            rows = (await db.execute(query)).scalars()
+            return {row.version: _eval_record(row) for row in rows}
+
+    async def record_promotion(
+        self,
+        *,
+        action: str,
+        version: int,
+        canary_version: int | None = None,
+        canary_fraction: float | None = None,
+    ) -> PromotionRecord:
+        """Append a production change (``promote`` or ``rollback``) and the state it set."""
+        if action not in ("promote", "rollback"):
+            raise ValueError(f"unknown production action {action!r}")
+        if (canary_version is None) != (canary_fraction is None):
+            raise ValueError("a canary needs both a version and a fraction")
+        async with self._write() as db:
+            row = PromotionRow(
+                action=action,
+                version=version,
+                canary_version=canary_version,
+                canary_fraction=canary_fraction,
+                created_at=utcnow(),
+            )
+            db.add(row)
+            await db.flush()
+            return _promotion_record(row)
+
+    async def list_promotions(self) -> list[PromotionRecord]:
+        """Every production change, oldest first."""
+        query = select(PromotionRow).order_by(PromotionRow.id)
+        async with self._read() as db:
+            return [_promotion_record(row) for row in (await db.execute(query)).scalars()]
