@@ -42,6 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
             "port": args.port,
             "db": args.db,
             "backends": args.backend or None,
+            "production_backends": args.production_backend or None,
+            "production_engine": args.production_engine or None,
+            "canary_backends": args.canary_backend or None,
             "admin_token": args.admin_token,
             "served_model_name": args.served_model_name,
             "tool_parser": args.tool_parser,
@@ -131,6 +134,90 @@ def _keys(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _production(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    if not args.admin_token:
+        print(
+            "proxima production: --admin-token (or PROXIMA_ADMIN_TOKEN) is required",
+            file=sys.stderr,
+        )
+        return 2
+    if args.production_command == "promote":
+        body: dict[str, object] = {"version": args.version, "require_eval": args.require_eval}
+        if (args.canary is None) != (args.fraction is None):
+            print("proxima production promote: --canary W needs --fraction F", file=sys.stderr)
+            return 2
+        if args.canary is not None:
+            body["canary"] = {"version": args.canary, "fraction": args.fraction}
+        method, path = "POST", "/admin/production"
+    elif args.production_command == "rollback":
+        method, path, body = "POST", "/admin/production/rollback", {}
+    elif args.production_command == "versions":
+        method, path, body = "GET", "/admin/versions", {}
+    else:
+        method, path, body = "GET", "/admin/production", {}
+    try:
+        resp = httpx.request(
+            method,
+            args.proxy.rstrip("/") + path,
+            json=body if method == "POST" else None,
+            headers={"Authorization": f"Bearer {args.admin_token}"},
+            timeout=args.timeout,
+        )
+    except httpx.HTTPError as exc:
+        print(f"proxima production: {args.proxy}: {exc}", file=sys.stderr)
+        return 1
+    if resp.is_error:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        print(
+            f"proxima production {args.production_command}: {resp.status_code}: {message}",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(resp.json(), indent=2))
+    return 0
+
+
+def _add_production(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("production", help="promote, canary, roll back the production deployment")
+    psub = p.add_subparsers(dest="production_command", required=True)
+    q = psub.add_parser("promote", help="serve version V to production keys")
+    q.add_argument("version", type=int)
+    q.add_argument("--canary", type=int, default=None, metavar="W", help="canary version")
+    q.add_argument(
+        "--fraction", type=float, default=None, metavar="F", help="share of sessions on W"
+    )
+    q.add_argument(
+        "--require-eval",
+        action="store_true",
+        help="refuse V if its eval score is below the production version's",
+    )
+    psub.add_parser("rollback", help="back to the version promoted before the current one")
+    psub.add_parser("status", help="current version, canary, history")
+    psub.add_parser("versions", help="registered versions, eval scores, who serves which")
+    for q in psub.choices.values():
+        q.add_argument(
+            "--proxy",
+            default=os.environ.get("PROXIMA_PROXY", "http://127.0.0.1:8000"),
+            help="proxy URL (default: %(default)s)",
+        )
+        q.add_argument(
+            "--admin-token",
+            default=os.environ.get("PROXIMA_ADMIN_TOKEN"),
+            help="admin token (or PROXIMA_ADMIN_TOKEN)",
+        )
+        q.add_argument(
+            "--timeout", type=float, default=600.0, help="seconds (loading weights takes time)"
+        )
+    p.set_defaults(func=_production)
+
+
 def _trainer(args: argparse.Namespace) -> int:
     from proxima.trainer.cli import run
 
@@ -211,6 +298,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang-protocol backend URL; repeat for several. None: embedded engine",
     )
     p.add_argument(
+        "--production-backend",
+        action="append",
+        metavar="URL",
+        help="backend of the production deployment (production keys, a pinned version); "
+        "repeat for several",
+    )
+    p.add_argument(
+        "--production-engine",
+        action="store_true",
+        help="a second embedded engine serves production keys at a pinned version",
+    )
+    p.add_argument(
+        "--canary-backend",
+        action="append",
+        metavar="URL",
+        help="backend of the production canary (with --production-engine, the canary's "
+        "embedded engine starts on the first canary promotion instead)",
+    )
+    p.add_argument(
         "--admin-token", default=None, help="admin bearer token (or PROXIMA_ADMIN_TOKEN)"
     )
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
@@ -231,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_engine)
 
     _add_trainer(sub)
+    _add_production(sub)
 
     for name, text in (
         ("train", "one command: proxy + engine, rollouts of your agent, trainer, eval"),

@@ -17,14 +17,17 @@ import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from proxima.proxy.api import admin, openai, rl
+from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.completions import CompletionService
 from proxima.proxy.config import Settings
+from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.middleware import BodyLimitMiddleware
+from proxima.proxy.production import ProductionController
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
@@ -39,6 +42,75 @@ def _context_length(settings: Settings) -> int:
     return int(config.get("max_position_embeddings") or 4096)
 
 
+async def _deployment(
+    name: str,
+    settings: Settings,
+    http: httpx.AsyncClient,
+    urls: list[str],
+    *,
+    engine: EngineProcess | None = None,
+) -> Deployment:
+    """A deployment on ``urls``, or on ``engine`` (started here) when given."""
+    if engine is not None:
+        await engine.wait_healthy()
+        urls = [engine.url]
+    pool = BackendPool(urls, http=http, version=0)
+    pool.start_health_checks(settings.health_check_interval)
+    return Deployment(name, pool, engine)
+
+
+def _engine(settings: Settings) -> EngineProcess:
+    engine = EngineProcess(
+        settings.model, max_running_requests=settings.engine_max_running_requests
+    )
+    engine.start()
+    return engine
+
+
+async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Deployments:
+    """``training`` always; ``production`` (and a canary) with the production flags."""
+    engines: list[EngineProcess] = []
+    try:
+        # Start every engine first: they load their models in parallel.
+        training_engine = None if settings.backends else _engine(settings)
+        production_engine = _engine(settings) if settings.production_engine else None
+        engines = [e for e in (training_engine, production_engine) if e is not None]
+        training = await _deployment(
+            TRAINING, settings, http, list(settings.backends), engine=training_engine
+        )
+        production = None
+        if settings.separate_production:
+            production = await _deployment(
+                PRODUCTION,
+                settings,
+                http,
+                list(settings.production_backends),
+                engine=production_engine,
+            )
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+
+    canary_factory = None
+    if settings.canary_backends:
+
+        async def canary_factory() -> Deployment:
+            return await _deployment(CANARY, settings, http, list(settings.canary_backends))
+
+    elif settings.production_engine:
+
+        async def canary_factory() -> Deployment:
+            engine = _engine(settings)
+            try:
+                return await _deployment(CANARY, settings, http, [], engine=engine)
+            except BaseException:
+                engine.stop()
+                raise
+
+    return Deployments(training, production, canary_factory=canary_factory)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
@@ -46,27 +118,25 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     await ensure_schema(settings.db)
     store = await Store.open(settings.db)
-    engine: EngineProcess | None = None
     http = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     )
+    deployments: Deployments | None = None
     try:
-        urls = list(settings.backends)
-        if not urls:
-            engine = EngineProcess(
-                settings.model, max_running_requests=settings.engine_max_running_requests
-            )
-            engine.start()
-            await engine.wait_healthy()
-            urls = [engine.url]
+        deployments = await build_deployments(settings, http)
+        pool = deployments.training.pool
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
-        pool = BackendPool(urls, http=http, version=0)
         versions = await store.list_policy_versions()
         latest = versions[-1] if versions else None
         if latest is not None and latest.version > 0 and latest.path:
             # Restarted proxy: serve the newest policy, not the base model.
             await pool.update_weights(version=latest.version, path=latest.path)
-        pool.start_health_checks(settings.health_check_interval)
+        production = ProductionController(
+            deployments=deployments, store=store, base_model_path=str(settings.model)
+        )
+        await production.restore()
+        app.state.deployments = deployments
+        app.state.production = production
         app.state.store = store
         app.state.pool = pool
         app.state.tokenizer = tokenizer
@@ -85,16 +155,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         )
         app.state.admission_lock = asyncio.Lock()
         logger.info(
-            "proxy ready: model=%s backends=%s version=%s", settings.model_name, urls, pool.version
+            "proxy ready: model=%s deployments=%s",
+            settings.model_name,
+            {d.name: [b.url for b in d.pool.backends] for d in deployments.all()},
         )
         yield
         await recorder.close()
-        await pool.close()
     finally:
+        if deployments is not None:
+            await deployments.close()
         await http.aclose()
         await store.close()
-        if engine is not None:
-            engine.stop()
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -117,4 +188,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(rl.router)
     app.include_router(admin.router)
+    app.include_router(deployments_api.router)
     return app

@@ -26,6 +26,19 @@ class Settings(BaseSettings):
         default_factory=list,
         description="SGLang-protocol backend URLs. Empty: start the embedded CPU engine.",
     )
+    production_backends: list[str] = Field(
+        default_factory=list,
+        description="SGLang-protocol backends of the production deployment (production keys, "
+        "a pinned version). Empty and no --production-engine: production follows the trainer.",
+    )
+    production_engine: bool = Field(
+        False, description="Start a second embedded engine for the production deployment."
+    )
+    canary_backends: list[str] = Field(
+        default_factory=list,
+        description="Backends of the production canary. With --production-engine the canary's "
+        "embedded engine starts on the first canary promotion instead.",
+    )
     admin_token: SecretStr | None = Field(
         None,
         description="Bearer token for /admin and session creation. Unset: those routes "
@@ -85,6 +98,21 @@ class Settings(BaseSettings):
                 f"--model {self.model}: no config.json there; pass an HF model directory"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_deployments(self) -> Settings:
+        if self.production_backends and self.production_engine:
+            raise ValueError("give --production-backend or --production-engine, not both")
+        if self.canary_backends and not (self.production_backends or self.production_engine):
+            raise ValueError(
+                "--canary-backend needs a production deployment "
+                "(--production-backend or --production-engine)"
+            )
+        return self
+
+    @property
+    def separate_production(self) -> bool:
+        return bool(self.production_backends) or self.production_engine
 
     @model_validator(mode="after")
     def _default_name(self) -> Settings:

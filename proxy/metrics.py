@@ -65,6 +65,53 @@ class Metrics:
         self.sessions = Gauge(
             "proxima_sessions", "Sessions by kind and status", ["kind", "status"], registry=r
         )
+        # Per deployment (training, production, canary) and the version it served: the
+        # canary's error rate and latency sit next to the stable version's.
+        self.deployment_requests = Counter(
+            "proxima_deployment_requests",
+            "Generation requests by deployment, version and outcome (ok, error)",
+            ["deployment", "version", "outcome"],
+            registry=r,
+        )
+        self.deployment_tokens = Counter(
+            "proxima_deployment_tokens",
+            "Tokens by deployment, version and direction",
+            ["deployment", "version", "direction"],
+            registry=r,
+        )
+        self.deployment_latency = Histogram(
+            "proxima_deployment_request_seconds",
+            "Generation latency by deployment and version (until the last token)",
+            ["deployment", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.deployment_version = Gauge(
+            "proxima_deployment_version",
+            "Policy version a deployment serves",
+            ["deployment"],
+            registry=r,
+        )
+        self.canary_fraction = Gauge(
+            "proxima_canary_fraction", "Share of production sessions on the canary", registry=r
+        )
+
+    def observe_generation(
+        self,
+        *,
+        deployment: str,
+        version: int,
+        seconds: float,
+        ok: bool,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """One request served by ``deployment`` at ``version`` (its last token's version)."""
+        v = str(version)
+        self.deployment_requests.labels(deployment, v, "ok" if ok else "error").inc()
+        self.deployment_latency.labels(deployment, v).observe(seconds)
+        self.deployment_tokens.labels(deployment, v, "prompt").inc(prompt_tokens)
+        self.deployment_tokens.labels(deployment, v, "completion").inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

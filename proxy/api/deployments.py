@@ -1,0 +1,97 @@
+"""Admin routes of the deployments: the version registry, promotion, canary, rollback.
+
+Every route needs the admin token. Each validates its body and calls one
+method of ``ProductionController`` (``proxima.proxy.production``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from proxima.proxy.api.deps import AdminDep
+from proxima.proxy.deployments import CanarySplit
+from proxima.proxy.production import ProductionController
+from pydantic import BaseModel, ConfigDict, Field
+
+router = APIRouter(tags=["deployments"])
+
+_VERSION = Field(ge=0, le=2**31 - 1, description="A registered policy version (0: the base).")
+
+
+class CanaryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = _VERSION
+    fraction: float = Field(
+        ge=0.0, le=1.0, description="Share of production sessions the canary serves."
+    )
+
+
+class PromoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = _VERSION
+    canary: CanaryRequest | None = None
+    require_eval: bool = Field(
+        False, description="Refuse a version whose eval score is below production's."
+    )
+
+
+class EvalScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    score: float = Field(allow_inf_nan=False, description="Higher is better (e.g. accuracy).")
+    items: int | None = Field(None, ge=0, description="How many held-out items were scored.")
+    name: str = Field("eval", min_length=1, max_length=200, description="Which evaluation.")
+
+
+def get_production(request: Request) -> ProductionController:
+    return request.app.state.production
+
+
+ProductionDep = Annotated[ProductionController, Depends(get_production)]
+VersionPath = Annotated[int, Path(ge=0, le=2**31 - 1)]
+
+
+@router.get("/admin/versions")
+async def list_versions(_: AdminDep, production: ProductionDep) -> dict[str, Any]:
+    """Every registered version (0: the starting model), its eval score, who serves it."""
+    return await production.versions()
+
+
+@router.post("/admin/versions/{version}/evals")
+async def record_eval(
+    version: VersionPath, body: EvalScoreRequest, _: AdminDep, production: ProductionDep
+) -> dict[str, Any]:
+    """Remember an eval score of a registered version (``proxima eval --version``)."""
+    await production.path_of(version)  # 404 for a version that was never pushed
+    rec = await production.store.record_version_eval(
+        version=version, score=body.score, items=body.items, name=body.name
+    )
+    return {
+        "version": rec.version,
+        "score": rec.score,
+        "items": rec.items,
+        "name": rec.name,
+        "at": rec.created_at.isoformat(),
+    }
+
+
+@router.get("/admin/production")
+async def production_status(_: AdminDep, production: ProductionDep) -> dict[str, Any]:
+    """Current version, canary, history of promotions."""
+    return await production.status()
+
+
+@router.post("/admin/production")
+async def promote(body: PromoteRequest, _: AdminDep, production: ProductionDep) -> dict[str, Any]:
+    """Serve ``version`` in production (and ``canary.version`` to a share of sessions)."""
+    canary = CanarySplit(body.canary.version, body.canary.fraction) if body.canary else None
+    return await production.promote(body.version, canary, require_eval=body.require_eval)
+
+
+@router.post("/admin/production/rollback")
+async def rollback(_: AdminDep, production: ProductionDep) -> dict[str, Any]:
+    """Back to the version promoted before the current one (the canary is dropped)."""
+    return await production.rollback()

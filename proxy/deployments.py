@@ -1,0 +1,182 @@
+"""Deployments: which backend pool serves a request (DESIGN.md, "Deployments").
+
+One endpoint, up to three deployments, each a :class:`BackendPool` of its own
+(health, failover, resume and weight loading are the pool's, per deployment):
+
+- ``training``: RL sessions (and the admin token); follows every weight push.
+- ``production``: production keys; serves a pinned version that changes only
+  when an operator promotes one (``proxima.proxy.production``).
+- ``canary``: a fraction of production sessions, sticky per session (a hash
+  of the session's id puts it in ``[0, 1)``; below the fraction: canary).
+
+Without ``--production-backend``/``--production-engine`` there is no
+production deployment and production keys are served by ``training``, as
+before deployments existed. A request may also ask for a version by model
+name, ``<served-name>@v<N>`` (admin token only: ``proxima eval --version``);
+it is served by whichever deployment serves that version now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.embedded.launcher import EngineProcess
+from proxima.proxy.errors import Conflict
+
+logger = logging.getLogger(__name__)
+
+TRAINING = "training"
+PRODUCTION = "production"
+CANARY = "canary"
+
+_VERSIONED_MODEL = re.compile(r"^(?P<name>.+)@v(?P<version>\d+)$")
+
+
+@dataclass(eq=False)
+class Deployment:
+    """A named pool of backends; an embedded engine it started is stopped with it."""
+
+    name: str
+    pool: BackendPool
+    engine: EngineProcess | None = None
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    async def close(self) -> None:
+        await self.pool.close()
+        if self.engine is not None:
+            self.engine.stop()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "version": self.pool.version,
+            "updating": self.pool.updating,
+            "embedded_engine": self.engine is not None,
+            "backends": [
+                {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}
+                for b in self.pool.backends
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CanarySplit:
+    version: int
+    fraction: float
+
+
+def canary_bucket(key: str) -> float:
+    """A session's fixed place in ``[0, 1)``: the same key always gets the same number."""
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_model_version(model: str) -> tuple[str, int | None]:
+    """``"name@v3"`` -> ``("name", 3)``; any other name -> ``(name, None)``."""
+    match = _VERSIONED_MODEL.match(model)
+    if match is None:
+        return model, None
+    return match["name"], int(match["version"])
+
+
+CanaryFactory = Callable[[], Awaitable[Deployment]]
+
+
+class Deployments:
+    """The deployments of one proxy and the rule that picks one per request."""
+
+    def __init__(
+        self,
+        training: Deployment,
+        production: Deployment | None = None,
+        *,
+        canary_factory: CanaryFactory | None = None,
+    ):
+        self.training = training
+        self.production = production
+        self.canary: Deployment | None = None  # started on the first canary promotion
+        self.split: CanarySplit | None = None
+        self._canary_factory = canary_factory
+
+    @property
+    def separate(self) -> bool:
+        """True when production has its own backends (a pinned version)."""
+        return self.production is not None
+
+    @property
+    def can_canary(self) -> bool:
+        return self.canary is not None or self._canary_factory is not None
+
+    async def canary_deployment(self) -> Deployment:
+        """The canary deployment, started on first use (an embedded engine takes seconds)."""
+        if self.canary is None:
+            if self._canary_factory is None:
+                raise Conflict(
+                    "No canary backends: start proxima serve with --canary-backend URL "
+                    "(or use --production-engine, whose canary engine starts on demand).",
+                    param="canary",
+                )
+            self.canary = await self._canary_factory()
+        return self.canary
+
+    def all(self) -> list[Deployment]:
+        found = [self.training, self.production, self.canary]
+        return [d for d in found if d is not None]
+
+    def route(
+        self, *, production: bool, sticky_key: str | None, version: int | None = None
+    ) -> Deployment:
+        """The deployment that serves a request.
+
+        ``production``: the caller is a production key. ``sticky_key``: its
+        session (the canary split is sticky per key; without one, each
+        request draws). ``version``: a version asked for explicitly.
+        """
+        if version is not None:
+            return self.serving(version)
+        if not production or self.production is None:
+            return self.training
+        split = self.split
+        if split is not None and self.canary is not None and split.fraction > 0:
+            draw = canary_bucket(sticky_key) if sticky_key is not None else random.random()
+            if draw < split.fraction:
+                return self.canary
+        return self.production
+
+    def serving(self, version: int) -> Deployment:
+        """A deployment whose backends serve ``version`` now (production first)."""
+        candidates = [self.production, self.canary if self.split else None, self.training]
+        for deployment in candidates:
+            if deployment is not None and deployment.version == version:
+                return deployment
+        raise Conflict(
+            f"No deployment serves version {version} now. To evaluate a version that is "
+            f"not served, put it on the canary with fraction 0: proxima production promote "
+            f"<current> --canary {version} --fraction 0.",
+            param="model",
+            code="version_not_served",
+        )
+
+    def names_serving(self, version: int) -> list[str]:
+        names = []
+        if self.training.version == version:
+            names.append(TRAINING)
+        production = self.production or self.training
+        if production.version == version:
+            names.append(PRODUCTION)
+        if self.canary is not None and self.split is not None and self.canary.version == version:
+            names.append(CANARY)
+        return names
+
+    async def close(self) -> None:
+        for deployment in self.all():
+            await deployment.close()

@@ -1,0 +1,112 @@
+"""Deployment routing, the canary split, and the promotion history as a stack."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.deployments import (
+    CanarySplit,
+    Deployment,
+    Deployments,
+    canary_bucket,
+    split_model_version,
+)
+from proxima.proxy.errors import Conflict
+from proxima.proxy.production import promotion_stack, rollback_target
+from proxima.proxy.store.records import PromotionRecord
+
+
+def _deployment(name: str, version: int = 0) -> Deployment:
+    http = httpx.AsyncClient()
+    return Deployment(name, BackendPool([f"http://127.0.0.1:1/{name}"], http=http, version=version))
+
+
+def _entry(i: int, action: str, version: int, canary: int | None = None) -> PromotionRecord:
+    return PromotionRecord(
+        id=i,
+        action=action,
+        version=version,
+        canary_version=canary,
+        canary_fraction=None if canary is None else 0.1,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+
+
+def test_canary_bucket_is_fixed_and_uniform() -> None:
+    keys = [f"session-{i}" for i in range(4000)]
+    buckets = [canary_bucket(k) for k in keys]
+    assert buckets == [canary_bucket(k) for k in keys]  # sticky: same key, same place
+    assert all(0.0 <= b < 1.0 for b in buckets)
+    below = sum(b < 0.25 for b in buckets) / len(buckets)
+    assert below == pytest.approx(0.25, abs=0.03)
+
+
+def test_split_model_version() -> None:
+    assert split_model_version("tiny@v3") == ("tiny", 3)
+    assert split_model_version("org/model@v0") == ("org/model", 0)
+    assert split_model_version("tiny") == ("tiny", None)
+    assert split_model_version("tiny@3") == ("tiny@3", None)
+    assert split_model_version("tiny@vx") == ("tiny@vx", None)
+
+
+def test_without_production_everything_goes_to_training() -> None:
+    d = Deployments(_deployment("training", 4))
+    assert not d.separate and not d.can_canary
+    assert d.route(production=True, sticky_key="s") is d.training
+    assert d.route(production=False, sticky_key=None) is d.training
+    assert d.names_serving(4) == ["training", "production"]
+
+
+async def test_production_keys_go_to_production_and_the_canary_by_hash() -> None:
+    training, production, canary = (
+        _deployment("training", 7),
+        _deployment("production", 1),
+        _deployment("canary", 2),
+    )
+
+    async def start_canary() -> Deployment:
+        return canary
+
+    d = Deployments(training, production, canary_factory=start_canary)
+    assert d.route(production=False, sticky_key="s") is training
+    assert d.route(production=True, sticky_key="s") is production
+    assert await d.canary_deployment() is canary
+    d.split = CanarySplit(version=2, fraction=0.3)
+    keys = [f"k{i}" for i in range(200)]
+    for key in keys:
+        want = canary if canary_bucket(key) < 0.3 else production
+        assert d.route(production=True, sticky_key=key) is want
+        assert d.route(production=True, sticky_key=key) is want  # every turn alike
+    d.split = CanarySplit(version=2, fraction=0.0)
+    assert all(d.route(production=True, sticky_key=k) is production for k in keys)
+    # An explicit version goes to whoever serves it; the canary counts while split.
+    assert d.route(production=False, sticky_key=None, version=2) is canary
+    assert d.route(production=False, sticky_key=None, version=7) is training
+    assert d.names_serving(2) == ["canary"]
+    with pytest.raises(Conflict, match="--canary 5 --fraction 0"):
+        d.serving(5)
+
+
+async def test_canary_without_backends_is_refused() -> None:
+    d = Deployments(_deployment("training"), _deployment("production"))
+    with pytest.raises(Conflict, match="--canary-backend"):
+        await d.canary_deployment()
+
+
+def test_rollback_pops_the_promotion_stack() -> None:
+    assert rollback_target([]) is None
+    history = [_entry(1, "promote", 1)]
+    assert rollback_target(history) == 0  # before the first promotion: the base model
+    history += [_entry(2, "promote", 1, canary=2), _entry(3, "promote", 2)]
+    assert [e.id for e in promotion_stack(history)] == [1, 2, 3]
+    assert rollback_target(history) == 1
+    history.append(_entry(4, "rollback", 1))
+    assert [e.id for e in promotion_stack(history)] == [1, 2]
+    assert rollback_target(history) == 1
+    history.append(_entry(5, "rollback", 1))
+    assert rollback_target(history) == 0
+    history.append(_entry(6, "rollback", 0))
+    assert rollback_target(history) is None
