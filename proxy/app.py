@@ -19,7 +19,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from proxima.proxy.api import admin, openai, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.completions import CompletionService
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
@@ -29,6 +28,7 @@ from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.middleware import BodyLimitMiddleware
 from proxima.proxy.production import ProductionController
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
+from proxima.proxy.service import CompletionService
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
 

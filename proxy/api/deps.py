@@ -12,10 +12,10 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from proxima.proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.completions import CompletionService
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import AuthenticationFailed
 from proxima.proxy.recorder import SessionCache
+from proxima.proxy.service import CompletionService
 from proxima.proxy.store.store import Store
 
 

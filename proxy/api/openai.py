@@ -1,4 +1,9 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each route translates its body into a canonical request
+(``openai_translate``), has the service prepare and run it, and hands the
+result to its response builder (``proxima.proxy.service.builders``).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
+from proxima.proxy.api import openai_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
+from proxima.proxy.service.builders.chat import chat_response, chat_stream
+from proxima.proxy.service.builders.completions import completion_response, completion_stream
+from proxima.proxy.service.builders.sse import SSE_HEADERS
 from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _session_header(session: SessionRecord | None) -> dict[str, str]:
@@ -27,16 +34,25 @@ async def chat_completions(
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
 ) -> JSONResponse | StreamingResponse:
-    prep = await service.prepare_chat(body, principal, x_session_id)
+    service.check_model(body.model)
+    prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
+    model = service.settings.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            service.chat_stream(prep, body.n, body.logprobs, include_usage),
+            chat_stream(
+                prep,
+                service.stream(prep),
+                model=model,
+                policy_version=service.pool.version,
+                include_usage=include_usage,
+            ),
             media_type="text/event-stream",
-            headers={**_SSE_HEADERS, **headers},
+            headers={**SSE_HEADERS, **headers},
         )
-    return JSONResponse(await service.chat(prep, body.n, body.logprobs), headers=headers)
+    completion = await service.complete(prep)
+    return JSONResponse(chat_response(prep, completion, model=model), headers=headers)
 
 
 @router.post("/completions", response_model=None)
@@ -46,18 +62,19 @@ async def completions(
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
 ) -> JSONResponse | StreamingResponse:
-    prep = await service.prepare_text(body, principal, x_session_id)
+    service.check_model(body.model)
+    prep = await service.prepare(translate.completion_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
+    model = service.settings.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            service.complete_stream(prep, body.n, include_usage),
+            completion_stream(prep, service.stream(prep), model=model, include_usage=include_usage),
             media_type="text/event-stream",
-            headers={**_SSE_HEADERS, **headers},
+            headers={**SSE_HEADERS, **headers},
         )
-    return JSONResponse(
-        await service.complete(prep, body.n, body.logprobs is not None), headers=headers
-    )
+    completion = await service.complete(prep)
+    return JSONResponse(completion_response(prep, completion, model=model), headers=headers)
 
 
 @router.get("/models")

@@ -1,0 +1,127 @@
+"""OpenAI chat completions (``/v1/chat/completions``) from the driver's events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from proxima.proxy.service.builders.sse import DONE, sse, usage
+from proxima.proxy.service.canonical import assistant_message
+from proxima.proxy.service.events import (
+    Completion,
+    Delta,
+    Done,
+    Event,
+    Failed,
+    Finish,
+    Part,
+    TokenLogprob,
+)
+from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.tools import ContentDelta, ToolCallDelta
+
+
+def chat_response(prep: Prepared, completion: Completion, *, model: str) -> dict[str, Any]:
+    """The ``chat.completion`` object."""
+    choices = []
+    for finish in completion.choices:
+        assert finish.parsed is not None
+        choices.append(
+            {
+                "index": finish.index,
+                "message": assistant_message(finish.parsed),
+                "logprobs": {"content": logprob_content(finish.logprobs)}
+                if finish.logprobs is not None
+                else None,
+                "finish_reason": finish.finish_reason,
+            }
+        )
+    return {
+        "id": prep.response_id,
+        "object": "chat.completion",
+        "created": prep.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(completion.usage),
+        "system_fingerprint": f"proxima-v{completion.policy_version}",
+    }
+
+
+async def chat_stream(
+    prep: Prepared,
+    events: AsyncIterator[Event],
+    *,
+    model: str,
+    policy_version: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """``chat.completion.chunk`` events: a role chunk per choice, deltas, finishes, [DONE]."""
+    head = {
+        "id": prep.response_id,
+        "object": "chat.completion.chunk",
+        "created": prep.created,
+        "model": model,
+        "system_fingerprint": f"proxima-v{policy_version}",
+    }
+
+    def chunk(
+        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+    ) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({**head, "choices": [choice]})
+
+    for index in range(prep.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for event in events:
+        if isinstance(event, Delta):
+            lp = (
+                {"content": logprob_content(event.logprobs)} if event.logprobs is not None else None
+            )
+            deltas = message_deltas(event.parts)
+            if not deltas and lp is not None:
+                deltas = [{}]
+            for i, d in enumerate(deltas):
+                yield chunk(event.index, d, logprobs=lp if i == 0 else None)
+        elif isinstance(event, Finish):
+            for d in message_deltas(event.tail):
+                yield chunk(event.index, d)
+            yield chunk(event.index, {}, finish=event.finish_reason)
+        elif isinstance(event, Done):
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(event.usage)})
+            yield DONE
+        elif isinstance(event, Failed):
+            yield sse(event.error.envelope())
+            yield DONE
+
+
+def message_deltas(parts: list[Part]) -> list[dict[str, Any]]:
+    """OpenAI chunk deltas for reply parts (consecutive content merged)."""
+    out: list[dict[str, Any]] = []
+    text = ""
+    for part in parts:
+        if isinstance(part, ContentDelta):
+            text += part.text
+        elif isinstance(part, ToolCallDelta):
+            if text:
+                out.append({"content": text})
+                text = ""
+            out.append({"tool_calls": [part.to_openai()]})
+    if text:
+        out.append({"content": text})
+    return out
+
+
+def logprob_content(logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """``logprobs.content`` of a chat choice."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": list(lp.token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t, "logprob": tl, "bytes": list(t.encode("utf-8"))} for t, tl in lp.top
+            ],
+        }
+        for lp in logprobs or []
+    ]

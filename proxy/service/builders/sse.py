@@ -1,0 +1,25 @@
+"""OpenAI's streaming framing (``data: <json>`` events, ``[DONE]`` last) and usage object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxima.proxy.service.events import Usage
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def usage(u: Usage) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+    }

@@ -1,0 +1,79 @@
+"""What every API surface translates its request into, and the canonical reply.
+
+An API surface (OpenAI chat, OpenAI completions, and next the Responses and
+Anthropic Messages APIs) owns its wire schema; the service never sees it. The
+surface's translation module turns its request into a ``CanonicalRequest``:
+
+- ``ChatInput``: canonical messages (``proxima.proxy.chat.normalize_messages``),
+  OpenAI-shaped ``tools`` and a resolved ``ToolChoice``; or
+- ``TextInput``: a raw prompt (one string or one list of token ids);
+- ``Sampling``: what changes how tokens are drawn, in OpenAI's terms;
+- ``logprobs`` / ``top_logprobs``: whether to report them, and how many
+  alternatives per token.
+
+The reply side is API-neutral too: ``assistant_message`` is the canonical
+assistant message that is recorded (and that the next turn's messages are
+compared with), whatever API the client speaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxima.proxy.tools import ParsedOutput, ToolChoice
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters; ``None`` means the server's default."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInput:
+    """A conversation: canonical messages, tools and the resolved tool choice."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
+
+
+@dataclass(frozen=True, slots=True)
+class TextInput:
+    """A raw text prompt: one string or one list of token ids (validated in ``prepare``)."""
+
+    prompt: Any
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalRequest:
+    """One generation request, independent of the API it arrived through.
+
+    ``id_prefix`` starts the response id (``chatcmpl-``, ``cmpl-``); choice
+    ``i > 0`` is recorded as ``{response_id}-{i}``. ``user`` names the
+    production session when no ``X-Session-Id`` header does.
+    """
+
+    input: ChatInput | TextInput
+    sampling: Sampling
+    id_prefix: str
+    logprobs: bool = False
+    top_logprobs: int = 0
+    user: str | None = None
+
+
+def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
+    """The canonical (OpenAI-shaped) assistant message for a parsed reply."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    return message

@@ -1,0 +1,243 @@
+"""The generation driver: ``n`` interruptible generations in, API-neutral events out.
+
+One driver serves every API surface. For a ``Prepared`` request it runs
+``n`` choices concurrently (``proxima.proxy.generation.generate``), and
+
+- streaming: multiplexes their tokens as they arrive, detokenizes each
+  choice incrementally, runs its tool-call stream parser, and yields
+  ``Delta`` events (text pieces, tool-call pieces, logprobs);
+- not streaming: waits for every choice and decodes each reply at once.
+
+Either way, when every choice has finished it hands them to ``commit`` (the
+service records them) and only then reports them (``Finish``, ``Done``): a
+client never sees the end of a completion that is not durable. Cancelling
+the iteration (a client went away) cancels every choice, which aborts its
+backend request; nothing is committed then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.detokenize import IncrementalDetokenizer
+from proxima.proxy.errors import ProximaError
+from proxima.proxy.generation import GenerationResult, TokenChunk, generate
+from proxima.proxy.service.events import (
+    Completion,
+    Delta,
+    Done,
+    Event,
+    Failed,
+    Finish,
+    Part,
+    TokenLogprob,
+    Usage,
+)
+from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.tools import (
+    ContentDelta,
+    ToolCallStream,
+    apply_tool_choice,
+    finish_reason_for,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceRun:
+    """Everything one choice accumulates while it is generated."""
+
+    index: int
+    completion_id: str
+    result: GenerationResult = field(default_factory=GenerationResult)
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+
+# Called with every finished choice once all are done; returns when they are durable.
+Commit = Callable[[Prepared, list[tuple[ChoiceRun, Finish]]], Awaitable[None]]
+
+
+class GenerationDriver:
+    def __init__(self, *, pool: BackendPool, tokenizer: Any) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self._token_text_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ entry points
+    async def complete(self, prep: Prepared, commit: Commit) -> Completion:
+        """Generate every choice, commit them, and return them."""
+        runs = self._runs(prep)
+        await _gather_or_cancel([self._drain(prep, run) for run in runs])
+        finished = [(run, self._finish_whole(prep, run)) for run in runs]
+        await commit(prep, finished)
+        return Completion(
+            choices=[f for _, f in finished],
+            usage=self._usage(prep, runs),
+            policy_version=self.pool.version,
+        )
+
+    async def stream(self, prep: Prepared, commit: Commit) -> AsyncIterator[Event]:
+        """Events as tokens arrive; ``Finish`` and ``Done`` only after ``commit``."""
+        runs = self._runs(prep)
+        try:
+            states = {run.index: _StreamState(self.tokenizer, prep) for run in runs}
+            finished: list[tuple[ChoiceRun, Finish]] = []
+            async for run, chunk in self._multiplex(prep, runs):
+                state = states[run.index]
+                if chunk is not None:
+                    parts = state.feed(chunk.token_ids)
+                    logprobs = self._logprobs(chunk) if prep.logprobs else None
+                    yield Delta(run.index, parts, logprobs)
+                else:
+                    finished.append((run, state.finish(prep, run)))
+            await commit(prep, finished)
+            for _, finish in finished:
+                yield finish
+            yield Done(self._usage(prep, runs), self.pool.version)
+        except ProximaError as exc:
+            logger.warning("stream %s failed: %s", prep.response_id, exc.message)
+            yield Failed(exc)
+
+    # --------------------------------------------------------------------- choices
+    def _runs(self, prep: Prepared) -> list[ChoiceRun]:
+        return [ChoiceRun(i, cid) for i, cid in enumerate(prep.completion_ids)]
+
+    async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
+        """One choice's tokens as they arrive (its result accumulates them)."""
+        async for tokens in generate(
+            self.pool,
+            prompt_ids=prep.prompt_ids,
+            params=prep.params,
+            result=run.result,
+            sticky_key=prep.session.id if prep.session else None,
+            request_id=run.completion_id,
+        ):
+            if run.first_token_at is None:
+                run.first_token_at = time.monotonic()
+            yield tokens
+
+    async def _drain(self, prep: Prepared, run: ChoiceRun) -> None:
+        async for _ in self._tokens(prep, run):
+            pass
+
+    async def _multiplex(
+        self, prep: Prepared, runs: list[ChoiceRun]
+    ) -> AsyncIterator[tuple[ChoiceRun, TokenChunk | None]]:
+        """Run every choice; yield ``(run, tokens)`` as they arrive, ``(run, None)`` at its end."""
+        queue: asyncio.Queue[tuple[ChoiceRun, TokenChunk | BaseException | None]] = asyncio.Queue()
+
+        async def produce(run: ChoiceRun) -> None:
+            try:
+                async for tokens in self._tokens(prep, run):
+                    await queue.put((run, tokens))
+                await queue.put((run, None))
+            except Exception as exc:  # re-raised in the consumer, which reports it
+                await queue.put((run, exc))
+
+        tasks = [asyncio.create_task(produce(run)) for run in runs]
+        try:
+            pending = len(runs)
+            while pending:
+                run, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    pending -= 1
+                yield run, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---------------------------------------------------------------------- output
+    def _finish_whole(self, prep: Prepared, run: ChoiceRun) -> Finish:
+        """A non-streamed choice: its reply decoded and parsed in one go."""
+        r = run.result
+        text = self.tokenizer.decode(
+            r.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        if isinstance(r.matched_stop, str) and r.matched_stop:
+            cut = text.find(r.matched_stop)
+            if cut >= 0:
+                text = text[:cut]
+        parsed = None
+        finish = r.finish_reason or "stop"
+        if prep.parser is not None:
+            assert prep.tool_choice is not None
+            parsed = apply_tool_choice(prep.parser.parse(text), prep.tool_choice)
+            finish = finish_reason_for(finish, parsed)
+        logprobs = (
+            self._logprob_list(r.output_ids, r.logprobs, r.top_logprobs) if prep.logprobs else None
+        )
+        return Finish(run.index, finish, text, parsed, len(r.output_ids), logprobs=logprobs)
+
+    def _usage(self, prep: Prepared, runs: list[ChoiceRun]) -> Usage:
+        return Usage(len(prep.prompt_ids), sum(len(run.result.output_ids) for run in runs))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _logprobs(self, chunk: TokenChunk) -> list[TokenLogprob]:
+        return self._logprob_list(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+
+    def _logprob_list(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> list[TokenLogprob]:
+        return [
+            TokenLogprob(
+                self.token_text(tid),
+                lp,
+                [(self.token_text(t), tl) for t, tl in (tops[i] if i < len(tops) else [])],
+            )
+            for i, (tid, lp) in enumerate(zip(ids, lps, strict=False))
+        ]
+
+
+class _StreamState:
+    """One streamed choice: incremental text, then tool-call parsing of that text."""
+
+    def __init__(self, tokenizer: Any, prep: Prepared) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, stop=prep.params.stop)
+        self.calls: ToolCallStream | None = prep.parser.stream() if prep.parser else None
+
+    def feed(self, token_ids: list[int]) -> list[Part]:
+        text = self.detok.add(token_ids)
+        if self.calls is not None:
+            return self.calls.feed(text)
+        return [ContentDelta(text)] if text else []
+
+    def finish(self, prep: Prepared, run: ChoiceRun) -> Finish:
+        r = run.result
+        tail = self.detok.finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
+        finish = r.finish_reason or "stop"
+        parsed = None
+        if self.calls is not None:
+            assert prep.tool_choice is not None
+            parts = self.calls.feed(tail) + self.calls.finish()
+            parsed = apply_tool_choice(self.calls.result(), prep.tool_choice)
+            finish = finish_reason_for(finish, parsed)
+        else:
+            parts = [ContentDelta(tail)] if tail else []
+        return Finish(run.index, finish, self.detok.text, parsed, len(r.output_ids), tail=parts)
+
+
+async def _gather_or_cancel(coros: list[Any]) -> None:
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

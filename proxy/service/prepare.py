@@ -1,0 +1,204 @@
+"""Prompt preparation: a canonical request to token ids and generation parameters.
+
+One path per input kind, and one context check for both:
+
+- chat: canonical messages are rendered token-exactly against the session's
+  earlier completions (``proxima.proxy.chat.ChatRenderer.build_prompt``);
+- text: one string (tokenized without special tokens) or one list of token
+  ids; its parent is the latest completion of the session whose prompt plus
+  output it strictly extends;
+- ``max_tokens`` is checked against the context window and the server's
+  limit, and defaults to what is left of the context.
+
+The result, ``Prepared``, is everything the generation driver and the
+recorder need; it holds no API-specific field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxima.proxy.chat import ChatRenderer
+from proxima.proxy.config import Settings
+from proxima.proxy.errors import BadRequest, ContextTooLong
+from proxima.proxy.generation import GenerationParams
+from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
+from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready to generate.
+
+    ``parser`` and ``tool_choice`` are set for chat input only; ``messages``
+    and ``tools`` are what is recorded as the request (None for text).
+    """
+
+    response_id: str
+    created: int
+    n: int
+    prompt_ids: list[int]
+    parent_id: str | None
+    params: GenerationParams
+    session: SessionRecord | None
+    logprobs: bool = False
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    parser: ToolCallParser | None = None
+    tool_choice: ToolChoice | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def completion_ids(self) -> list[str]:
+        """The recorded id of each choice: the response id, then ``{id}-{i}``."""
+        return [self.response_id if i == 0 else f"{self.response_id}-{i}" for i in range(self.n)]
+
+
+class PromptPreparer:
+    """Turns canonical requests into ``Prepared`` ones for one model and tokenizer."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        tokenizer: Any,
+        context_length: int,
+        tool_parser: ToolCallParser,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.context_length = context_length
+        self.tool_parser = tool_parser
+
+    def chat(
+        self,
+        request: CanonicalRequest,
+        chat: ChatInput,
+        session: SessionRecord | None,
+        history: Sequence[CompletionRecord],
+    ) -> Prepared:
+        # Inline, not in a thread: rendering is short and memoized, and a thread hop
+        # costs more in GIL hand-offs than it saves under load.
+        plan = self.renderer.build_prompt(chat.messages, chat.tools, history)
+        prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session)
+        prepared.messages = chat.messages
+        prepared.tools = chat.tools
+        prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
+        prepared.tool_choice = chat.tool_choice
+        return prepared
+
+    def text(
+        self,
+        request: CanonicalRequest,
+        prompt_ids: list[int],
+        session: SessionRecord | None,
+        history: Sequence[CompletionRecord],
+    ) -> Prepared:
+        return self._prepared(request, prompt_ids, _text_parent(prompt_ids, history), session)
+
+    def text_prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a text prompt: one string, or one list of ids (or a list of one)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) == 1:
+            return self.text_prompt_ids(prompt[0])
+        else:
+            raise BadRequest("prompt must be one string or one list of token ids.", param="prompt")
+        if not ids:
+            raise BadRequest("prompt is empty.", param="prompt")
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        return ids
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The completion budget: ``requested``, or what the context leaves; else an error."""
+        ctx = self.context_length
+        if prompt_len >= ctx:
+            raise ContextTooLong(
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"messages resulted in {prompt_len} tokens. Please reduce the length "
+                "of the messages.",
+                param="messages",
+            )
+        if requested is None:
+            return min(self.settings.default_max_tokens, ctx - prompt_len)
+        if requested > self.settings.max_tokens_limit:
+            raise BadRequest(
+                f"max_tokens is too large: {requested}. This server accepts at most "
+                f"{self.settings.max_tokens_limit}.",
+                param="max_tokens",
+            )
+        if prompt_len + requested > ctx:
+            raise ContextTooLong(
+                f"This model's maximum context length is {ctx} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                param="max_tokens",
+            )
+        return requested
+
+    def _params(self, sampling: Sampling, max_tokens: int, top_logprobs: int) -> GenerationParams:
+        if sampling.n > self.settings.max_n:
+            raise BadRequest(f"n must be at most {self.settings.max_n}.", param="n")
+        return GenerationParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            top_p=1.0 if sampling.top_p is None else sampling.top_p,
+            top_k=-1 if sampling.top_k in (None, 0) else int(sampling.top_k),
+            stop=list(sampling.stop),
+            seed=sampling.seed,
+            top_logprobs=top_logprobs,
+            ignore_eos=sampling.ignore_eos,
+        )
+
+    def _prepared(
+        self,
+        request: CanonicalRequest,
+        prompt_ids: list[int],
+        parent_id: str | None,
+        session: SessionRecord | None,
+    ) -> Prepared:
+        max_tokens = self.max_tokens(request.sampling.max_tokens, len(prompt_ids))
+        params = self._params(request.sampling, max_tokens, request.top_logprobs)
+        return Prepared(
+            response_id=request.id_prefix + uuid.uuid4().hex,
+            created=int(time.time()),
+            n=request.sampling.n,
+            prompt_ids=prompt_ids,
+            parent_id=parent_id,
+            params=params,
+            session=session,
+            logprobs=request.logprobs,
+            sampling=sampling_record(params),
+        )
+
+
+def _text_parent(prompt_ids: list[int], history: Sequence[CompletionRecord]) -> str | None:
+    """The latest completion whose prompt plus output ``prompt_ids`` strictly extends."""
+    for c in reversed(history):
+        prefix = c.prompt_ids + c.output_ids
+        if len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix:
+            return c.id
+    return None
+
+
+def sampling_record(params: GenerationParams) -> dict[str, Any]:
+    """The sampling parameters as recorded with each completion."""
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": params.max_new_tokens,
+        "seed": params.seed,
+        "stop": params.stop,
+    }

@@ -1,0 +1,185 @@
+"""``CompletionService``: sessions, generation and recording for every API surface.
+
+Per request it finds the session (a session key, or a recorded production
+session), prepares the prompt (``prepare``), runs the generation driver
+(``driver``) and commits every completion to the store before the response
+ends (the durability rule: an acknowledged completion is never lost). It
+speaks no API: routes translate their request into a ``CanonicalRequest``
+and hand the driver's events to their response builder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from proxima.proxy.auth import Principal, PrincipalKind
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.config import Settings
+from proxima.proxy.errors import Conflict, NotFound
+from proxima.proxy.logs import session_id_var
+from proxima.proxy.metrics import Metrics
+from proxima.proxy.recorder import CompletionRecorder, SessionCache
+from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, assistant_message
+from proxima.proxy.service.driver import ChoiceRun, GenerationDriver
+from proxima.proxy.service.events import Completion, Event, Finish
+from proxima.proxy.service.prepare import Prepared, PromptPreparer
+from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
+from proxima.proxy.store.store import Store
+from proxima.proxy.tools import detect_tool_parser, get_tool_parser
+
+
+class CompletionService:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: Store,
+        pool: BackendPool,
+        tokenizer: Any,
+        context_length: int,
+        recorder: CompletionRecorder,
+        cache: SessionCache,
+        metrics: Metrics,
+    ):
+        self.settings = settings
+        self.store = store
+        self.pool = pool
+        self.recorder = recorder
+        self.cache = cache
+        self.metrics = metrics
+        template = getattr(tokenizer, "chat_template", None)
+        parser_name = settings.tool_parser or detect_tool_parser(
+            template if isinstance(template, str) else None
+        )
+        self.preparer = PromptPreparer(
+            settings=settings,
+            tokenizer=tokenizer,
+            context_length=context_length,
+            tool_parser=get_tool_parser(parser_name),
+        )
+        self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
+
+    # ----------------------------------------------------------------- requests
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise NotFound(
+                f"The model '{model}' does not exist; this server serves "
+                f"'{self.settings.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def prepare(
+        self, request: CanonicalRequest, principal: Principal, external_id: str | None
+    ) -> Prepared:
+        """Validate ``request``, find its session, and build its prompt."""
+        text_ids = None
+        if not isinstance(request.input, ChatInput):
+            text_ids = self.preparer.text_prompt_ids(request.input.prompt)
+        session = await self._session_for(principal, external_id or request.user)
+        if session is not None:
+            session_id_var.set(session.id)
+        history = await self._history(session) if session else []
+        if isinstance(request.input, ChatInput):
+            return self.preparer.chat(request, request.input, session, history)
+        assert text_ids is not None
+        return self.preparer.text(request, text_ids, session, history)
+
+    async def complete(self, prep: Prepared) -> Completion:
+        """Every choice, generated and committed."""
+        return await self.driver.complete(prep, self._commit)
+
+    def stream(self, prep: Prepared) -> AsyncIterator[Event]:
+        """The generation's events; every choice is committed before its ``Finish``."""
+        return self.driver.stream(prep, self._commit)
+
+    # ----------------------------------------------------------------- sessions
+    async def _session_for(
+        self, principal: Principal, external_id: str | None
+    ) -> SessionRecord | None:
+        if principal.kind is PrincipalKind.SESSION:
+            session = principal.session
+            assert session is not None
+            if session.status is not SessionStatus.OPEN:
+                raise Conflict(
+                    f"Session {session.id} is {session.status.value}; open a new session.",
+                    code="session_closed",
+                )
+            return session
+        if (
+            principal.kind is PrincipalKind.PRODUCTION
+            and principal.api_key is not None
+            and principal.api_key.record
+            and self.settings.record_production
+        ):
+            return await self.store.get_or_create_production_session(
+                api_key_id=principal.api_key.id, external_id=external_id
+            )
+        return None
+
+    async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
+        history = self.cache.history(session.id)
+        if history is None:
+            history = await self.store.list_completions(session_id=session.id)
+            self.cache.remember_history(session.id, history)
+        return history
+
+    # ---------------------------------------------------------------- recording
+    async def _commit(self, prep: Prepared, finished: list[tuple[ChoiceRun, Finish]]) -> None:
+        """Make the completions durable (group commit), then visible to the next turn."""
+        runs = [run for run, _ in finished]
+        self._account(len(prep.prompt_ids), runs)
+        if prep.session is None:
+            return
+        records = [self._record(prep, run, finish) for run, finish in finished]
+        await self.recorder.record(records)
+        self.cache.add_completions(records)
+        current = self.pool.version
+        for r in records:
+            self.metrics.completions.labels(
+                "chat" if r.request_messages is not None else "text"
+            ).inc()
+            if r.output_versions:
+                self.metrics.staleness.observe(current - min(r.output_versions))
+
+    def _record(self, prep: Prepared, run: ChoiceRun, finish: Finish) -> CompletionRecord:
+        assert prep.session is not None
+        r = run.result
+        return CompletionRecord(
+            id=run.completion_id,
+            session_id=prep.session.id,
+            parent_id=prep.parent_id,
+            prompt_ids=prep.prompt_ids,
+            output_ids=r.output_ids,
+            output_logprobs=r.logprobs,
+            output_versions=r.versions,
+            finish_reason=finish.finish_reason,
+            created_at=_now(),
+            request_messages=prep.messages,
+            request_tools=prep.tools,
+            response_message=assistant_message(finish.parsed)
+            if finish.parsed is not None
+            else None,
+            response_text=finish.text,
+            sampling=prep.sampling,
+            model=self.settings.model_name,
+            choice_index=run.index,
+            finished_at=_now(),
+            time_to_first_token=(run.first_token_at - run.started) if run.first_token_at else None,
+            duration=time.monotonic() - run.started,
+            backend=r.backend,
+        )
+
+    def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:
+        self.metrics.tokens.labels("prompt").inc(prompt_len)
+        self.metrics.tokens.labels("completion").inc(sum(len(r.result.output_ids) for r in runs))
+        interruptions = sum(r.result.interruptions for r in runs)
+        if interruptions:
+            self.metrics.interruptions.inc(interruptions)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
