@@ -1,0 +1,225 @@
+"""Generated replies -> Anthropic Messages API objects, events and errors.
+
+``message_object`` builds the non-streaming ``message``; ``MessagesStream``
+turns the tool-call parser's events into the SSE sequence the Anthropic SDK
+accumulates (every event is named by an ``event:`` line, which the SDK
+requires)::
+
+    message_start, ping
+    per content block:
+      content_block_start (text: "" | tool_use: id, name, input {})
+      content_block_delta (text_delta... | one input_json_delta)
+      content_block_stop
+    message_delta (stop_reason, stop_sequence, usage.output_tokens)
+    message_stop
+
+``stop_reason``: ``tool_use`` when the reply calls tools, ``max_tokens`` when
+it was cut, ``stop_sequence`` (with the sequence) when a stop sequence ended
+it, else ``end_turn``. A tool call's ``input`` is its arguments as a JSON
+object (``{}`` if the model wrote something else), sent as one
+``input_json_delta`` when the call is complete, so the SDK always parses it.
+
+Errors use Anthropic's envelope ``{"type": "error", "error": {"type",
+"message"}}`` with the HTTP status of the underlying error.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from proxima.proxy.errors import ProximaError
+from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error envelope for an HTTP status."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_of(exc: ProximaError) -> dict[str, Any]:
+    message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
+    return error_body(exc.status_code, message)
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's JSON-string arguments as the object Anthropic's ``input`` must be."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except (json.JSONDecodeError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(finish_reason: str, has_calls: bool, stop_sequence: str | None) -> str:
+    if finish_reason == "length":
+        return "max_tokens"
+    if has_calls:
+        return "tool_use"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHead:
+    message_id: str
+    model: str
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def content_blocks(parsed: ParsedOutput) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if parsed.content:
+        blocks.append({"type": "text", "text": parsed.content})
+    for call in parsed.tool_calls:
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call.id,
+                "name": call.name,
+                "input": tool_input(call.arguments),
+            }
+        )
+    return blocks
+
+
+def message_object(
+    head: MessageHead,
+    parsed: ParsedOutput,
+    finish_reason: str,
+    *,
+    stop_sequence: str | None,
+    input_tokens: int,
+    output_tokens: int,
+) -> dict[str, Any]:
+    """The non-streaming ``message`` for one finished reply."""
+    sequence = stop_sequence if finish_reason == "stop" and not parsed.tool_calls else None
+    return {
+        "id": head.message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": head.model,
+        "content": content_blocks(parsed),
+        "stop_reason": stop_reason(finish_reason, bool(parsed.tool_calls), sequence),
+        "stop_sequence": sequence,
+        "usage": _usage(input_tokens, output_tokens),
+    }
+
+
+class MessagesStream:
+    """The SSE events of one streamed message: ``start``, ``feed``..., ``finish`` or ``fail``."""
+
+    def __init__(self, head: MessageHead) -> None:
+        self.head = head
+        self._blocks = 0
+        self._open: str | None = None  # "text" or "tool_use"
+        self._arguments: list[str] = []
+        self._saw_calls = False
+
+    def start(self, input_tokens: int) -> list[bytes]:
+        message = {
+            "id": self.head.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.head.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(input_tokens, 0),
+        }
+        return [
+            sse_event({"type": "message_start", "message": message}),
+            sse_event({"type": "ping"}),
+        ]
+
+    def feed(self, events: list[StreamEvent]) -> list[bytes]:
+        out: list[bytes] = []
+        for ev in events:
+            if isinstance(ev, ContentDelta) and ev.text:
+                if self._open != "text":
+                    out += self._close()
+                    out += self._begin({"type": "text", "text": ""}, "text")
+                delta = {"type": "text_delta", "text": ev.text}
+                out.append(self._delta(delta))
+            elif isinstance(ev, ToolCallDelta):
+                if ev.id is not None:
+                    out += self._close()
+                    block = {"type": "tool_use", "id": ev.id, "name": ev.name or "", "input": {}}
+                    out += self._begin(block, "tool_use")
+                    self._saw_calls = True
+                self._arguments.append(ev.arguments)
+        return out
+
+    def _begin(self, block: dict[str, Any], kind: str) -> list[bytes]:
+        self._open = kind
+        self._arguments = []
+        event = {"type": "content_block_start", "index": self._blocks, "content_block": block}
+        return [sse_event(event)]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event({"type": "content_block_delta", "index": self._blocks, "delta": delta})
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        out = []
+        if self._open == "tool_use":
+            arguments = json.dumps(tool_input("".join(self._arguments)), ensure_ascii=False)
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        out.append(sse_event({"type": "content_block_stop", "index": self._blocks}))
+        self._open = None
+        self._blocks += 1
+        return out
+
+    def finish(
+        self, finish_reason: str, *, stop_sequence: str | None, output_tokens: int
+    ) -> list[bytes]:
+        out = self._close()
+        sequence = stop_sequence if finish_reason == "stop" and not self._saw_calls else None
+        delta = {
+            "stop_reason": stop_reason(finish_reason, self._saw_calls, sequence),
+            "stop_sequence": sequence,
+        }
+        out.append(
+            sse_event(
+                {"type": "message_delta", "delta": delta, "usage": {"output_tokens": output_tokens}}
+            )
+        )
+        out.append(sse_event({"type": "message_stop"}))
+        return out
+
+    def fail(self, exc: ProximaError) -> list[bytes]:
+        return [sse_event(error_of(exc))]

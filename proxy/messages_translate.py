@@ -1,0 +1,265 @@
+"""Anthropic Messages API requests -> the canonical chat request the proxy serves.
+
+``POST /v1/messages`` is a thin translation: the request becomes a Chat
+Completions request that the chat template renders exactly as for
+``/v1/chat/completions``, so the session, the token-exact reuse of earlier
+turns and the recorded tokens are the same whichever API a turn came in.
+
+What becomes what::
+
+    system (string or text blocks)          -> leading system message
+    user: text blocks                        -> user message (blocks joined by "\\n")
+    user: tool_result blocks                 -> one tool message each, in order
+    assistant: text blocks                   -> assistant content (joined as generated)
+    assistant: tool_use blocks               -> the assistant message's tool_calls
+    tools [{name, description, input_schema}] -> function tools
+    tool_choice auto / any / tool / none     -> "auto" / "required" / the named function / "none"
+    max_tokens, stop_sequences, temperature, top_p, top_k -> the same sampling settings
+
+Images, documents, thinking blocks, server tools (web search, bash, text
+editor, computer use, ...) and extended thinking are refused with a 400 in
+Anthropic's error shape. ``tool_result`` with ``is_error`` keeps its text
+(templates have no error flag).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxima.proxy.errors import BadRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+Message = dict[str, Any]
+
+
+class MessagesRequest(BaseModel):
+    """The body of ``POST /v1/messages`` (types checked; the rest in ``to_chat_request``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+
+def _text_of_blocks(blocks: Any, where: str, separator: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise BadRequest(f"{where} must be a string or a list of blocks.", param=where)
+    texts = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise BadRequest(
+                f"{where}[{j}]: only text blocks are supported here (got {kind!r}).",
+                param=f"{where}[{j}].type",
+            )
+        texts.append(block["text"])
+    return separator.join(texts)
+
+
+def _user_turn(content: Any, where: str) -> list[Message]:
+    """A user message's blocks: tool results become tool messages, text a user message."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list) or not content:
+        raise BadRequest(
+            f"{where}.content must be a string or a non-empty list of blocks.",
+            param=f"{where}.content",
+        )
+    out: list[Message] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise BadRequest(
+                    f"{at}.tool_use_id must be a non-empty string.", param=f"{at}.tool_use_id"
+                )
+            result = _text_of_blocks(block.get("content", ""), f"{at}.content", "\n")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        else:
+            raise BadRequest(
+                f"Content block type {kind!r} in {at} is not supported in a user message: "
+                "send text and tool_result blocks (this model reads text only).",
+                param=f"{at}.type",
+            )
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_turn(content: Any, where: str) -> Message:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise BadRequest(
+            f"{where}.content must be a string or a list of blocks.", param=f"{where}.content"
+        )
+    text, calls = "", []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            text += block["text"]
+        elif kind == "tool_use":
+            call_id, name, args = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+                raise BadRequest(f"{at} needs a string 'id' and 'name'.", param=at)
+            if not isinstance(args, dict):
+                raise BadRequest(f"{at}.input must be an object.", param=f"{at}.input")
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
+        else:
+            raise BadRequest(
+                f"Content block type {kind!r} in {at} is not supported in an assistant "
+                "message: send text and tool_use blocks.",
+                param=f"{at}.type",
+            )
+    message: Message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_messages(req: MessagesRequest) -> list[Message]:
+    """The conversation as OpenAI chat messages."""
+    messages: list[Message] = []
+    if req.system is not None:
+        messages.append({"role": "system", "content": _text_of_blocks(req.system, "system", "\n")})
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        role = message.get("role")
+        if "content" not in message:
+            raise BadRequest(f"{where} is missing 'content'.", param=f"{where}.content")
+        if role == "user":
+            messages += _user_turn(message["content"], where)
+        elif role == "assistant":
+            messages.append(_assistant_turn(message["content"], where))
+        else:
+            raise BadRequest(
+                f"Invalid role {role!r} in {where}: expected 'user' or 'assistant' (the system "
+                "prompt goes in the top-level 'system').",
+                param=f"{where}.role",
+            )
+    return messages
+
+
+def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Anthropic client tools -> chat function tools; server tools are a 400."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            raise BadRequest(
+                f"Tool type {tool.get('type')!r} (tools[{i}]) is not supported: this server "
+                "runs no server tools (web search, code execution, bash, text editor, computer "
+                "use, ...); declare a client tool with 'input_schema'.",
+                param=f"tools[{i}].type",
+            )
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}]")
+        if not isinstance(schema, dict):
+            raise BadRequest(
+                f"tools[{i}].input_schema must be an object.", param=f"tools[{i}].input_schema"
+            )
+        function: dict[str, Any] = {"name": name}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = schema
+        if tool.get("strict"):
+            function["strict"] = True
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def translate_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """Anthropic ``tool_choice`` -> (chat ``tool_choice``, ``parallel_tool_calls``)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise BadRequest(
+        f"tool_choice {json.dumps(choice)} is not supported: use {{'type': 'auto' | 'any' | "
+        "'none'}} or {'type': 'tool', 'name': ...}.",
+        param="tool_choice",
+    )
+
+
+def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config.format`` (structured output) -> chat ``response_format``."""
+    if not output_config:
+        return None
+    unknown = sorted(k for k, v in output_config.items() if k != "format" and v is not None)
+    if unknown:
+        raise BadRequest(
+            f"output_config.{unknown[0]} is not supported with this model.",
+            param=f"output_config.{unknown[0]}",
+        )
+    fmt = output_config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise BadRequest(
+            "output_config.format must be {'type': 'json_schema', 'schema': {...}}.",
+            param="output_config.format",
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+
+
+def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
+    """The Chat Completions request body equivalent to ``req``."""
+    if req.thinking and req.thinking.get("type") not in (None, "disabled"):
+        raise BadRequest("Extended thinking is not supported with this model.", param="thinking")
+    tool_choice, parallel = translate_tool_choice(req.tool_choice)
+    user = (req.metadata or {}).get("user_id")
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": chat_messages(req),
+        "max_tokens": req.max_tokens,
+        "stream": req.stream,
+    }
+    optional = {
+        "tools": translate_tools(req.tools),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "stop": list(req.stop_sequences) if req.stop_sequences else None,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "user": user if isinstance(user, str) else None,
+        "response_format": _response_format(req.output_config),
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body

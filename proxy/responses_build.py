@@ -1,0 +1,330 @@
+"""Generated replies -> OpenAI Responses API objects and streamed events.
+
+``response_object`` builds the non-streaming ``response``; ``ResponsesStream``
+turns the tool-call parser's events (``ContentDelta``, ``ToolCallDelta``) into
+the event sequence the OpenAI SDK's stream accumulator expects::
+
+    response.created, response.in_progress
+    per output item:
+      response.output_item.added
+      message:       response.content_part.added, response.output_text.delta...,
+                     response.output_text.done, response.content_part.done
+      function_call: response.function_call_arguments.delta...,
+                     response.function_call_arguments.done
+      response.output_item.done
+    response.completed            (response.incomplete when cut at max_output_tokens)
+
+Every event has a ``sequence_number`` counting from 0. Text becomes a
+``message`` item with one ``output_text`` part; each tool call a
+``function_call`` item whose ``call_id`` is the id the session records, so
+the items the client sends back are recognized as the same turn. A reply that
+is neither text nor calls is one empty message, as OpenAI returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxima.proxy.errors import ProximaError
+from proxima.proxy.responses_translate import ResponsesRequest
+from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """One server-sent event named after its ``type``, as OpenAI sends them."""
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHead:
+    """What every snapshot of one response repeats: ids and the request's settings."""
+
+    response_id: str
+    created_at: int
+    model: str
+    request: ResponsesRequest
+
+    def snapshot(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        req = self.request
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": (req.model_extra or {}).get("store", True) is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_logprobs": req.top_logprobs or 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _message_item(item_id: str, status: str, text: str | None, logprobs: Any) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text, logprobs)]
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _call_item(item_id: str, status: str, call_id: str, name: str, args: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": args,
+    }
+
+
+def _status(finish_reason: str) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(
+    parsed: ParsedOutput, finish_reason: str, logprobs: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The output items of a finished reply: its text (if any), then its calls."""
+    status = _status(finish_reason)
+    items = []
+    if parsed.content or not parsed.tool_calls:
+        items.append(_message_item(_item_id("msg"), status, parsed.content or "", logprobs))
+    for call in parsed.tool_calls:
+        items.append(_call_item(_item_id("fc"), "completed", call.id, call.name, call.arguments))
+    return items
+
+
+def response_object(
+    head: ResponseHead,
+    parsed: ParsedOutput,
+    finish_reason: str,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The non-streaming ``response`` for one finished reply."""
+    return head.snapshot(
+        _status(finish_reason),
+        output_items(parsed, finish_reason, logprobs),
+        usage(input_tokens, output_tokens),
+    )
+
+
+@dataclass(slots=True)
+class _OpenItem:
+    index: int
+    item: dict[str, Any]
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ResponsesStream:
+    """The SSE events of one streamed response, fed the parser's events as they come.
+
+    ``start`` -> ``feed``... -> ``finish`` (or ``fail``); each returns the
+    encoded events to send. ``feed`` takes the logprob entries of the tokens
+    that produced the events; they ride on the next text delta.
+    """
+
+    def __init__(self, head: ResponseHead) -> None:
+        self.head = head
+        self._seq = 0
+        self._items: list[dict[str, Any]] = []
+        self._open: _OpenItem | None = None
+        self._pending_logprobs: list[dict[str, Any]] = []
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse_event(event)
+
+    def start(self) -> list[bytes]:
+        snapshot = self.head.snapshot("in_progress", [])
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
+
+    def feed(
+        self, events: list[StreamEvent], logprobs: list[dict[str, Any]] | None = None
+    ) -> list[bytes]:
+        self._pending_logprobs.extend(logprobs or [])
+        out: list[bytes] = []
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                if ev.text:
+                    out += self._text(ev.text)
+            elif isinstance(ev, ToolCallDelta):
+                out += self._call(ev)
+        return out
+
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._open is None or self._open.item["type"] != "message":
+            out += self._close()
+            out += self._add(_message_item(_item_id("msg"), "in_progress", None, None))
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=self._open_id(),
+                    output_index=self._open_index(),
+                    content_index=0,
+                    part=_text_part("", None),
+                )
+            )
+        assert self._open is not None
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
+        self._open.text.append(text)
+        self._open.logprobs.extend(logprobs)
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self._open_id(),
+                output_index=self._open_index(),
+                content_index=0,
+                delta=text,
+                logprobs=logprobs,
+            )
+        )
+        return out
+
+    def _call(self, ev: ToolCallDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if ev.id is not None:
+            out += self._close()
+            item = _call_item(_item_id("fc"), "in_progress", ev.id, ev.name or "", "")
+            out += self._add(item)
+        if ev.arguments:
+            assert self._open is not None and self._open.item["type"] == "function_call"
+            self._open.text.append(ev.arguments)
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self._open_id(),
+                    output_index=self._open_index(),
+                    delta=ev.arguments,
+                )
+            )
+        return out
+
+    def _open_id(self) -> str:
+        assert self._open is not None
+        return self._open.item["id"]
+
+    def _open_index(self) -> int:
+        assert self._open is not None
+        return self._open.index
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        self._open = _OpenItem(index=len(self._items), item=item)
+        self._items.append(item)
+        return [self._event("response.output_item.added", output_index=self._open.index, item=item)]
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        opened, self._open = self._open, None
+        if opened is None:
+            return []
+        text = "".join(opened.text)
+        ids = {"item_id": opened.item["id"], "output_index": opened.index}
+        out = []
+        if opened.item["type"] == "message":
+            part = _text_part(text, opened.logprobs)
+            out.append(
+                self._event(
+                    "response.output_text.done",
+                    **ids,
+                    content_index=0,
+                    text=text,
+                    logprobs=opened.logprobs,
+                )
+            )
+            out.append(self._event("response.content_part.done", **ids, content_index=0, part=part))
+            final = {**opened.item, "status": status, "content": [part]}
+        else:
+            args = {"arguments": text, "name": opened.item["name"]}
+            out.append(self._event("response.function_call_arguments.done", **ids, **args))
+            final = {**opened.item, "status": "completed", "arguments": text}
+        self._items[opened.index] = final
+        out.append(self._event("response.output_item.done", output_index=opened.index, item=final))
+        return out
+
+    def finish(self, finish_reason: str, *, input_tokens: int, output_tokens: int) -> list[bytes]:
+        """Close the open item and send the final response."""
+        status = _status(finish_reason)
+        out: list[bytes] = []
+        if not self._items:
+            out += self._text_item_if_empty()
+        out += self._close(status)
+        snapshot = self.head.snapshot(status, self._items, usage(input_tokens, output_tokens))
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        out.append(self._event(kind, response=snapshot))
+        return out
+
+    def _text_item_if_empty(self) -> list[bytes]:
+        """An empty reply is one empty message, streamed like any other."""
+        out = self._add(_message_item(_item_id("msg"), "in_progress", None, None))
+        part = _text_part("", None)
+        ids = {"item_id": self._open_id(), "output_index": self._open_index()}
+        out.append(self._event("response.content_part.added", **ids, content_index=0, part=part))
+        return out
+
+    def fail(self, exc: ProximaError) -> list[bytes]:
+        """An ``error`` event, then ``response.failed`` with what was generated so far."""
+        out = [self._event("error", code=exc.code, message=exc.message, param=exc.param)]
+        error = {"code": "server_error", "message": exc.message}
+        snapshot = self.head.snapshot("failed", self._items, error=error)
+        out.append(self._event("response.failed", response=snapshot))
+        return out

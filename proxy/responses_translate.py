@@ -1,0 +1,323 @@
+"""OpenAI Responses API requests -> the canonical chat request the proxy serves.
+
+``POST /v1/responses`` is a thin translation: the request becomes a Chat
+Completions request (OpenAI chat messages, tools, ``tool_choice``, sampling),
+which the chat template renders exactly as for ``/v1/chat/completions``. So a
+Responses conversation is stored, reused token-exactly and trained exactly
+like a chat one, and a session may mix the two.
+
+Items of ``input`` and what they become::
+
+    "text"                                   -> user message
+    {"role": r, "content": str | parts}      -> r message ("developer" -> system)
+    {"type": "message", "role": "assistant",
+     "content": [{"type": "output_text"}...]} -> assistant message
+    {"type": "function_call", "call_id",
+     "name", "arguments"}                    -> a tool call of the assistant message
+    {"type": "function_call_output",
+     "call_id", "output"}                    -> tool message
+
+Consecutive assistant items (a message and the function calls that follow it)
+are one assistant turn, as the model produced them: their texts are joined
+with nothing between them and their calls collected in order. ``instructions``
+is the leading system message.
+
+Everything else is refused with a 400 naming the parameter: built-in tools
+(web search, file search, computer use, ...), images and files, reasoning
+items, server-side conversations and prompts, and the options that would
+change generation in a way this server does not implement.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxima.proxy.errors import BadRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+Message = dict[str, Any]
+
+# Options that only matter to OpenAI's hosted service; accepted and without effect here.
+ACCEPTED_WITHOUT_EFFECT = (
+    "store",
+    "metadata",
+    "include",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "stream_options",
+    "max_tool_calls",
+)
+
+
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses`` (types checked; the rest in ``to_chat_request``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    stream: bool = False
+    user: str | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
+
+
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise BadRequest(
+            "background responses are not supported; call without 'background'.",
+            param="background",
+        )
+    if req.conversation is not None:
+        raise BadRequest(
+            "Server-side conversations are not supported; send the history in 'input' "
+            "or use 'previous_response_id'.",
+            param="conversation",
+        )
+    if req.prompt is not None:
+        raise BadRequest("Stored prompt templates are not supported.", param="prompt")
+    if req.context_management:
+        raise BadRequest("context_management is not supported.", param="context_management")
+    if req.truncation not in (None, "disabled"):
+        raise BadRequest(
+            f"truncation {req.truncation!r} is not supported: this server never drops input "
+            "items; use 'disabled'.",
+            param="truncation",
+        )
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise BadRequest("reasoning options are not supported with this model.", param="reasoning")
+    if req.text and req.text.get("verbosity") is not None:
+        raise BadRequest("text.verbosity is not supported with this model.", param="text.verbosity")
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat) -> chat tools; built-in tools are a 400."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise BadRequest(
+                f"Tool type {kind!r} (tools[{i}]) is not supported: this server runs no "
+                "built-in tools (web search, file search, computer use, code interpreter, "
+                "MCP, ...); declare a 'function' tool and run it in your agent.",
+                param=f"tools[{i}].type",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(
+                f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}].name"
+            )
+        function: dict[str, Any] = {"name": name}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        if tool.get("parameters") is not None:
+            function["parameters"] = tool["parameters"]
+        if tool.get("strict"):
+            # strict: false is the default; only an explicit true reaches the template.
+            function["strict"] = True
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def translate_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """Responses ``tool_choice`` -> chat ``tool_choice``."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise BadRequest(
+        f"tool_choice {json.dumps(choice)} is not supported: use 'none', 'auto', 'required' "
+        "or {'type': 'function', 'name': ...}.",
+        param="tool_choice",
+    )
+
+
+def translate_text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` -> chat ``response_format`` (json_schema moves under ``json_schema``)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest(
+            "text.format must be {'type': 'text' | 'json_object' | 'json_schema', ...}.",
+            param="text.format",
+        )
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    schema = {k: v for k, v in fmt.items() if k != "type"}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+# ----------------------------------------------------------------------------- input
+
+
+def _parts_text(content: Any, where: str, *, assistant: bool) -> str:
+    """The text of a message's ``content`` (a string or a list of text parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string or a list.", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            text = part.get("text")
+        elif kind == "refusal":
+            text = part.get("refusal")
+        else:
+            raise BadRequest(
+                f"Content part type {kind!r} in {where}.content[{j}] is not supported: this "
+                "model reads text only.",
+                param=f"{where}.content[{j}].type",
+            )
+        if not isinstance(text, str):
+            raise BadRequest(
+                f"{where}.content[{j}] has no text.", param=f"{where}.content[{j}].text"
+            )
+        texts.append(text)
+    # Pieces of one reply are joined as generated; separate input parts as chat joins them.
+    return ("" if assistant else "\n").join(texts)
+
+
+class _Conversation:
+    """Accumulates canonical chat messages, merging one assistant turn's items."""
+
+    def __init__(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self._open_assistant = False
+
+    def add(self, message: Message) -> None:
+        self.messages.append(message)
+        self._open_assistant = message["role"] == "assistant"
+
+    def assistant(self) -> Message:
+        if not self._open_assistant:
+            self.add({"role": "assistant", "content": ""})
+        return self.messages[-1]
+
+
+def _add_item(conv: _Conversation, item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where} must be an object.", param=where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise BadRequest(
+                f"Invalid role {role!r} in {where}; expected user, system, developer or assistant.",
+                param=f"{where}.role",
+            )
+        if "content" not in item:
+            raise BadRequest(f"{where} is missing 'content'.", param=f"{where}.content")
+        text = _parts_text(item["content"], where, assistant=role == "assistant")
+        if role == "assistant":
+            turn = conv.assistant()
+            turn["content"] += text
+        else:
+            conv.add({"role": "system" if role == "developer" else role, "content": text})
+    elif kind == "function_call":
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
+            if not isinstance(value, str) or (field != "arguments" and not value):
+                raise BadRequest(
+                    f"{where}.{field} must be a{' non-empty' if field != 'arguments' else ''} "
+                    "string.",
+                    param=f"{where}.{field}",
+                )
+        turn = conv.assistant()
+        turn.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise BadRequest(
+                f"{where}.call_id must be a non-empty string.", param=f"{where}.call_id"
+            )
+        if "output" not in item:
+            raise BadRequest(f"{where} is missing 'output'.", param=f"{where}.output")
+        output = item["output"]
+        content = output if isinstance(output, str) else _parts_text(output, where, assistant=False)
+        conv.add({"role": "tool", "tool_call_id": call_id, "content": content})
+    else:
+        raise BadRequest(
+            f"Input item type {kind!r} ({where}) is not supported: send messages, "
+            "function_call and function_call_output items.",
+            param=f"{where}.type",
+        )
+
+
+def input_messages(req: ResponsesRequest, previous: list[Message] | None = None) -> list[Message]:
+    """The conversation as OpenAI chat messages.
+
+    ``previous`` is the conversation of ``previous_response_id`` (its request
+    messages and its reply); the new input follows it. ``instructions``, when
+    given, is the leading system message (it replaces the previous one's).
+    """
+    messages: list[Message] = [dict(m) for m in previous or []]
+    if req.instructions is not None:
+        if messages and messages[0]["role"] == "system":
+            messages = messages[1:]
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    conv = _Conversation(messages)
+    if isinstance(req.input, str):
+        conv.add({"role": "user", "content": req.input})
+    else:
+        for i, item in enumerate(req.input):
+            _add_item(conv, item, f"input[{i}]")
+    if not messages or all(m["role"] == "system" for m in messages):
+        raise BadRequest("'input' must contain at least one item.", param="input")
+    return messages
+
+
+def to_chat_request(req: ResponsesRequest, previous: list[Message] | None = None) -> dict[str, Any]:
+    """The Chat Completions request body equivalent to ``req``."""
+    _refuse_unsupported(req)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": input_messages(req, previous),
+        "stream": req.stream,
+    }
+    optional = {
+        "tools": translate_tools(req.tools),
+        "tool_choice": translate_tool_choice(req.tool_choice),
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": translate_text_format(req.text),
+        "user": req.user,
+    }
+    if req.wants_logprobs or req.top_logprobs:
+        optional["logprobs"] = True
+        optional["top_logprobs"] = req.top_logprobs or 0
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
