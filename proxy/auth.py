@@ -39,7 +39,8 @@ def hash_key(key: str) -> str:
 def bearer_token(authorization: str | None) -> str:
     if not authorization:
         raise AuthenticationFailed(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+            "or 'x-api-key: <key>'."
         )
     scheme, _, token = authorization.partition(" ")
     token = token.strip()

@@ -53,8 +53,12 @@ async def get_principal(
     store: StoreDep,
     cache: CacheDep,
     authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
 ) -> Principal:
-    token = bearer_token(authorization)
+    # Anthropic's SDK sends the key as ``x-api-key``; ``Authorization`` wins when both come.
+    token = x_api_key.strip() if x_api_key and not authorization else bearer_token(authorization)
+    if not token:
+        raise AuthenticationFailed("The x-api-key header is empty.")
     admin = settings.admin_token.get_secret_value() if settings.admin_token else None
     if is_admin_token(token, admin):
         return Principal(PrincipalKind.ADMIN)
