@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from proxima.proxy.api import admin, openai, rl
+from proxima.proxy.api import admin, messages, openai, responses, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
@@ -186,6 +186,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(rl.router)
     app.include_router(admin.router)
     app.include_router(deployments_api.router)

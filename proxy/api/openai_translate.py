@@ -7,11 +7,14 @@ API (context window, ``n``, sessions) is checked by the service.
 
 from __future__ import annotations
 
+from typing import Any
+
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from proxima.proxy.chat import normalize_messages
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling, TextInput
 from proxima.proxy.tools import resolve_tool_choice
+from pydantic import ValidationError
 
 
 def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
@@ -64,3 +67,25 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> Sampling:
         seed=req.seed,
         ignore_eos=req.ignore_eos,
     )
+
+
+def chat_request_of(body: dict[str, Any], params: dict[str, str]) -> CanonicalRequest:
+    """The canonical request of a chat body that another API's translation built.
+
+    Other API surfaces (Responses, Messages) translate into a Chat Completions
+    body so that every chat rule applies to them too; ``params`` renames chat
+    parameters to theirs in the 400s.
+    """
+    try:
+        return chat_request(ChatCompletionRequest.model_validate(body))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise BadRequest(
+            f"Invalid value for '{params.get(param, param)}': {first.get('msg')}.",
+            param=params.get(param, param),
+        ) from exc
+    except BadRequest as exc:
+        if exc.param in params:
+            exc.param = params[exc.param]
+        raise

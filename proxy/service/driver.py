@@ -177,7 +177,15 @@ class GenerationDriver:
         logprobs = (
             self._logprob_list(r.output_ids, r.logprobs, r.top_logprobs) if prep.logprobs else None
         )
-        return Finish(run.index, finish, text, parsed, len(r.output_ids), logprobs=logprobs)
+        return Finish(
+            run.index,
+            finish,
+            text,
+            parsed,
+            len(r.output_ids),
+            logprobs=logprobs,
+            stop_sequence=_stop_string(r),
+        )
 
     def _usage(self, prep: Prepared, runs: list[ChoiceRun]) -> Usage:
         return Usage(len(prep.prompt_ids), sum(len(run.result.output_ids) for run in runs))
@@ -230,7 +238,20 @@ class _StreamState:
             finish = finish_reason_for(finish, parsed)
         else:
             parts = [ContentDelta(tail)] if tail else []
-        return Finish(run.index, finish, self.detok.text, parsed, len(r.output_ids), tail=parts)
+        return Finish(
+            run.index,
+            finish,
+            self.detok.text,
+            parsed,
+            len(r.output_ids),
+            tail=parts,
+            stop_sequence=_stop_string(r),
+        )
+
+
+def _stop_string(result: GenerationResult) -> str | None:
+    matched = result.matched_stop
+    return matched if isinstance(matched, str) and matched else None
 
 
 async def _gather_or_cancel(coros: list[Any]) -> None:

@@ -71,6 +71,7 @@ class Finish:
     output_tokens: int
     tail: list[Part] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,26 @@ class CompletionService:
         """The generation's events; every choice is committed before its ``Finish``."""
         return self.driver.stream(prep, self._commit)
 
+    async def conversation_of(
+        self, principal: Principal, external_id: str | None, completion_id: str
+    ) -> list[dict[str, Any]] | None:
+        """An earlier completion of the caller's session as messages: its request, then its reply.
+
+        None when the session has no such chat completion (the Responses API's
+        ``previous_response_id``).
+        """
+        session = await self._session_for(principal, external_id)
+        if session is None:
+            return None
+        for record in await self._history(session):
+            if (
+                record.id == completion_id
+                and record.request_messages is not None
+                and record.response_message is not None
+            ):
+                return [*record.request_messages, record.response_message]
+        return None
+
     # ----------------------------------------------------------------- sessions
     async def _session_for(
         self, principal: Principal, external_id: str | None

@@ -14,21 +14,20 @@ from typing import Any
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
+from proxima.proxy.api.messages_translate import MessagesRequest, chat_messages, to_chat_request
 from proxima.proxy.errors import (
     AuthenticationFailed,
     BackendUnavailable,
     BadRequest,
     ContextTooLong,
 )
-from proxima.proxy.messages_build import (
+from proxima.proxy.service.builders.messages import (
     MessageHead,
     MessagesStream,
     error_of,
     message_object,
-    new_message_id,
     tool_input,
 )
-from proxima.proxy.messages_translate import MessagesRequest, chat_messages, to_chat_request
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -195,7 +194,7 @@ def test_errors_use_anthropics_envelope_and_types() -> None:
 
 
 def head() -> MessageHead:
-    return MessageHead(new_message_id(), "tiny")
+    return MessageHead("msg_0123", "tiny")
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,18 @@ from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
+from proxima.proxy.api.responses_translate import (
+    ResponsesRequest,
+    echoed_settings,
+    input_messages,
+    to_chat_request,
+)
 from proxima.proxy.errors import BackendUnavailable, BadRequest
-from proxima.proxy.responses_build import (
+from proxima.proxy.service.builders.responses import (
     ResponseHead,
     ResponsesStream,
-    new_response_id,
     response_object,
 )
-from proxima.proxy.responses_translate import ResponsesRequest, input_messages, to_chat_request
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
 
 WEATHER = {
@@ -183,7 +187,7 @@ LOGPROB = {"token": "L", "logprob": -0.5, "bytes": [76], "top_logprobs": []}
 
 
 def head(**body: Any) -> ResponseHead:
-    return ResponseHead(new_response_id(), 1700000000, "tiny", req(input="Q", **body))
+    return ResponseHead("resp_0123", 1700000000, "tiny", echoed_settings(req(input="Q", **body)))
 
 
 def test_response_object_validates_as_the_sdk_response() -> None:

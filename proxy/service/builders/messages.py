@@ -26,11 +26,12 @@ Errors use Anthropic's envelope ``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import json
-import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.errors import ProximaError
+from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -46,10 +47,6 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-
-
-def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -223,3 +220,47 @@ class MessagesStream:
 
     def fail(self, exc: ProximaError) -> list[bytes]:
         return [sse_event(error_of(exc))]
+
+
+# ------------------------------------------------------------------ driver events
+
+
+def message_from(head: MessageHead, completion: Completion) -> dict[str, Any]:
+    """The ``message`` object of a non-streaming generation (one choice)."""
+    (finish,) = completion.choices
+    assert finish.parsed is not None
+    return message_object(
+        head,
+        finish.parsed,
+        finish.finish_reason,
+        stop_sequence=finish.stop_sequence,
+        input_tokens=completion.usage.prompt_tokens,
+        output_tokens=completion.usage.completion_tokens,
+    )
+
+
+async def message_events(
+    head: MessageHead, input_tokens: int, events: AsyncIterator[Event]
+) -> AsyncIterator[bytes]:
+    """The streamed message: the driver's events as Anthropic SSE events."""
+    stream = MessagesStream(head)
+    for chunk in stream.start(input_tokens):
+        yield chunk
+    last: Finish | None = None
+    async for event in events:
+        if isinstance(event, Delta):
+            chunks = stream.feed(event.parts)
+        elif isinstance(event, Finish):
+            last = event
+            chunks = stream.feed(event.tail)
+        elif isinstance(event, Done):
+            assert last is not None
+            chunks = stream.finish(
+                last.finish_reason,
+                stop_sequence=last.stop_sequence,
+                output_tokens=event.usage.completion_tokens,
+            )
+        elif isinstance(event, Failed):
+            chunks = stream.fail(event.error)
+        for chunk in chunks:
+            yield chunk

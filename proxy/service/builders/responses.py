@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxima.proxy.errors import ProximaError
-from proxima.proxy.responses_translate import ResponsesRequest
+from proxima.proxy.service.builders.chat import logprob_content
+from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
-
-
-def new_response_id() -> str:
-    return "resp_" + uuid.uuid4().hex
 
 
 def _item_id(prefix: str) -> str:
@@ -49,12 +47,17 @@ def sse_event(event: dict[str, Any]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ResponseHead:
-    """What every snapshot of one response repeats: ids and the request's settings."""
+    """What every snapshot of one response repeats: its id, and the request's settings.
+
+    ``settings`` are the request fields a response echoes (``instructions``,
+    ``tools``, ``temperature``, ...), as ``api.responses_translate.echoed_settings``
+    gives them.
+    """
 
     response_id: str
     created_at: int
     model: str
-    request: ResponsesRequest
+    settings: dict[str, Any]
 
     def snapshot(
         self,
@@ -63,7 +66,6 @@ class ResponseHead:
         usage: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        req = self.request
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.response_id,
@@ -72,24 +74,10 @@ class ResponseHead:
             "status": status,
             "error": error,
             "incomplete_details": incomplete,
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
-            "store": (req.model_extra or {}).get("store", True) is not False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": req.text or {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice or "auto",
-            "tools": req.tools or [],
-            "top_logprobs": req.top_logprobs or 0,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "truncation": "disabled",
             "usage": usage,
-            "user": req.user,
-            "metadata": req.metadata or {},
+            **self.settings,
         }
 
 
@@ -328,3 +316,49 @@ class ResponsesStream:
         snapshot = self.head.snapshot("failed", self._items, error=error)
         out.append(self._event("response.failed", response=snapshot))
         return out
+
+
+# ------------------------------------------------------------------ driver events
+
+
+def _logprobs(entries: Any) -> list[dict[str, Any]] | None:
+    return logprob_content(entries) if entries is not None else None
+
+
+def response_from(head: ResponseHead, completion: Completion) -> dict[str, Any]:
+    """The ``response`` object of a non-streaming generation (one choice)."""
+    (finish,) = completion.choices
+    assert finish.parsed is not None
+    return response_object(
+        head,
+        finish.parsed,
+        finish.finish_reason,
+        input_tokens=completion.usage.prompt_tokens,
+        output_tokens=completion.usage.completion_tokens,
+        logprobs=_logprobs(finish.logprobs),
+    )
+
+
+async def response_events(head: ResponseHead, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """The streamed response: the driver's events as Responses API events."""
+    stream = ResponsesStream(head)
+    for chunk in stream.start():
+        yield chunk
+    finish_reason = "stop"
+    async for event in events:
+        if isinstance(event, Delta):
+            chunks = stream.feed(event.parts, _logprobs(event.logprobs))
+        elif isinstance(event, Finish):
+            finish_reason = event.finish_reason
+            chunks = stream.feed(event.tail)
+        elif isinstance(event, Done):
+            usage = event.usage
+            chunks = stream.finish(
+                finish_reason,
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+            )
+        elif isinstance(event, Failed):
+            chunks = stream.fail(event.error)
+        for chunk in chunks:
+            yield chunk

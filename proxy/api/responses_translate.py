@@ -31,9 +31,12 @@ change generation in a way this server does not implement.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.service.canonical import CanonicalRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 Message = dict[str, Any]
@@ -321,3 +324,36 @@ def to_chat_request(req: ResponsesRequest, previous: list[Message] | None = None
         optional["top_logprobs"] = req.top_logprobs or 0
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
+
+
+# Chat parameters named as the Responses API names them, for error messages.
+_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+def canonical_request(
+    req: ResponsesRequest, previous: list[Message] | None = None
+) -> CanonicalRequest:
+    """``req`` as the service's canonical request (recorded under a ``resp_`` id)."""
+    chat = chat_request_of(to_chat_request(req, previous), _PARAMS)
+    return replace(chat, id_prefix="resp_")
+
+
+def echoed_settings(req: ResponsesRequest) -> dict[str, Any]:
+    """The request settings every ``response`` object repeats."""
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": (req.model_extra or {}).get("store", True) is not False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }

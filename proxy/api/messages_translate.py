@@ -25,9 +25,12 @@ Anthropic's error shape. ``tool_result`` with ``is_error`` keeps its text
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.service.canonical import CanonicalRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 Message = dict[str, Any]
@@ -263,3 +266,12 @@ def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
+
+
+# Chat parameters named as the Messages API names them, for error messages.
+_PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
+
+
+def canonical_request(req: MessagesRequest) -> CanonicalRequest:
+    """``req`` as the service's canonical request (recorded under a ``msg_`` id)."""
+    return replace(chat_request_of(to_chat_request(req), _PARAMS), id_prefix="msg_")
