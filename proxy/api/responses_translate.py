@@ -61,7 +61,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -285,6 +285,8 @@ def input_messages(req: ResponsesRequest, previous: list[Message] | None = None)
     messages and its reply); the new input follows it. ``instructions``, when
     given, is the leading system message (it replaces the previous one's).
     """
+    if not isinstance(req.input, str | list):
+        raise BadRequest("'input' is required: a string or a list of input items.", param="input")
     messages: list[Message] = [dict(m) for m in previous or []]
     if req.instructions is not None:
         if messages and messages[0]["role"] == "system":
