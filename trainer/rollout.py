@@ -18,7 +18,8 @@ to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.bindi
 (a context variable plus an httpx hook), whatever ``api_key`` the agent
 passed; sync agents run in worker threads, which inherit the context. In
 ``"subprocess"`` mode each run is a fresh ``python -c`` process with
-``OPENAI_BASE_URL``/``OPENAI_API_KEY`` set for its session, the item as JSON
+``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (and ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``)
+set for its session, the item as JSON
 on stdin and the reward as JSON on stdout, for agents that read globals or
 must be killable.
 
@@ -561,6 +562,9 @@ class RolloutController:
             **os.environ,
             "OPENAI_BASE_URL": binding.base_url,
             "OPENAI_API_KEY": binding.api_key,
+            # Anthropic clients append /v1/messages to the proxy's root themselves.
+            "ANTHROPIC_BASE_URL": binding.base_url.rstrip("/").removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": binding.api_key,
             "PROXIMA_SESSION_ID": binding.session_id,
             **self.env,
         }

@@ -268,10 +268,15 @@ SUBPROCESS_AGENTS = textwrap.dedent('''
     from openai import OpenAI
 
     def from_env(data):
-        """Reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL, like most scripts do."""
+        """Reads OPENAI_* / ANTHROPIC_* variables, like most scripts do."""
         import os
+        import anthropic
         print("agent chatter on stdout must not break the protocol")
         OpenAI(max_retries=0).chat.completions.create(
+            model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": data["question"]}],
+            max_tokens=8,
+        )
+        anthropic.Anthropic(max_retries=0).messages.create(
             model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": data["question"]}],
             max_tokens=8,
         )
@@ -295,7 +300,8 @@ async def test_subprocess_mode(proxy: LiveProxy, tmp_path: Path) -> None:
     assert report.sessions_rewarded == 2, [r.error for r in report.runs]
     for run in report.runs:
         stored = proxy.trajectory(run.session_id)
-        assert stored["reward"] == 0.75 and len(stored["completions"]) == 1
+        # One chat completion, one Anthropic message: both found the session from the env.
+        assert stored["reward"] == 0.75 and len(stored["completions"]) == 2
 
     started = time.monotonic()
     failing = [
