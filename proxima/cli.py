@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from proxima.proxy.app import create_app
+    from proxima.proxy.app import ContextLengthMismatch, check_context_length, create_app
     from proxima.proxy.config import Settings
     from proxima.proxy.serving import bind_socket
 
@@ -60,6 +60,11 @@ def _serve(args: argparse.Namespace) -> int:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
             print(f"proxima serve: {loc}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        check_context_length(settings)
+    except ContextLengthMismatch as exc:
+        print(f"proxima serve: context_length: {exc}", file=sys.stderr)
         return 2
     sock = bind_socket(settings.host, settings.port)
     app = create_app(settings)

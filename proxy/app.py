@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from proxima.proxy.api import admin, messages, openai, responses, rl
 from proxima.proxy.api import deployments as deployments_api
+from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
@@ -35,11 +36,59 @@ from proxima.proxy.store.store import Store
 logger = logging.getLogger(__name__)
 
 
-def _context_length(settings: Settings) -> int:
-    if settings.context_length:
-        return settings.context_length
+class ContextLengthMismatch(RuntimeError):
+    """``--context-length`` exceeds what a backend serves: refused at start-up."""
+
+
+async def _backend_context_length(pool: BackendPool) -> int | None:
+    """The smallest ``max_context_length`` the backends report (None if none reports one)."""
+    lengths = []
+    for backend in pool.backends:
+        try:
+            info = await backend.client.model_info()
+        except BackendError as exc:
+            logger.warning("could not read %s's model info: %s", backend.url, exc)
+            continue
+        length = info.max_context_length
+        if length is not None and length > 0:
+            lengths.append(length)
+    return min(lengths) if lengths else None
+
+
+def model_context_length(settings: Settings) -> int:
+    """The model config's ``max_position_embeddings`` (what the embedded engine serves)."""
     config = json.loads((settings.model / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 4096)
+
+
+def check_context_length(settings: Settings) -> None:
+    """Refuse, before anything starts, a ``--context-length`` the embedded engine cannot serve.
+
+    External backends are checked in the lifespan, once they answer.
+    """
+    if not settings.backends and settings.context_length:
+        _context_length(settings, model_context_length(settings))
+
+
+def _context_length(settings: Settings, backend_length: int | None) -> int:
+    """The context window the proxy enforces.
+
+    ``--context-length`` if given, else the backends' own, else the model
+    config's ``max_position_embeddings``. A ``--context-length`` above what the
+    backends serve would let requests through that the backend then refuses,
+    so it stops the server with a message saying what to change.
+    """
+    if settings.context_length:
+        if backend_length is not None and settings.context_length > backend_length:
+            raise ContextLengthMismatch(
+                f"--context-length {settings.context_length} exceeds the backend's context "
+                f"length {backend_length}: lower --context-length to at most {backend_length} "
+                "(or start the backend with a longer context)."
+            )
+        return settings.context_length
+    if backend_length is not None:
+        return backend_length
+    return model_context_length(settings)
 
 
 async def _deployment(
@@ -125,6 +174,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         deployments = await build_deployments(settings, http)
         pool = deployments.training.pool
+        try:
+            context_length = _context_length(settings, await _backend_context_length(pool))
+        except ContextLengthMismatch as exc:
+            logger.error("proxima serve: %s", exc)
+            raise
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
         versions = await store.list_policy_versions()
         latest = versions[-1] if versions else None
@@ -148,7 +202,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             store=store,
             pool=pool,
             tokenizer=tokenizer,
-            context_length=_context_length(settings),
+            context_length=context_length,
             recorder=recorder,
             cache=app.state.cache,
             metrics=app.state.metrics,

@@ -13,6 +13,12 @@ A request aborted by a weight update, or cut off because its backend died,
 resumes from its partial tokens (on another backend if need be); the caller
 sees one unbroken stream of tokens. Every token carries the policy version
 that produced it.
+
+A constrained request (``params.grammar``) cannot resume: the backend would
+start the grammar afresh after the partial output. Its attempt is held back
+until the backend finishes it, and an interrupted attempt is discarded and
+started over from the prompt; the caller sees its tokens only at the end
+(streaming clients receive a constrained reply in one piece).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from proxima.proxy.backends.errors import (
 from proxima.proxy.backends.pool import Backend, BackendPool
 from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
 from proxima.proxy.errors import BackendUnavailable, BadRequest
+from proxima.proxy.structured import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,10 @@ class GenerationParams:
     seed: int | None = None
     top_logprobs: int = 0
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    grammar: Grammar | None = None
 
     def sampling(self, remaining: int) -> SamplingParams:
         return SamplingParams(
@@ -62,7 +73,30 @@ class GenerationParams:
             stop_token_ids=self.stop_token_ids or None,
             ignore_eos=self.ignore_eos,
             sampling_seed=self.seed,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.logit_bias or None,
+            **(self.grammar.sampling_fields() if self.grammar is not None else {}),
         )
+
+    @property
+    def logit_transforms(self) -> list[str]:
+        """What changes the sampled distribution beyond temperature and truncation.
+
+        The backend reports logprobs of the transformed distribution, which the
+        trainer cannot recompute; recorded with each completion (see
+        ``trainer/samples.py``).
+        """
+        transforms = []
+        if self.grammar is not None:
+            transforms.append(f"grammar:{self.grammar.kind}")
+        if self.logit_bias:
+            transforms.append("logit_bias")
+        if self.frequency_penalty:
+            transforms.append("frequency_penalty")
+        if self.presence_penalty:
+            transforms.append("presence_penalty")
+        return transforms
 
 
 @dataclass(slots=True)
@@ -145,6 +179,7 @@ async def generate(
             rid=rid,
         )
         finish = None
+        held: list[TokenChunk] = []  # a constrained attempt's tokens, until it finishes
         result.backend = backend.url
         with pool.lease(backend):
             try:
@@ -159,8 +194,11 @@ async def generate(
                             if params.top_logprobs
                             else [[] for _ in delta.token_ids],
                         )
-                        result.extend(chunk)
-                        yield chunk
+                        if params.grammar is not None:
+                            held.append(chunk)
+                        else:
+                            result.extend(chunk)
+                            yield chunk
                     if delta.finish_reason is not None:
                         finish = delta.finish_reason
             except BackendConnectionError as exc:
@@ -178,11 +216,15 @@ async def generate(
                 await asyncio.shield(_abort_quietly(backend, rid))
                 raise
         if finish is None or finish.type == "abort":
-            # Interrupted (weight update, explicit abort): resume from the partial tokens.
+            # Interrupted (weight update, explicit abort): resume from the partial tokens
+            # (a constrained attempt starts over: its held tokens are dropped).
             result.interruptions += 1
             if result.interruptions > MAX_INTERRUPTIONS:
                 raise BackendUnavailable("Generation was interrupted too many times.")
             continue
+        for chunk in held:
+            result.extend(chunk)
+            yield chunk
         result.finish_reason = "length" if finish.type == "length" else "stop"
         result.matched_stop = finish.matched
         return

@@ -36,10 +36,10 @@ non-streaming ``content`` and the concatenated argument deltas of each call
 equal its non-streaming ``arguments``.
 
 ``tool_choice``: ``"none"`` turns parsing off; ``"auto"``, ``"required"`` and
-a named function turn it on. Decoding is not constrained, so ``"required"``
-or a named function is a request to the model, not a guarantee:
-``apply_tool_choice`` returns what the model produced even when it called no
-tool (or another one).
+a named function turn it on. ``"required"`` and a named function are enforced
+by constrained decoding (``proxy/structured.py`` builds the grammar of this
+format's calls); a reply cut at ``max_tokens`` mid-call may still hold no
+call, and ``apply_tool_choice`` then returns what was produced.
 """
 
 from __future__ import annotations
@@ -583,7 +583,7 @@ class ToolChoice:
         return self.mode != "none"
 
     def is_satisfied_by(self, parsed: ParsedOutput) -> bool:
-        """Whether the reply did what was asked (informational: never enforced)."""
+        """Whether the reply did what was asked (enforced by the grammar unless truncated)."""
         if self.mode == "required":
             return bool(parsed.tool_calls)
         if self.mode == "function":
@@ -639,9 +639,8 @@ def parser_for_choice(parser: ToolCallParser, choice: ToolChoice) -> ToolCallPar
 def apply_tool_choice(parsed: ParsedOutput, choice: ToolChoice) -> ParsedOutput:
     """The reply as produced, whatever ``tool_choice`` asked.
 
-    Proxima does not constrain decoding (the tokens must be the policy's own
-    samples to be trainable), so ``"required"`` or a named function that the
-    model ignored yields its plain reply; this is logged, not an error.
+    Decoding is constrained to the asked calls, so this only differs when the
+    reply was cut at ``max_tokens`` inside a call; that is logged, not an error.
     """
     if not choice.is_satisfied_by(parsed):
         logger.debug(

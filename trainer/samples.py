@@ -16,6 +16,10 @@ so ``w = exp(prox - behav)`` compares like with like. Greedy tokens are not
 samples of the distribution their logprob describes; the importance weight
 then measures how far the policy moved, not an unbiased correction.
 
+Transformed distributions: a completion sampled under a grammar, ``logit_bias``
+or penalties has behaviour logprobs the trainer cannot recompute; it is context
+(loss mask 0), never loss tokens (``proxima.trainer.logit_transforms``).
+
 Validation: :func:`session_problem` says why a session's records cannot be
 trained (misaligned lists, non-finite logprobs, positive logprobs, negative
 token ids); the loop drops such a session with that reason instead of failing
@@ -50,6 +54,7 @@ from .advantages import (
     group_advantages,
 )
 from .config import AdvantageConfig
+from .logit_transforms import behaviour_logprobs_reproducible
 
 __all__ = [
     "Baseline",
@@ -217,8 +222,9 @@ def _session_samples(
         loss_mask, behav, versions, adv = [0] * n, [0.0] * n, [NOT_GENERATED_VERSION] * n, [0.0] * n
         trained = []
         for c in path:
-            if c.id in assigned or not c.output_ids:
-                continue  # trained in an earlier path (branch point), or nothing generated
+            if c.id in assigned or not c.output_ids or not behaviour_logprobs_reproducible(c):
+                continue  # trained in an earlier path (branch point), nothing generated, or
+                # sampled from a transformed distribution (context only: wrong ratio otherwise)
             assigned.add(c.id)
             trained.append(c.id)
             start, end = len(c.prompt_ids), len(c.prompt_ids) + len(c.output_ids)

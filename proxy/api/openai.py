@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from proxima.proxy.api import openai_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
+from proxima.proxy.config import Settings
+from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.chat import chat_response, chat_stream
 from proxima.proxy.service.builders.completions import completion_response, completion_stream
 from proxima.proxy.service.builders.sse import SSE_HEADERS
@@ -77,11 +79,22 @@ async def completions(
     return JSONResponse(completion_response(prep, completion, model=model), headers=headers)
 
 
+def _model_card(settings: Settings) -> dict[str, Any]:
+    return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "proxima"}
+
+
 @router.get("/models")
 async def list_models(_: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "proxima"}
-        ],
-    }
+    return {"object": "list", "data": [_model_card(settings)]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, _: PrincipalDep, settings: SettingsDep) -> dict[str, Any]:
+    """The served model's card (the SDK's ``models.retrieve``); 404 for any other id."""
+    if model_id != settings.model_name:
+        raise NotFound(
+            f"The model '{model_id}' does not exist; this server serves '{settings.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
+    return _model_card(settings)

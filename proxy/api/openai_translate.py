@@ -1,6 +1,6 @@
 """OpenAI request bodies (``api.schemas``) to canonical requests.
 
-The OpenAI-specific checks live here (``response_format``, ``echo``,
+The OpenAI-specific checks live here (``echo``,
 ``suffix``, ``top_logprobs`` without ``logprobs``); what is common to every
 API (context window, ``n``, sessions) is checked by the service.
 """
@@ -18,12 +18,6 @@ from pydantic import ValidationError
 
 
 def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise BadRequest(
-            f"response_format '{req.response_format.type}' is not supported by this "
-            "backend; ask for JSON in the prompt instead.",
-            param="response_format",
-        )
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     messages = normalize_messages(req.messages)
@@ -32,7 +26,13 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
         req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     )
     return CanonicalRequest(
-        input=ChatInput(messages, tools, resolve_tool_choice(tool_choice, tools)),
+        input=ChatInput(
+            messages,
+            tools,
+            resolve_tool_choice(tool_choice, tools),
+            response_format=req.response_format.model_dump() if req.response_format else None,
+            parallel_tool_calls=req.parallel_tool_calls,
+        ),
         sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
         id_prefix="chatcmpl-",
         logprobs=req.logprobs,
@@ -66,6 +66,9 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> Sampling:
         stop=req.stop_list,
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        logit_bias=req.logit_bias,
     )
 
 

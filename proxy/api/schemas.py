@@ -55,6 +55,7 @@ class SamplingFields(_Open):
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (as in vLLM/SGLang): keep generating past the end token
 
     @field_validator("stop")
@@ -65,6 +66,16 @@ class SamplingFields(_Open):
                 raise ValueError("at most 16 stop sequences")
             if any(not s for s in v):
                 raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v
 
     @property

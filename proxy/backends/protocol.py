@@ -52,11 +52,31 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Do not stop at the model's eos tokens.")
     skip_special_tokens: bool = Field(True, description="Drop special tokens from `text`.")
     sampling_seed: int | None = Field(None, description="Seed of this request's sampler.")
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a logit per earlier occurrence."
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a logit once its token occurred."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> value added to its logit."
+    )
+    # The grammar the output must follow (at most one; SGLang compiles it with xgrammar).
+    json_schema: str | None = Field(None, description='A JSON schema; "$$ANY$$": any JSON.')
+    regex: str | None = Field(None, description="A regular expression the output matches.")
+    ebnf: str | None = Field(None, description="An EBNF grammar (rule `root`) of the output.")
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag (JSON).")
 
     @model_validator(mode="after")
-    def _check_top_k(self) -> SamplingParams:
+    def _check(self) -> SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        grammars = (self.json_schema, self.regex, self.ebnf, self.structural_tag)
+        if sum(1 for g in grammars if g) > 1:
+            raise ValueError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
         return self
 
     @property

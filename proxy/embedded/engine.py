@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from proxima.proxy.backends.protocol import SamplingParams, UpdateWeightsResponse
 from proxima.proxy.embedded import worker as cmd
+from proxima.proxy.embedded.grammar import GrammarCompiler, InvalidGrammarError, grammar_of
 from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
 from proxima.proxy.embedded.sampling import make_generator
 from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
@@ -180,6 +182,7 @@ class Engine:
         self.context_length: int = int(config.max_position_embeddings)
         self.vocab_size: int = int(config.vocab_size)
         self.eos_token_ids = self._eos_token_ids(model)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.model = model
         self._worker = EngineWorker(
             model,
@@ -304,6 +307,19 @@ class Engine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        self._check_logit_bias(params.logit_bias)
+        grammar = None
+        spec = grammar_of(
+            json_schema=params.json_schema,
+            regex=params.regex,
+            ebnf=params.ebnf,
+            structural_tag=params.structural_tag,
+        )
+        if spec is not None:
+            try:
+                grammar = self.grammars.matcher(self.grammars.compile(spec), stop_ids)
+            except InvalidGrammarError as exc:
+                raise InvalidRequestError(str(exc)) from exc
         sink = DeltaSink(asyncio.get_running_loop(), on_finish=lambda: self._active.discard(rid))
         request = WorkerRequest(
             rid=rid,
@@ -313,6 +329,7 @@ class Engine:
             sink=sink,
             generator=make_generator(params.sampling_seed),
             stop_token_ids=frozenset(stop_ids),
+            grammar=grammar,
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)),
             stream=stream,
         )
@@ -320,6 +337,15 @@ class Engine:
         self._active.add(rid)
         self._worker.send(cmd.Submit(request))
         return handle
+
+    def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
+        for key, value in (bias or {}).items():
+            if not 0 <= int(key) < self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias must have keys in [0, {self.vocab_size - 1}], got {key}"
+                )
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"logit_bias values must be finite, got {value}")
 
     # ---- control --------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from proxima.proxy.backends.protocol import SamplingParams
+from proxima.proxy.embedded.grammar import RowGrammar
 from proxima.proxy.embedded.sampling import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class WorkerRequest:
     stop_token_ids: frozenset[int]
     max_new_tokens: int
     """``params.max_new_tokens`` capped so prompt + output fits the context."""
+    grammar: RowGrammar | None = None
+    """The request's grammar matcher when its output is constrained."""
     stream: bool = False
     """Report tokens every step; otherwise only the final delta is sent (fewer event-loop wake-ups)."""
     output_ids: list[int] = field(default_factory=list)
@@ -119,13 +122,19 @@ class WorkerRequest:
         """Record a sampled token and set ``finish_reason`` if it ends the request.
 
         Order of checks as in SGLang: length, then stop token, then stop string.
-        ``decode`` turns output ids into text (for stop strings).
+        ``decode`` turns output ids into text (for stop strings). A constrained
+        request also stops once its grammar admits nothing more (matched: the
+        last token).
         """
         self.output_ids.append(token.token_id)
         self.pending.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token.token_id)
         if len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = finish_length(len(self.output_ids))
-        elif token.token_id in self.stop_token_ids:
+        elif token.token_id in self.stop_token_ids or (
+            self.grammar is not None and self.grammar.is_terminated
+        ):
             self.finish_reason = finish_stop(token.token_id)
         elif self.params.stop_strings:
             text = decode(self.output_ids)

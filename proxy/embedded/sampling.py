@@ -3,7 +3,11 @@
 The recorded logprob is ``log_softmax(logits / T)`` at the chosen token: the
 distribution the token was drawn from *before* top-p / top-k / min-p
 truncation (what SGLang reports, and what the trainer recomputes with the same
-temperature). Greedy rows use ``T = 1``.
+temperature). Greedy rows use ``T = 1``. ``logits`` are the model's after the
+request's penalties, grammar mask and logit bias (``proxy/embedded/logits.py``),
+so a constrained row reports logprobs of the masked, renormalised distribution
+it sampled from, as SGLang does; forbidden tokens' logprobs (``-inf``) are
+reported as the float32 minimum so they stay valid JSON.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def sample_batch(
     logits = logits.float()
     temperatures = torch.tensor([effective_temperature(p) for p in params])
     logprobs = scaled_logprobs(logits, temperatures)  # (B, V)
+    logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)  # -inf (masked) -> finite
     tokens = logits.argmax(dim=-1)  # (B,)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 from proxima.proxy.embedded.kv_cache import BatchKVCache
+from proxima.proxy.embedded.logits import transform_logits
 from proxima.proxy.embedded.requests import (
     DeltaSink,
     GenerationDelta,
@@ -296,6 +297,13 @@ class EngineWorker:
         self._drop_finished_rows()
 
     def _sample(self, requests: list[WorkerRequest], logits: torch.Tensor) -> list[SampledToken]:
+        """Next tokens of ``requests`` from their logits ``(B, V)``, after each row's transforms."""
+        logits = transform_logits(
+            logits,
+            [r.params for r in requests],
+            [r.output_ids for r in requests],
+            [r.grammar for r in requests],
+        )
         return sample_batch(
             logits,
             [r.params for r in requests],

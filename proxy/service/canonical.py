@@ -36,6 +36,9 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> added to its logit
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,10 @@ class ChatInput:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
+    response_format: dict[str, Any] | None = None
+    """OpenAI chat's shape (``{"type": "json_schema", "json_schema": {"schema": ...}}``);
+    enforced with ``tool_choice`` by constrained decoding (``proxima.proxy.structured``)."""
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from proxima.proxy.errors import BadRequest, ContextTooLong
 from proxima.proxy.generation import GenerationParams
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
+from proxima.proxy.structured import Grammar, output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 
@@ -86,7 +87,14 @@ class PromptPreparer:
         # Inline, not in a thread: rendering is short and memoized, and a thread hop
         # costs more in GIL hand-offs than it saves under load.
         plan = self.renderer.build_prompt(chat.messages, chat.tools, history)
-        prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session)
+        grammar = output_grammar(
+            response_format=chat.response_format,
+            tool_choice=chat.tool_choice,
+            tools=chat.tools,
+            tool_parser=self.tool_parser.name,
+            parallel_tool_calls=chat.parallel_tool_calls,
+        )
+        prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
         prepared.tools = chat.tools
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
@@ -159,7 +167,22 @@ class PromptPreparer:
             seed=sampling.seed,
             top_logprobs=top_logprobs,
             ignore_eos=sampling.ignore_eos,
+            frequency_penalty=sampling.frequency_penalty or 0.0,
+            presence_penalty=sampling.presence_penalty or 0.0,
+            logit_bias=self._logit_bias(sampling.logit_bias),
         )
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """``bias`` checked against the vocabulary (keys and ranges are checked per API)."""
+        vocab = len(self.tokenizer)
+        for key in bias or {}:
+            if not key.isdigit() or int(key) >= vocab:
+                raise BadRequest(
+                    f"logit_bias names token {key!r}, not an id in this model's vocabulary "
+                    f"[0, {vocab}).",
+                    param="logit_bias",
+                )
+        return {key: float(value) for key, value in bias.items()} if bias else None
 
     def _prepared(
         self,
@@ -167,9 +190,11 @@ class PromptPreparer:
         prompt_ids: list[int],
         parent_id: str | None,
         session: SessionRecord | None,
+        grammar: Grammar | None = None,
     ) -> Prepared:
         max_tokens = self.max_tokens(request.sampling.max_tokens, len(prompt_ids))
         params = self._params(request.sampling, max_tokens, request.top_logprobs)
+        params.grammar = grammar
         return Prepared(
             response_id=request.id_prefix + uuid.uuid4().hex,
             created=int(time.time()),
@@ -201,4 +226,6 @@ def sampling_record(params: GenerationParams) -> dict[str, Any]:
         "max_tokens": params.max_new_tokens,
         "seed": params.seed,
         "stop": params.stop,
+        # Grammar / logit_bias / penalties: logprobs the trainer cannot recompute.
+        **({"logit_transforms": params.logit_transforms} if params.logit_transforms else {}),
     }

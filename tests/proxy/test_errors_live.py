@@ -71,7 +71,8 @@ def test_unknown_model(live_proxy: LiveProxy, key: str) -> None:
         ({"messages": [{"role": "tool", "content": "x"}]}, None),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"logit_bias": {"1": -101}}, "logit_bias"),
     ],
 )
 def test_invalid_parameters(

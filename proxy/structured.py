@@ -1,0 +1,209 @@
+"""Structured outputs and forced tool calls: canonical request fields -> one backend grammar.
+
+Every API surface translates its own fields into the canonical chat request
+(OpenAI's shapes), and this module turns those into at most one of SGLang's
+grammar sampling parameters, which the backend enforces by constrained
+decoding (``proxy/embedded/grammar.py`` for the embedded engine; SGLang's
+xgrammar backend for SGLang):
+
+================================================  ==========================================
+canonical request                                 grammar
+================================================  ==========================================
+``response_format`` ``{"type": "text"}`` / none   none
+``response_format`` ``json_object``               ``json_schema`` ``{"type": "object"}``
+``response_format`` ``json_schema`` (``schema``)  ``json_schema`` (the schema)
+``tool_choice`` ``required``                      ``structural_tag``: one or more calls (one
+                                                  if ``parallel_tool_calls`` is false) of
+                                                  any tool, arguments per its ``parameters``
+``tool_choice`` a named function                  ``structural_tag``: exactly one call of it
+``tool_choice`` ``auto`` with a response format   ``structural_tag``: calls *or* the JSON
+================================================  ==========================================
+
+Translations of the other APIs: Responses ``text.format`` is a
+``response_format``; Anthropic ``tool_choice`` ``any`` is ``required`` and
+``{"type": "tool", "name": ...}`` is a named function.
+
+A forced tool call is written in the model's own tool-call format, the one
+its chat template renders and the tool parser reads back (``hermes``:
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+``llama3_json``: ``{"name": ..., "parameters": {...}}`` separated by ``; ``),
+so a constrained reply is parsed, recorded and re-rendered like any other.
+
+Every grammar is compiled here once, tokenizer-free, so a schema xgrammar
+cannot handle is a 400 naming the parameter, never a backend failure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xgrammar as xgr
+from proxima.proxy.embedded.grammar import xgrammar_message
+from proxima.proxy.errors import BadRequest
+from proxima.proxy.tools import ToolChoice
+
+GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+MAX_JSON_WHITESPACE = 16
+"""Most consecutive whitespace characters inside constrained tool-call arguments."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """One backend grammar: SGLang's sampling parameter name and its value."""
+
+    kind: GrammarKind
+    value: str
+
+    def sampling_fields(self) -> dict[str, str]:
+        """The ``sampling_params`` entry that carries it (e.g. ``{"json_schema": "..."}``)."""
+        return {self.kind: self.value}
+
+
+@dataclass(frozen=True, slots=True)
+class _CallFormat:
+    """How a parser's format writes one call: ``begin(name)``, the arguments, ``end``."""
+
+    prefix: str
+    arguments_key: str
+    end: str
+    separator: str
+
+    def begin(self, name: str) -> str:
+        return f'{self.prefix}{{"name": {json.dumps(name)}, "{self.arguments_key}": '
+
+
+_CALL_FORMATS = {
+    "hermes": _CallFormat("<tool_call>\n", "arguments", "}\n</tool_call>", "\n"),
+    "llama3_json": _CallFormat("", "parameters", "}", "; "),
+}
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema a ``response_format`` asks for; None for text.
+
+    ``json_object`` is any JSON object; ``json_schema`` without a ``schema``
+    also means any object (as OpenAI treats it).
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return dict(JSON_OBJECT_SCHEMA)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise BadRequest(
+                "response_format json_schema needs a 'json_schema' object with a 'schema'.",
+                param="response_format",
+            )
+        schema = spec.get("schema", JSON_OBJECT_SCHEMA)
+        if not isinstance(schema, dict | bool):
+            raise BadRequest(
+                "response_format.json_schema.schema must be a JSON schema object.",
+                param="response_format",
+            )
+        return schema if isinstance(schema, dict) else {}
+    raise BadRequest(
+        f"Unknown response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'.",
+        param="response_format",
+    )
+
+
+def _tool_schemas(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters schema (an empty object when none is given)."""
+    schemas = {}
+    for tool in tools:
+        function = tool.get("function") or {}
+        parameters = function.get("parameters")
+        schemas[function["name"]] = (
+            parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
+        )
+    return schemas
+
+
+def _calls_format(
+    call: _CallFormat, schemas: dict[str, dict[str, Any]], *, single: bool
+) -> dict[str, Any]:
+    tags = [
+        {
+            "type": "tag",
+            "begin": call.begin(name),
+            "content": {
+                "type": "json_schema",
+                "json_schema": schema,
+                "max_whitespace_cnt": MAX_JSON_WHITESPACE,
+            },
+            "end": call.end,
+        }
+        for name, schema in schemas.items()
+    ]
+    return {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": call.separator,
+        "at_least_one": True,
+        "stop_after_first": single,
+    }
+
+
+def output_grammar(
+    *,
+    response_format: dict[str, Any] | None,
+    tool_choice: ToolChoice,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_parser: str,
+    parallel_tool_calls: bool | None = None,
+) -> Grammar | None:
+    """The grammar that enforces a canonical chat request's output, or None if unconstrained.
+
+    Raises :class:`BadRequest` (param ``response_format`` or ``tool_choice``)
+    for a schema that cannot be enforced, or a forced tool call with a tool
+    parser that has no call format (``none``).
+    """
+    schema = response_format_schema(response_format)
+    forced = tool_choice.mode in ("required", "function")
+    if not forced and not (schema is not None and tool_choice.mode == "auto" and tools):
+        if schema is None:
+            return None
+        return _checked(Grammar("json_schema", json.dumps(schema)), "response_format")
+    call = _CALL_FORMATS.get(tool_parser)
+    if call is None:
+        raise BadRequest(
+            f"tool_choice '{tool_choice.mode}' cannot be enforced: the server's tool parser "
+            f"'{tool_parser}' has no tool-call format.",
+            param="tool_choice",
+        )
+    schemas = _tool_schemas(tools or [])
+    if tool_choice.mode == "function":
+        assert tool_choice.function_name is not None
+        schemas = {tool_choice.function_name: schemas[tool_choice.function_name]}
+    single = tool_choice.mode == "function" or parallel_tool_calls is False
+    fmt = _calls_format(call, schemas, single=single)
+    if not forced:  # auto with a response format: call tools, or answer in the format
+        assert schema is not None
+        answer = {"type": "json_schema", "json_schema": schema}
+        fmt = {"type": "or", "elements": [fmt, answer]}
+    param = "tool_choice" if forced else "response_format"
+    return _checked(
+        Grammar("structural_tag", json.dumps({"type": "structural_tag", "format": fmt})), param
+    )
+
+
+def _checked(grammar: Grammar, param: str) -> Grammar:
+    """``grammar`` after compiling it once without a tokenizer; a 400 if xgrammar refuses it."""
+    try:
+        if grammar.kind == "json_schema":
+            xgr.Grammar.from_json_schema(grammar.value, any_whitespace=True)
+        else:
+            xgr.Grammar.from_structural_tag(grammar.value)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise BadRequest(
+            f"The {param} cannot be enforced: {xgrammar_message(exc)}", param=param
+        ) from exc
+    return grammar
