@@ -6,6 +6,14 @@ a new training session is admitted only while ``N < (i + eta + 1) * B``, where
 then trained by a policy at most ``eta`` versions newer than the one that
 started generating it. ``eta = 0`` is synchronous RL. Open sessions are also
 capped, independently of the version.
+
+Groups are admitted as a unit: the capacity rule decides on a group's first
+session, and a session joining a group that already has an admitted session
+is admitted whatever the capacity (only the open-session cap applies), so a
+group is never split across policy versions by admission. A group admitted
+just below the capacity can carry ``N`` past it by at most its size minus
+one; the trainer's own rule (drop tokens older than ``i - eta``) still bounds
+what is trained.
 """
 
 from __future__ import annotations
@@ -32,10 +40,16 @@ def admit(
     max_staleness: int | None,
     batch_size: int,
     max_open_sessions: int,
+    joins_admitted_group: bool = False,
 ) -> Admission:
+    """Admit a new training session? (module docstring: ``N < (i + eta + 1) * B``).
+
+    ``joins_admitted_group``: the session's group already has an admitted
+    session, so the group was admitted as a unit and this one follows it.
+    """
     if open_sessions >= max_open_sessions:
         return Admission(False, f"{open_sessions} sessions are open (cap {max_open_sessions})")
-    if max_staleness is None:
+    if max_staleness is None or joins_admitted_group:
         return Admission(True)
     capacity = staleness_capacity(
         version=version, max_staleness=max_staleness, batch_size=batch_size

@@ -2,10 +2,10 @@
 
 One step (:meth:`Trainer.step`), top to bottom:
 
-1. Wait until ``batch_size`` rewarded, finished sessions are claimed, oldest
-   finished first. ``Store.claim_sessions`` is atomic, so each session goes
-   to exactly one trainer; claims accumulate over polls until the batch is
-   full.
+1. Wait until ``batch_size`` rewarded, finished sessions are claimed in
+   whole groups, oldest finished first. ``Store.claim_groups`` is atomic, so
+   each session goes to exactly one trainer and a group is never split
+   across batches; claims accumulate over polls until the batch is full.
 2. Load their completions and build samples (returns, group-relative
    advantages; ``proxima.trainer.samples``). A session whose records cannot
    be trained (``samples.session_problem``) is dropped with its reason logged,
@@ -360,13 +360,17 @@ class Trainer:
             self._weights_ahead = False
 
     async def _claim_batch(self, stop: asyncio.Event) -> list[SessionRecord] | None:
-        """Claim until ``batch_size`` sessions are held; None if ``stop`` is set first."""
+        """Claim whole groups until ``batch_size`` sessions are held; None if ``stop`` is set first.
+
+        ``batch_size`` counts sessions in whole groups: the last group claimed
+        may carry the batch past it, and no group is ever split across batches.
+        """
         size = self.cfg.batch_size
         kinds = [SessionKind(k) for k in self.cfg.loop.session_kinds]
         claimed: list[SessionRecord] = []
         while True:
-            claimed += await self.store.claim_sessions(
-                limit=size - len(claimed), trainer_id=self.state.trainer_id, kinds=kinds
+            claimed += await self.store.claim_groups(
+                min_sessions=size - len(claimed), trainer_id=self.state.trainer_id, kinds=kinds
             )
             if len(claimed) >= size:
                 return claimed

@@ -470,7 +470,12 @@ class RolloutController:
     ) -> None:
         report = self._report
         try:
-            metadata = {"sample": sample, "item_index": index, "rollout": tag}
+            metadata = {
+                "sample": sample,
+                "item_index": index,
+                "rollout": tag,
+                "group_size": self.group_size,  # the trainer claims the group once all exist
+            }
             opened = await self._open_session(
                 client, group_id=group_id, data_id=data_id, metadata=metadata
             )

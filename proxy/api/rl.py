@@ -57,6 +57,8 @@ async def create_session(
             max_staleness=settings.max_staleness,
             batch_size=settings.train_batch_size,
             max_open_sessions=settings.max_open_sessions,
+            joins_admitted_group=body.group_id is not None
+            and await store.count_group_sessions(group_id=body.group_id) > 0,
         )
         if not decision.admitted:
             raise RateLimited(
