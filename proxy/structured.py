@@ -30,7 +30,16 @@ its chat template renders and the tool parser reads back (``hermes``:
 so a constrained reply is parsed, recorded and re-rendered like any other.
 
 Every grammar is compiled here once, tokenizer-free, so a schema xgrammar
-cannot handle is a 400 naming the parameter, never a backend failure.
+cannot handle is a 400 naming the parameter, never a backend failure; so is a
+schema with constraints xgrammar would silently not enforce (SGLang's rule:
+``unenforceable_schema_reason``).
+
+String lengths: xgrammar 0.2.7 writes a ``minLength``/``maxLength`` string as
+any characters but quote, backslash and line breaks, so other control
+characters (invalid in JSON) get through. Such a string is sent as the
+equivalent ``pattern`` ``^[^\x00-\x1f"\\]{min,max}$`` instead: the output is
+always valid JSON of the right length, at the price of no escapes (no quote
+or backslash) inside length-limited strings.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import xgrammar as xgr
-from proxima.proxy.embedded.grammar import xgrammar_message
+from proxima.proxy.embedded.grammar import unenforceable_schema_reason, xgrammar_message
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.tools import ToolChoice
 
@@ -115,14 +124,39 @@ def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, 
     )
 
 
+def enforceable_schema(schema: Any, param: str) -> Any:
+    """``schema`` with string lengths as patterns; a 400 if xgrammar cannot enforce it."""
+    reason = unenforceable_schema_reason(schema)
+    if reason is not None:
+        raise BadRequest(
+            f"The {param} cannot be enforced: the JSON schema at {reason}.", param=param
+        )
+    return _lengths_as_patterns(schema)
+
+
+def _lengths_as_patterns(node: Any) -> Any:
+    """A copy of a schema (any JSON) where length-limited strings carry a pattern instead."""
+    if isinstance(node, list):
+        return [_lengths_as_patterns(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lengths_as_patterns(v) for k, v in node.items()}
+    lengths = ("minLength" in out or "maxLength" in out) and out.get("type") == "string"
+    if lengths and "pattern" not in out and "format" not in out:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
+    return out
+
+
 def _tool_schemas(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Function name -> its parameters schema (an empty object when none is given)."""
     schemas = {}
     for tool in tools:
         function = tool.get("function") or {}
         parameters = function.get("parameters")
-        schemas[function["name"]] = (
-            parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
+        schemas[function["name"]] = enforceable_schema(
+            parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}},
+            "tool_choice",
         )
     return schemas
 
@@ -167,6 +201,8 @@ def output_grammar(
     parser that has no call format (``none``).
     """
     schema = response_format_schema(response_format)
+    if schema is not None:
+        schema = enforceable_schema(schema, "response_format")
     forced = tool_choice.mode in ("required", "function")
     if not forced and not (schema is not None and tool_choice.mode == "auto" and tools):
         if schema is None:

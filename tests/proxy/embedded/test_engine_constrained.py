@@ -18,6 +18,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, Reference, generate, logprobs_of
 from proxima.proxy.embedded.engine import Engine
+from proxima.proxy.structured import enforceable_schema
 from proxima.proxy.tools import HermesToolParser
 
 SCHEMA: dict[str, Any] = {
@@ -134,6 +135,53 @@ async def test_forced_tool_calls_parse_into_valid_calls(client: httpx.AsyncClien
             assert len(parsed.tool_calls) == 1
         for call in parsed.tool_calls:
             jsonschema.validate(json.loads(call.arguments), functions[call.name])
+
+
+async def test_length_limited_strings_as_patterns_stay_valid_json(
+    client: httpx.AsyncClient,
+) -> None:
+    # xgrammar 0.2.7 lets raw control characters into minLength/maxLength strings (invalid
+    # JSON); the proxy sends such strings as an equivalent pattern (proxy/structured.py).
+    raw = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 6}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+
+    async def texts(schema: dict[str, Any]) -> list[str]:
+        replies = await asyncio.gather(
+            *(
+                generate(
+                    client,
+                    text="hi",
+                    sampling_params={
+                        "json_schema": json.dumps(schema),
+                        "max_new_tokens": 300,
+                        "sampling_seed": seed,
+                    },
+                )
+                for seed in range(12)
+            )
+        )
+        assert all(r["meta_info"]["finish_reason"]["type"] == "stop" for r in replies)
+        return [r["text"] for r in replies]
+
+    for text in await texts(enforceable_schema(raw, "response_format")):
+        value = json.loads(text)["a"]
+        # Length in characters; a byte-level model may emit invalid UTF-8 that decodes
+        # to U+FFFD replacement characters, which do not count as the bytes it held.
+        assert "\ufffd" in value or len(value) <= 6
+    unpatched = await texts(raw)
+    assert any(_not_json(t) for t in unpatched)  # the xgrammar bug the rewrite avoids
+
+
+def _not_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return True
+    return False
 
 
 async def test_truncation_mid_json_ends_with_length(client: httpx.AsyncClient) -> None:
@@ -253,6 +301,7 @@ async def test_penalties_match_a_step_by_step_reference(
     [
         ({"json_schema": '{"type": "objec"}'}, 'Unsupported type \\"objec\\"'),
         ({"regex": "(", "ebnf": 'root ::= "a"'}, "Only one of json_schema, regex, ebnf"),
+        ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "uniqueItems cannot be"),
         ({"logit_bias": {"999999": 1.0}}, "logit_bias must have keys in"),
         ({"logit_bias": {"abc": 1.0}}, "logit_bias keys must be token ids"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
