@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.errors import ProximaError
+from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
 
@@ -58,11 +59,6 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 def error_of(exc: ProximaError) -> dict[str, Any]:
     message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
     return error_body(exc.status_code, message)
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -158,8 +154,8 @@ class MessagesStream:
             "usage": _usage(input_tokens, 0),
         }
         return [
-            sse_event({"type": "message_start", "message": message}),
-            sse_event({"type": "ping"}),
+            named_sse({"type": "message_start", "message": message}),
+            named_sse({"type": "ping"}),
         ]
 
     def feed(self, events: list[StreamEvent]) -> list[bytes]:
@@ -184,10 +180,10 @@ class MessagesStream:
         self._open = kind
         self._arguments = []
         event = {"type": "content_block_start", "index": self._blocks, "content_block": block}
-        return [sse_event(event)]
+        return [named_sse(event)]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse_event({"type": "content_block_delta", "index": self._blocks, "delta": delta})
+        return named_sse({"type": "content_block_delta", "index": self._blocks, "delta": delta})
 
     def _close(self) -> list[bytes]:
         if self._open is None:
@@ -196,7 +192,7 @@ class MessagesStream:
         if self._open == "tool_use":
             arguments = json.dumps(tool_input("".join(self._arguments)), ensure_ascii=False)
             out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
-        out.append(sse_event({"type": "content_block_stop", "index": self._blocks}))
+        out.append(named_sse({"type": "content_block_stop", "index": self._blocks}))
         self._open = None
         self._blocks += 1
         return out
@@ -211,15 +207,15 @@ class MessagesStream:
             "stop_sequence": sequence,
         }
         out.append(
-            sse_event(
+            named_sse(
                 {"type": "message_delta", "delta": delta, "usage": {"output_tokens": output_tokens}}
             )
         )
-        out.append(sse_event({"type": "message_stop"}))
+        out.append(named_sse({"type": "message_stop"}))
         return out
 
     def fail(self, exc: ProximaError) -> list[bytes]:
-        return [sse_event(error_of(exc))]
+        return [named_sse(error_of(exc))]
 
 
 # ------------------------------------------------------------------ driver events

@@ -23,7 +23,6 @@ is neither text nor calls is one empty message, as OpenAI returns it.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,18 +30,13 @@ from typing import Any
 
 from proxima.proxy.errors import ProximaError
 from proxima.proxy.service.builders.chat import logprob_content
+from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One server-sent event named after its ``type``, as OpenAI sends them."""
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +171,7 @@ class ResponsesStream:
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return sse_event(event)
+        return named_sse(event)
 
     def start(self) -> list[bytes]:
         snapshot = self.head.snapshot("in_progress", [])

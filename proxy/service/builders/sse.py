@@ -1,4 +1,4 @@
-"""OpenAI's streaming framing (``data: <json>`` events, ``[DONE]`` last) and usage object."""
+"""Server-sent event framing: OpenAI's (``data: <json>``, ``[DONE]`` last), named events, usage."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ DONE = b"data: [DONE]\n\n"
 def sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
+
+
+def named_sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event named by an ``event:`` line after its ``type``.
+
+    The Responses API and Anthropic's Messages API frame their events this way
+    (Anthropic's SDK skips events without a name).
+    """
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 def usage(u: Usage) -> dict[str, int]:
