@@ -57,6 +57,12 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None
 
 
+class CountTokensRequest(MessagesRequest):
+    """The body of ``POST /v1/messages/count_tokens``: a message request without ``max_tokens``."""
+
+    max_tokens: int = Field(1, ge=1)
+
+
 def _text_of_blocks(blocks: Any, where: str, separator: str) -> str:
     if isinstance(blocks, str):
         return blocks

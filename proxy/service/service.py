@@ -96,6 +96,13 @@ class CompletionService:
         """The generation's events; every choice is committed before its ``Finish``."""
         return self.driver.stream(prep, self._commit)
 
+    def count_prompt_tokens(self, request: CanonicalRequest) -> int:
+        """The tokens a conversation renders to on its own (no session, no generation)."""
+        if not isinstance(request.input, ChatInput):
+            raise TypeError("count_prompt_tokens takes a chat request")
+        chat = request.input
+        return len(self.preparer.renderer.build_prompt(chat.messages, chat.tools, []).prompt_ids)
+
     async def conversation_of(
         self, principal: Principal, external_id: str | None, completion_id: str
     ) -> list[dict[str, Any]] | None:

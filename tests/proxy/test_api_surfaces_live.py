@@ -126,7 +126,8 @@ def test_openai_responses_streamed_and_previous_response_id(live_proxy: LiveProx
     check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
 
 
-async def test_agents_sdk_runs_a_function_tool_agent(live_proxy: LiveProxy) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+async def test_agents_sdk_runs_a_function_tool_agent(live_proxy: LiveProxy, streamed: bool) -> None:
     set_tracing_disabled(True)
     s = live_proxy.new_session(group_id="agents-sdk")
     client = AsyncOpenAI(base_url=s["base_url"], api_key=s["api_key"])
@@ -149,7 +150,12 @@ async def test_agents_sdk_runs_a_function_tool_agent(live_proxy: LiveProxy) -> N
         tools=[tool],
         model_settings=ModelSettings(temperature=0, max_tokens=80),
     )
-    result = await Runner.run(agent, QUESTION)
+    if streamed:
+        result = Runner.run_streamed(agent, QUESTION)
+        kinds = {event.type async for event in result.stream_events()}
+        assert "raw_response_event" in kinds  # the Responses events, as they arrived
+    else:
+        result = await Runner.run(agent, QUESTION)
     assert cities == ["Paris"]
     assert result.final_output == ANSWER
     completions = check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER])
@@ -197,6 +203,10 @@ def test_anthropic_messages_create_and_stream(live_proxy: LiveProxy) -> None:
     assert m3.usage.output_tokens == len(WELCOME.encode()) + 1
     completions = check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
     assert [c["id"] for c in completions] == [m1.id, m2.id, m3.id]
+    counted = client.messages.count_tokens(
+        model=live_proxy.model_name, messages=messages[:1], tools=[ANTHROPIC_TOOL]
+    )
+    assert counted.input_tokens == m1.usage.input_tokens == len(completions[0]["prompt_ids"])
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["invoke", "stream"])
