@@ -283,3 +283,43 @@ def test_one_session_mixes_the_three_apis(live_proxy: LiveProxy) -> None:
     )
     assert r3.output_text == WELCOME
     check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
+
+
+def test_cut_and_stopped_replies(live_proxy: LiveProxy) -> None:
+    s = live_proxy.new_session(group_id="stops")
+    model = live_proxy.model_name
+    claude = anthropic.Anthropic(base_url=root_url(live_proxy, s), api_key=s["api_key"])
+    turn2 = [
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "call_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": TOOL_RESULT}],
+        },
+    ]
+    kw: dict[str, Any] = dict(model=model, tools=[ANTHROPIC_TOOL], extra_body=GREEDY)
+    stopped = claude.messages.create(messages=turn2, max_tokens=80, stop_sequences=["sunny"], **kw)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "sunny")
+    assert [b.text for b in stopped.content] == [ANSWER.split("sunny")[0]]
+    with claude.messages.stream(messages=turn2, max_tokens=3, **kw) as stream:
+        cut = stream.get_final_message()
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+
+    client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
+    short = client.responses.create(model=model, input=QUESTION, max_output_tokens=3, **GREEDY)
+    assert short.status == "incomplete"
+    assert short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage is not None and short.usage.output_tokens == 3
+    stored = live_proxy.trajectory(s["session_id"])["completions"]
+    assert [c["finish_reason"] for c in stored] == ["stop", "length", "length"]
