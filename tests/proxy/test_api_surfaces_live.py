@@ -112,6 +112,7 @@ def test_openai_responses_streamed_and_previous_response_id(live_proxy: LiveProx
 
     # Turn 2 continues turn 1 by id and sends only the tool's output, through the helper.
     with client.responses.stream(
+        include=["message.output_text.logprobs"],
         previous_response_id=r1.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}],
         **kw,
@@ -119,11 +120,20 @@ def test_openai_responses_streamed_and_previous_response_id(live_proxy: LiveProx
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         r2 = stream.get_final_response()
     assert "".join(deltas) == r2.output_text == ANSWER
+    r2_logprobs = r2.output[0].content[0].logprobs
+    assert r2.usage is not None and len(r2_logprobs) == r2.usage.output_tokens  # end token too
     r3 = client.responses.create(
-        previous_response_id=r2.id, input=[{"role": "user", "content": THANKS}], **kw
+        previous_response_id=r2.id,
+        input=[{"role": "user", "content": THANKS}],
+        include=["message.output_text.logprobs"],
+        **kw,
     )
     assert r3.output_text == WELCOME
-    check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
+    completions = check_trajectory(live_proxy, s["session_id"], [CALL_TEXT, ANSWER, WELCOME])
+    # The reported logprobs are the recorded ones, which the trainer uses.
+    assert [lp.logprob for lp in r2_logprobs] == completions[1]["output_logprobs"]
+    r3_logprobs = r3.output[0].content[0].logprobs
+    assert [lp.logprob for lp in r3_logprobs] == completions[2]["output_logprobs"]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])

@@ -289,6 +289,9 @@ class ResponsesStream:
         out: list[bytes] = []
         if not self._items:
             out += self._text_item_if_empty()
+        if self._open is not None and self._open.item["type"] == "message":
+            # Tokens that produced no more text (the end token) still count in the item's logprobs.
+            self._open.logprobs.extend(self._pending_logprobs)
         out += self._close(status)
         snapshot = self.head.snapshot(status, self._items, usage(input_tokens, output_tokens))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
