@@ -12,9 +12,10 @@ prompt + output + the new tokens, whichever API each turn came through.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
+import jsonschema
 import pytest
 from agents import (
     Agent,
@@ -28,6 +29,7 @@ from langchain_anthropic import ChatAnthropic
 from langchain_core.messages import HumanMessage, ToolMessage
 from openai import AsyncOpenAI, OpenAI
 from proxima.proxy.testing.live import LiveProxy
+from pydantic import BaseModel
 
 from tests.proxy.scripts import (
     ANSWER,
@@ -333,3 +335,91 @@ def test_cut_and_stopped_replies(live_proxy: LiveProxy) -> None:
     assert short.usage is not None and short.usage.output_tokens == 3
     stored = live_proxy.trajectory(s["session_id"])["completions"]
     assert [c["finish_reason"] for c in stored] == ["stop", "length", "length"]
+
+
+# ------------------------------------------ structured output and forced tool choice
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    sunny: bool
+    degrees: int
+
+
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}, "seconds": {"type": "boolean"}},
+    "required": ["zone", "seconds"],
+    "additionalProperties": False,
+}
+
+
+def test_responses_parse_helper_and_required_tool_choice(live_proxy: LiveProxy) -> None:
+    s = live_proxy.new_session(group_id="responses-structured")
+    client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
+    model = live_proxy.model_name
+    parsed = client.responses.parse(
+        model=model,
+        input="Forecast for Paris as JSON.",
+        text_format=Forecast,
+        max_output_tokens=300,
+    )
+    assert isinstance(parsed.output_parsed, Forecast)
+    assert Forecast.model_validate_json(parsed.output_text) == parsed.output_parsed
+    events = list(
+        client.responses.create(
+            model=model,
+            input="Hello there.",  # no reason to call a tool
+            tools=[
+                RESPONSES_TOOL,
+                {"type": "function", "name": "get_time", "parameters": TIME_SCHEMA},
+            ],
+            tool_choice={"type": "function", "name": "get_time"},
+            max_output_tokens=300,
+            stream=True,
+        )
+    )
+    call = _call(events[-1].response)
+    assert call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TIME_SCHEMA)
+    stored = live_proxy.trajectory(s["session_id"])["completions"]
+    assert [c["sampling"]["logit_transforms"] for c in stored] == [
+        ["grammar:json_schema"],
+        ["grammar:structural_tag"],
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_anthropic_any_and_tool_choice_are_enforced(live_proxy: LiveProxy, stream: bool) -> None:
+    s = live_proxy.new_session(group_id="anthropic-forced")
+    client = anthropic.Anthropic(base_url=root_url(live_proxy, s), api_key=s["api_key"])
+    time_tool = {"name": "get_time", "description": "The time.", "input_schema": TIME_SCHEMA}
+    kw: dict[str, Any] = dict(
+        model=live_proxy.model_name,
+        max_tokens=300,
+        messages=[{"role": "user", "content": QUESTION}],  # the taught model calls get_weather
+        tools=[ANTHROPIC_TOOL, time_tool],
+    )
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+        if stream:
+            with client.messages.stream(tool_choice=choice, **kw) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(tool_choice=choice, **kw)
+        assert message.stop_reason == "tool_use"
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert uses and all(u.name in ("get_weather", "get_time") for u in uses)
+        if choice["type"] == "tool":
+            assert [u.name for u in uses] == ["get_time"]
+            jsonschema.validate(uses[0].input, TIME_SCHEMA)
+    structured = client.messages.create(
+        model=live_proxy.model_name,
+        max_tokens=300,
+        messages=[{"role": "user", "content": "Forecast for Paris as JSON."}],
+        extra_body={
+            "output_config": {
+                "format": {"type": "json_schema", "schema": Forecast.model_json_schema()}
+            }
+        },
+    )
+    Forecast.model_validate_json(structured.content[0].text)
