@@ -111,19 +111,46 @@ def error_envelope(
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable sentence for the first validation error, and its parameter."""
+    """One readable sentence for the first validation error, and its parameter.
+
+    A validator that knows the exact field (``param`` on the raised error, e.g.
+    ``messages[0].content``) names it; the alternatives of a union (``prompt``
+    as a string or token ids) are reported at the union's own field.
+    """
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(getattr(cause, "param", None), str):
+        return str(cause), cause.param
     if first.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request: " + first.get("msg", ""), None
+    loc = _common_prefix([_field_path(e.get("loc", ())) for e in errors if e.get("loc")])
+    param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if param:
         return f"Invalid value for '{param}': {msg}.", param
     return f"Invalid request body: {msg}.", None
+
+
+def _field_path(loc: Any) -> list[str]:
+    return [str(p) for p in loc if p not in ("body", "header", "query", "path")]
+
+
+def _common_prefix(paths: list[list[str]]) -> list[str]:
+    """The path every error of the first field shares (a union's member tags drop out)."""
+    if not paths:
+        return []
+    first = paths[0]
+    same_field = [p for p in paths if p[:1] == first[:1]]
+    prefix = first
+    for path in same_field[1:]:
+        n = 0
+        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
 
 
 def install_error_handlers(app: FastAPI) -> None:

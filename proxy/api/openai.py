@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 from proxima.proxy.api import openai_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
-from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
+from proxima.proxy.api.schemas import MAX_ID_LENGTH, ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.chat import chat_response, chat_stream
@@ -22,6 +22,9 @@ from proxima.proxy.service.builders.sse import SSE_HEADERS
 from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+
+# The production session a recorded request belongs to (``user`` in the body works too).
+SessionHeader = Annotated[str | None, Header(max_length=MAX_ID_LENGTH)]
 
 
 def _session_header(session: SessionRecord | None) -> dict[str, str]:
@@ -34,7 +37,7 @@ async def chat_completions(
     body: ChatCompletionRequest,
     principal: PrincipalDep,
     service: ServiceDep,
-    x_session_id: Annotated[str | None, Header()] = None,
+    x_session_id: SessionHeader = None,
 ) -> JSONResponse | StreamingResponse:
     service.check_model(body.model)
     prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
@@ -62,7 +65,7 @@ async def completions(
     body: CompletionRequest,
     principal: PrincipalDep,
     service: ServiceDep,
-    x_session_id: Annotated[str | None, Header()] = None,
+    x_session_id: SessionHeader = None,
 ) -> JSONResponse | StreamingResponse:
     service.check_model(body.model)
     prep = await service.prepare(translate.completion_request(body), principal, x_session_id)

@@ -21,7 +21,7 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     messages = normalize_messages(req.messages)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = req.tool_dicts  # as sent: the template keeps their key order
     tool_choice = (
         req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     )

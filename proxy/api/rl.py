@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from proxima.proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
 from proxima.proxy.api.schemas import (
     CreateSessionRequest,
@@ -19,7 +21,20 @@ from proxima.proxy.staleness import admit
 from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
 
-router = APIRouter(prefix="/rl", tags=["rl"])
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped (``\\u00e9``).
+
+    Trajectories hold text recorded from clients; one that reached the store
+    before strings were checked (a lone surrogate) cannot be encoded as UTF-8,
+    but escaped it still serializes, so the session stays readable.
+    """
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+router = APIRouter(prefix="/rl", tags=["rl"], default_response_class=AsciiJSONResponse)
 
 
 async def _owned_session(store: Store, principal: Principal, session_id: str) -> SessionRecord:

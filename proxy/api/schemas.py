@@ -3,17 +3,93 @@
 OpenAI clients send fields we do not act on (``store``, ``metadata``,
 ``parallel_tool_calls``...): requests allow extra fields, and the fields that
 change what is generated are validated with limits that give clear 400s.
+
+Types are strict, as OpenAI's are: ``max_tokens: true``, ``stream: "yes"`` or
+a prompt ``[true, false]`` are 400s, not coerced (an int is still a valid
+float). Every string of every request body must be valid Unicode: a lone
+UTF-16 surrogate (JSON ``"\ud800"``, which Python's JSON parser accepts) can
+be neither tokenized nor stored, so it is a 400 naming the field
+(``messages[0].content``). Identifiers that the store keeps in indexed text
+columns (``group_id``, ``data_id``, ``user``, weight paths) may not contain
+NUL either, and are at most 200 characters, as their columns are.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+
+MAX_ID_LENGTH = 200
+"""Longest ``group_id``, ``data_id``, ``user`` or ``X-Session-Id`` (their columns' width)."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class InvalidString(ValueError):
+    """A request string that cannot be tokenized or stored; ``param`` names where it is."""
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Raise ``InvalidString`` for the first lone surrogate in ``value``'s strings.
+
+    Walks dicts (keys and values) and lists; ``param`` is the path of
+    ``value``, extended OpenAI-style (``messages[0].tool_calls[1].function``).
+    """
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is not None:
+            raise InvalidString(
+                f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate "
+                f"({found.group()!a}) at index {found.start()}; send valid Unicode text.",
+                param=param,
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            child = f"{param}.{key}" if param else str(key)
+            check_unicode(key, child)
+            check_unicode(item, child)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_unicode(item, f"{param}[{index}]")
+
+
+def check_identifier(value: str | None, param: str) -> str | None:
+    """``value`` unless it holds NUL (text columns cannot store it): ``InvalidString``."""
+    if value is not None and "\x00" in value:
+        raise InvalidString(
+            f"Invalid value for '{param}': it contains a NUL character.", param=param
+        )
+    return value
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Body(BaseModel):
+    """A request body: strict types, and valid Unicode in every string (see the module doc)."""
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_unicode(data, "")
+        return data
 
 
 class FunctionDef(_Open):
@@ -41,7 +117,7 @@ class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class SamplingFields(_Open):
+class SamplingFields(_Open, _Body):
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -52,11 +128,16 @@ class SamplingFields(_Open):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_ID_LENGTH)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (as in vLLM/SGLang): keep generating past the end token
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        return check_identifier(v, "user")
 
     @field_validator("stop")
     @classmethod
@@ -94,6 +175,24 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    _tool_dicts: list[dict[str, Any]] | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw_tools(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        request = handler(data)
+        if isinstance(data, dict) and request.tools:
+            request._tool_dicts = data["tools"]
+        return request
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """``tools`` exactly as the client sent them (key order, nulls), for the template.
+
+        Templates write tools with ``tojson``, which keeps key order, so the
+        prompt is rendered from these, not from a re-serialized model.
+        """
+        return self._tool_dicts
 
 
 class CompletionRequest(SamplingFields):
@@ -104,10 +203,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class CreateSessionRequest(_Open):
-    group_id: str | None = Field(None, max_length=256)
-    data_id: str | None = Field(None, max_length=256)
+class CreateSessionRequest(_Open, _Body):
+    group_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
+    data_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     metadata: dict[str, Any] | None = None
+
+    @field_validator("group_id", "data_id")
+    @classmethod
+    def _ids(cls, v: str | None, info: Any) -> str | None:
+        return check_identifier(v, info.field_name)
 
 
 class CreateSessionResponse(BaseModel):
@@ -116,22 +220,28 @@ class CreateSessionResponse(BaseModel):
     base_url: str
 
 
-class RewardRequest(BaseModel):
+class RewardRequest(_Body):
     model_config = ConfigDict(extra="forbid")
 
     reward: float = Field(allow_inf_nan=False)
     completion_id: str | None = None
 
 
-class FinishRequest(BaseModel):
+class FinishRequest(_Body):
     model_config = ConfigDict(extra="forbid")
 
     status: Literal["finished", "failed"] = "finished"
 
 
-class WeightsRequest(BaseModel):
+class WeightsRequest(_Body):
     model_config = ConfigDict(extra="forbid")
 
     # Per-token versions are stored as int32.
     version: int = Field(ge=0, le=2**31 - 1)
     path: str = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        check_identifier(v, "path")
+        return v

@@ -84,7 +84,7 @@ class PromptPreparer:
         session: SessionRecord | None,
         history: Sequence[CompletionRecord],
     ) -> Prepared:
-        # Inline, not in a thread: rendering is short and memoized, and a thread hop
+        # Inline, not in a thread: rendering is short, tokenizing is memoized, and a thread hop
         # costs more in GIL hand-offs than it saves under load.
         plan = self.renderer.build_prompt(chat.messages, chat.tools, history)
         grammar = output_grammar(

@@ -127,25 +127,29 @@ class CompletionService:
     async def _session_for(
         self, principal: Principal, external_id: str | None
     ) -> SessionRecord | None:
+        """The session this request is recorded in; a closed one is 409 ``session_closed``."""
         if principal.kind is PrincipalKind.SESSION:
             session = principal.session
             assert session is not None
-            if session.status is not SessionStatus.OPEN:
-                raise Conflict(
-                    f"Session {session.id} is {session.status.value}; open a new session.",
-                    code="session_closed",
-                )
-            return session
-        if (
+            advice = "open a new session"
+        elif (
             principal.kind is PrincipalKind.PRODUCTION
             and principal.api_key is not None
             and principal.api_key.record
             and self.settings.record_production
         ):
-            return await self.store.get_or_create_production_session(
+            session = await self.store.get_or_create_production_session(
                 api_key_id=principal.api_key.id, external_id=external_id
             )
-        return None
+            advice = "send another X-Session-Id (or user) to start a new one"
+        else:
+            return None
+        if session.status is not SessionStatus.OPEN:
+            raise Conflict(
+                f"Session {session.id} is {session.status.value}; {advice}.",
+                code="session_closed",
+            )
+        return session
 
     async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
         history = self.cache.history(session.id)

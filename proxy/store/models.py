@@ -137,7 +137,8 @@ class CompletionRow(Base):
     request_messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     request_tools: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     response_message: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    response_text: Mapped[str] = mapped_column(Text)
+    # JSON, not text: a JSON string keeps NUL (``\u0000``), which PostgreSQL text cannot.
+    response_text: Mapped[str] = mapped_column(JSON)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     model: Mapped[str] = mapped_column(String(200))
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)

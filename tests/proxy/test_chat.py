@@ -9,12 +9,9 @@ from typing import Any
 import pytest
 from proxima.proxy.chat import (
     ChatRenderer,
-    ContextTooLong,
     InvalidMessages,
-    InvalidPrompt,
     Message,
     PromptPlan,
-    check_context,
     messages_equivalent,
     normalize_messages,
 )
@@ -516,59 +513,3 @@ def test_renderer_needs_a_chat_template() -> None:
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         ChatRenderer(tokenizer)
-
-
-# ------------------------------------------------------------------------ completions
-
-
-def test_render_completion_prompt(renderer: ChatRenderer) -> None:
-    ids = renderer.encode("Once upon")
-    assert renderer.render_completion_prompt("Once upon") == ids
-    assert renderer.render_completion_prompt(["Once upon"]) == ids
-    assert renderer.render_completion_prompt([5, 6, 7]) == [5, 6, 7]
-    assert renderer.render_completion_prompt([[5, 6]]) == [5, 6]
-    assert renderer.render_completion_prompt("<|im_start|>user") == [
-        renderer.encode("<|im_start|>")[0],
-        *renderer.encode("user"),
-    ]
-
-
-@pytest.mark.parametrize(
-    "prompt, words",
-    [
-        ([], "non-empty"),
-        (None, "non-empty"),
-        (["a", "b"], "Batched"),
-        ([[1], [2]], "Batched"),
-        ([1, "a"], "token ids"),
-        ([True], "token ids"),
-        ([10**9], "out of range"),
-        ([[]], "non-empty"),
-    ],
-)
-def test_render_completion_prompt_errors(renderer: ChatRenderer, prompt: Any, words: str) -> None:
-    with pytest.raises(InvalidPrompt, match=words) as info:
-        renderer.render_completion_prompt(prompt)
-    assert info.value.param == "prompt"
-
-
-# ---------------------------------------------------------------------------- context
-
-
-def test_check_context() -> None:
-    assert check_context(100, 50, 200) == 50
-    assert check_context(100, None, 200) == 100
-    assert check_context(150, 50, 200) == 50
-    with pytest.raises(ContextTooLong) as info:
-        check_context(122, 4000, 4097)
-    assert str(info.value) == (
-        "This model's maximum context length is 4097 tokens. However, you requested 4122 tokens "
-        "(122 in the messages, 4000 in the completion). Please reduce the length of the messages "
-        "or completion."
-    )
-    assert info.value.code == "context_length_exceeded"
-    assert info.value.param == "messages"
-    assert isinstance(info.value, ValueError)
-    with pytest.raises(ContextTooLong, match="your prompt resulted in 300 tokens") as info:
-        check_context(300, None, 300, prompt_kind="prompt")
-    assert info.value.param == "prompt"

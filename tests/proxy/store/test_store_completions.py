@@ -84,3 +84,25 @@ async def test_no_completions_after_a_trainer_took_the_session(store: Store) -> 
     with pytest.raises(Conflict):
         await store.record_completion(completion=completion(session.id))
     assert len(await store.list_completions(session_id=session.id)) == 1
+
+
+# Whatever a model can generate must record: NUL (a byte-level tokenizer decodes token
+# <0x00> to it; PostgreSQL text columns refuse it), escapes, text that looks like JSON.
+GENERATED_TEXTS = ["a\x00b", "\x00", "", "42", '"quoted"', "back\\slash \\u0000", "🦀\U0010ffff"]
+
+
+@pytest.mark.parametrize("text", GENERATED_TEXTS)
+async def test_any_generated_text_records_losslessly(store: Store, text: str) -> None:
+    session = await store.create_session(api_key_hash=key_hash(), metadata={"note": text})
+    record = completion(
+        session.id,
+        response_text=text,
+        response_message={"role": "assistant", "content": text},
+        request_messages=[{"role": "user", "content": text, "name": text}],
+        sampling={"stop": [text]},
+    )
+    await store.record_completions(completions=[record])
+    assert await store.get_completion(completion_id=record.id) == record
+    assert await store.list_completions(session_id=session.id) == [record]
+    loaded = await store.get_session(session_id=session.id)
+    assert loaded is not None and loaded.metadata == {"note": text}

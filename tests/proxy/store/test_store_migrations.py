@@ -13,7 +13,7 @@ from proxima.proxy.store.database import create_engine
 from proxima.proxy.store.errors import StoreError
 from proxima.proxy.store.models import Base
 from proxima.proxy.store.store import Store
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 TABLES = {
@@ -121,3 +121,46 @@ def test_scripts_are_found_from_any_working_directory(
     migrate.upgrade("cwd.db")
     assert (tmp_path / "cwd.db").is_file()
     assert migrate.current_revision(f"sqlite:///{tmp_path / 'cwd.db'}") == migrate.head_revision()
+
+
+async def test_response_text_survives_the_json_migration(db_url: str) -> None:
+    """0003 turns ``response_text`` into JSON in place: old rows read back unchanged."""
+    await migrate.upgrade_async(db_url, "0002")
+    texts = {"c-plain": "plain", "c-quote": 'say "hi" \\ there', "c-num": "42", "c-empty": ""}
+    engine = create_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO sessions (id, kind, status, metadata, created_at) "
+                    "VALUES ('s', 'train', 'open', '{}', CURRENT_TIMESTAMP)"
+                )
+            )
+            for cid, body in texts.items():
+                await conn.execute(
+                    text(
+                        "INSERT INTO completions (id, session_id, prompt_ids, output_ids, "
+                        "output_logprobs, output_versions, finish_reason, created_at, "
+                        "response_text, sampling, model, choice_index) VALUES (:id, 's', :b, "
+                        ":b, :b, :b, 'stop', CURRENT_TIMESTAMP, :text, '{}', 'm', 0)"
+                    ),
+                    {"id": cid, "b": b"", "text": body},
+                )
+    finally:
+        await engine.dispose()
+    await migrate.upgrade_async(db_url, "head")
+    store = await Store.open(db_url)
+    try:
+        for cid, body in texts.items():
+            loaded = await store.get_completion(completion_id=cid)
+            assert loaded is not None and loaded.response_text == body
+    finally:
+        await store.close()
+    await migrate.downgrade_async(db_url, "0002")
+    engine = create_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, response_text FROM completions"))
+            assert dict(rows.tuples().all()) == texts
+    finally:
+        await engine.dispose()

@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC
 
 import pytest
+from proxima.proxy.api.schemas import MAX_ID_LENGTH
 from proxima.proxy.store import (
     Conflict,
     NotFound,
@@ -14,6 +15,7 @@ from proxima.proxy.store import (
     SessionStatus,
     Store,
 )
+from proxima.proxy.store.models import SessionRow
 
 from tests.proxy.store.factories import completion, key_hash
 
@@ -140,3 +142,24 @@ async def test_production_session_creation_is_race_safe(store: Store, db_url: st
         await second.close()
     assert len({s.id for s in sessions}) == 1
     assert await store.count_sessions(kind=SessionKind.PRODUCTION) == 1
+
+
+async def test_identifiers_up_to_the_api_limit_fit_their_columns(store: Store) -> None:
+    """The API accepts ids of up to ``MAX_ID_LENGTH`` characters; the columns hold them.
+
+    PostgreSQL enforces ``varchar(n)`` (SQLite does not): a longer API limit
+    than the column would turn valid requests into 500s there.
+    """
+    longest = "é" * MAX_ID_LENGTH  # characters, not bytes: 2 bytes each in UTF-8
+    for column in ("group_id", "data_id", "external_id"):
+        assert SessionRow.__table__.c[column].type.length == MAX_ID_LENGTH
+    session = await store.create_session(api_key_hash=key_hash(), group_id=longest, data_id=longest)
+    loaded = await store.get_session(session_id=session.id)
+    assert loaded is not None and (loaded.group_id, loaded.data_id) == (longest, longest)
+    key = await store.create_api_key(name="app", key_hash=key_hash(), record=True)
+    production = await store.get_or_create_production_session(
+        api_key_id=key.id, external_id=longest
+    )
+    assert production.external_id == longest
+    again = await store.get_or_create_production_session(api_key_id=key.id, external_id=longest)
+    assert again.id == production.id
