@@ -196,7 +196,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.tokenizer = tokenizer
         recorder = CompletionRecorder(store)
         recorder.start()
-        app.state.cache = SessionCache()
+        app.state.cache = SessionCache(ttl=settings.key_cache_seconds)
         app.state.service = CompletionService(
             settings=settings,
             store=store,

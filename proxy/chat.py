@@ -51,6 +51,7 @@ from typing import Any
 from jinja2 import TemplateError
 from proxima.proxy import errors
 from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.unicode import InvalidString, check_unicode
 
 _ENCODE_CACHE_SIZE = 4096
 
@@ -188,6 +189,10 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         arguments = _parse_arguments(arguments)
+        try:  # JSON escapes in the string may decode to lone surrogates
+            check_unicode(arguments, f"{where}.function.arguments")
+        except InvalidString as exc:
+            raise InvalidMessages(str(exc), param=exc.param) from exc
     elif not isinstance(arguments, dict):
         raise InvalidMessages(
             f"{where}.function.arguments must be a JSON string.",

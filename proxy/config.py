@@ -84,6 +84,13 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(
         default_factory=list, description="CORS origins; empty: CORS off."
     )
+    key_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="How long a key's owner is cached per process; a key revoked with "
+        "`proxima keys revoke` stops working within this time (0: every request reads the "
+        "store).",
+    )
     health_check_interval: float = Field(
         5.0, gt=0, description="Seconds between backend health probes."
     )

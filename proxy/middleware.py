@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from proxima.proxy.errors import error_envelope
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -53,7 +54,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _TooLarge(received)
+                    raise _TooLarge(received, limit)
             return message
 
         try:
@@ -62,5 +63,15 @@ class BodyLimitMiddleware:
             await self._reject(send, f"more than {exc.args[0]}")
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """A streamed (chunked) body passed the limit while it was read.
+
+    An ``HTTPException`` so that FastAPI, which turns any other error raised
+    while reading the body into a 400, passes it on: the answer is 413.
+    """
+
+    def __init__(self, received: int, limit: int):
+        super().__init__(
+            413, f"Request body of more than {received} bytes exceeds the limit of {limit}."
+        )
+        self.args = (received,)

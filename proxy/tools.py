@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.unicode import is_valid_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +207,8 @@ def _call_from_object(obj: Any) -> tuple[str, str] | None:
     Accepts ``arguments`` or ``parameters`` (Llama) as an object, or as a
     string that already holds the JSON; a missing one means no arguments.
     """
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or not is_valid_unicode(obj):
+        # Escapes that decode to lone surrogates: no UTF-8 form, so the text stays content.
         return None
     name = obj.get("name")
     if not isinstance(name, str) or not name:

@@ -19,18 +19,29 @@ router = APIRouter(tags=["admin"])
 async def update_weights(
     body: WeightsRequest, request: Request, _: AdminDep, pool: PoolDep, store: StoreDep
 ) -> dict[str, Any]:
-    """Interrupt generation, load ``path`` as policy ``version`` everywhere, resume."""
-    if body.version <= pool.version:
-        raise Conflict(
-            f"version {body.version} is not newer than the current version {pool.version}.",
-            param="version",
-        )
-    try:
-        update = await pool.update_weights(version=body.version, path=body.path)
-    except BackendError as exc:
-        raise BadRequest(f"Loading weights from {body.path} failed: {exc}", param="path") from exc
+    """Interrupt generation, load ``path`` as policy ``version`` everywhere, resume.
+
+    The check that ``version`` is newer, the load and the record in the store
+    are one critical section: of two concurrent pushes the second sees the
+    first's version, so the store, the pool and every backend agree on which
+    weights carry which number (a stale or duplicate version is 409, unloaded).
+    """
+    async with pool.publish_lock:
+        current = max(pool.version, await store.current_policy_version())
+        if body.version <= current:
+            raise Conflict(
+                f"version {body.version} is not newer than the current version {current}.",
+                param="version",
+                code="version_not_newer",
+            )
+        try:
+            update = await pool.update_weights(version=body.version, path=body.path)
+        except BackendError as exc:
+            raise BadRequest(
+                f"Loading weights from {body.path} failed: {exc}", param="path"
+            ) from exc
+        await store.record_policy_version(version=body.version, path=body.path)
     request.app.state.metrics.weight_updates.observe(update.seconds)
-    await store.record_policy_version(version=body.version, path=body.path)
     return {
         "version": update.version,
         "path": update.path,

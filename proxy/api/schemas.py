@@ -16,9 +16,9 @@ NUL either, and are at most 200 characters, as their columns are.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
+from proxima.proxy.unicode import InvalidString, check_unicode
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -31,40 +31,6 @@ from pydantic import (
 
 MAX_ID_LENGTH = 200
 """Longest ``group_id``, ``data_id``, ``user`` or ``X-Session-Id`` (their columns' width)."""
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class InvalidString(ValueError):
-    """A request string that cannot be tokenized or stored; ``param`` names where it is."""
-
-    def __init__(self, message: str, *, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-def check_unicode(value: Any, param: str) -> None:
-    """Raise ``InvalidString`` for the first lone surrogate in ``value``'s strings.
-
-    Walks dicts (keys and values) and lists; ``param`` is the path of
-    ``value``, extended OpenAI-style (``messages[0].tool_calls[1].function``).
-    """
-    if isinstance(value, str):
-        found = _SURROGATE.search(value)
-        if found is not None:
-            raise InvalidString(
-                f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate "
-                f"({found.group()!a}) at index {found.start()}; send valid Unicode text.",
-                param=param,
-            )
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            child = f"{param}.{key}" if param else str(key)
-            check_unicode(key, child)
-            check_unicode(item, child)
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            check_unicode(item, f"{param}[{index}]")
 
 
 def check_identifier(value: str | None, param: str) -> str | None:

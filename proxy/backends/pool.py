@@ -63,6 +63,10 @@ class BackendPool:
         self._ready = asyncio.Event()
         self._ready.set()
         self._update_lock = asyncio.Lock()
+        # Held by whoever picks the next version (POST /admin/weights) across its
+        # "newer than current" check, ``update_weights`` and recording the version,
+        # so concurrent pushes cannot both pass the check.
+        self.publish_lock = asyncio.Lock()
         self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self.last_update: WeightUpdate | None = None

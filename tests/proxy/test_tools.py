@@ -150,6 +150,9 @@ def test_hermes_plain_text_is_content_verbatim() -> None:
         '<tool_call>["f"]</tool_call>',
         '<tool_call>\n{"name": "f", "arguments": {"a": ',
         "<tool_call>" + "[" * 100_000 + "</tool_call>",
+        # Escapes of lone surrogates: no UTF-8 form, the response could not be encoded.
+        '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>',
+        '<tool_call>{"name": "f\\udc00", "arguments": {}}</tool_call>',
     ],
 )
 def test_hermes_malformed_call_stays_content(text: str) -> None:

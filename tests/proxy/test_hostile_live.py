@@ -1,0 +1,410 @@
+"""Hostile clients against a live proxy: bad strings, loose types, closed sessions, races.
+
+Every case here was a 500, a silent coercion or a wrong record before it was
+fixed; each must now get OpenAI's error envelope with the right status and
+``param``, or be served and recorded correctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from proxima.proxy.auth import PRODUCTION_KEY_PREFIX, SESSION_KEY_PREFIX, hash_key, new_key
+from proxima.proxy.store import Store
+from proxima.proxy.testing.live import LiveProxy
+from proxima.proxy.testing.tiny_model import build_tiny_model
+
+from tests.proxy.store.factories import completion
+
+T = TypeVar("T")
+BODY_LIMIT = 64 * 1024
+KEY_CACHE_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+    work = tmp_path_factory.mktemp("hostile-proxy")
+    live = LiveProxy(
+        tiny_model_dir,
+        db_url=f"sqlite:///{work / 'store.db'}",
+        log_path=work / "serve.log",
+        env={
+            "PROXIMA_MAX_BODY_BYTES": str(BODY_LIMIT),
+            "PROXIMA_KEY_CACHE_SECONDS": str(KEY_CACHE_SECONDS),
+        },
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+def _in_store(proxy: LiveProxy, use: Callable[[Store], Awaitable[T]]) -> T:
+    """Run ``use`` on a store opened on the live proxy's own database."""
+
+    async def run() -> T:
+        store = await Store.open(proxy.db_url)
+        try:
+            return await use(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _production_key(proxy: LiveProxy) -> tuple[str, str]:
+    """A recording production key, as ``proxima keys create`` makes one: (key, key id)."""
+    key = new_key(PRODUCTION_KEY_PREFIX)
+    record = _in_store(
+        proxy, lambda s: s.create_api_key(name="app", key_hash=hash_key(key), record=True)
+    )
+    return key, record.id
+
+
+def _post(
+    proxy: LiveProxy, path: str, body: Any, key: str, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return httpx.post(
+        proxy.url + path,
+        content=json.dumps(body).encode(),  # ensure_ascii: a lone surrogate goes as "\ud800"
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        | (headers or {}),
+        timeout=120,
+    )
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _chat(proxy: LiveProxy, **over: Any) -> dict[str, Any]:
+    return {
+        "model": proxy.model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        **over,
+    }
+
+
+BAD = "ok\ud800"  # a lone surrogate: valid JSON ("\ud800"), not valid Unicode
+
+
+def _tool(**function: Any) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": {}, **function}}]
+
+
+CHAT_CASES = [
+    ({"messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]},
+        "messages[0].content[0].text",
+    ),
+    ({"messages": [{"role": "user", "content": "hi", "name": BAD}]}, "messages[0].name"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"x": "' + BAD + '"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (  # valid text that decodes to a lone surrogate once the proxy parses the arguments
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c1", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments.x",
+    ),
+    ({"tools": _tool(description=BAD)}, "tools[0].function.description"),
+    (
+        {"tools": _tool(parameters={"properties": {BAD: {"type": "string"}}})},
+        "tools[0].function.parameters.properties",
+    ),
+    ({"stop": ["fine", BAD]}, "stop[1]"),
+    ({"user": BAD}, "user"),
+    ({"metadata": {"k": BAD}}, "metadata.k"),  # an OpenAI field we ignore, still checked
+]
+
+
+@pytest.mark.parametrize("over, param", CHAT_CASES)
+def test_lone_surrogates_in_chat_are_400s(
+    proxy: LiveProxy, over: dict[str, Any], param: str
+) -> None:
+    session = proxy.new_session()
+    err = _error(
+        _post(proxy, "/v1/chat/completions", _chat(proxy, **over), session["api_key"]), 400
+    )
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+    assert "surrogate" in err["message"]
+    assert proxy.trajectory(session["session_id"])["completions"] == []
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": BAD, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop": BAD, "max_tokens": 2}, "stop"),
+        ("/rl/sessions", {"metadata": {"note": BAD}}, "metadata.note"),
+        ("/rl/sessions", {"metadata": {BAD: 1}}, "metadata"),
+        ("/rl/sessions", {"group_id": BAD}, "group_id"),
+        ("/rl/sessions", {"data_id": "nul\x00"}, "data_id"),  # NUL: no text column takes it
+        ("/rl/sessions", {"group_id": "g" * 201}, "group_id"),  # the column holds 200
+        ("/admin/weights", {"version": 99, "path": BAD}, "path"),
+        ("/admin/weights", {"version": 99, "path": "/tmp/x\x00"}, "path"),
+    ],
+)
+def test_bad_strings_elsewhere_are_400s(proxy: LiveProxy, path: str, body: Any, param: str) -> None:
+    if path == "/v1/completions":
+        body = {"model": proxy.model_name, **body}
+    err = _error(_post(proxy, path, body, proxy.admin_token), 400)
+    assert err["param"] == param, err
+
+
+def test_nul_and_astral_text_is_served_and_recorded(proxy: LiveProxy) -> None:
+    session = proxy.new_session(group_id="g" * 200, metadata={"note": "nul\x00 🦀"})
+    text = "nul\x00 \U0010ffff 𝔘𝔫𝔦 " + "é" * 300
+    r = _post(
+        proxy,
+        "/v1/chat/completions",
+        _chat(proxy, messages=[{"role": "user", "content": text, "name": "ann\x00"}], stop="\x00"),
+        session["api_key"],
+    )
+    assert r.status_code == 200, r.text
+    trajectory = proxy.trajectory(session["session_id"])
+    assert trajectory["metadata"] == {"note": "nul\x00 🦀"}
+    assert trajectory["completions"][0]["request_messages"][0]["content"] == text
+
+
+@pytest.mark.parametrize(
+    "path, over, param",
+    [
+        ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"n": "2"}, "n"),
+        ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+        ("/v1/completions", {"max_tokens": 2.0}, "max_tokens"),
+        ("/rl/sessions/{sid}/reward", {"reward": True}, "reward"),
+        ("/admin/weights", {"version": "7", "path": "/tmp"}, "version"),
+    ],
+)
+def test_loose_types_are_not_coerced(
+    proxy: LiveProxy, path: str, over: dict[str, Any], param: str
+) -> None:
+    session = proxy.new_session()
+    if path.startswith("/v1/"):
+        base: dict[str, Any] = {"model": proxy.model_name, "max_tokens": 2}
+        base |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {}
+        base |= {"prompt": "hi"} if path == "/v1/completions" else {}
+        body = base | over
+    else:
+        body = over
+    err = _error(_post(proxy, path.format(sid=session["session_id"]), body, proxy.admin_token), 400)
+    assert err["param"] == param, err
+
+
+def test_floats_may_be_written_as_ints(proxy: LiveProxy) -> None:
+    r = _post(
+        proxy, "/v1/chat/completions", _chat(proxy, temperature=1, top_p=1), proxy.admin_token
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_session_ids_longer_than_their_column_are_400s(proxy: LiveProxy) -> None:
+    key, _ = _production_key(proxy)
+    err = _error(
+        _post(proxy, "/v1/chat/completions", _chat(proxy), key, {"X-Session-Id": "x" * 201}), 400
+    )
+    assert err["param"] == "x-session-id"
+    err = _error(_post(proxy, "/v1/chat/completions", _chat(proxy, user="u" * 201), key), 400)
+    assert err["param"] == "user"
+    r = _post(proxy, "/v1/chat/completions", _chat(proxy), key, {"X-Session-Id": "x" * 200})
+    assert r.status_code == 200, r.text
+
+
+def test_closed_production_sessions_take_no_more_turns(proxy: LiveProxy) -> None:
+    key, _ = _production_key(proxy)
+    conversation = {"X-Session-Id": "conversation-1"}
+    first = _post(proxy, "/v1/chat/completions", _chat(proxy), key, conversation)
+    assert first.status_code == 200, first.text
+    session_id = first.headers["X-Proxima-Session-Id"]
+    auth = {"Authorization": f"Bearer {key}"}
+    for status in ("finished",):
+        r = httpx.post(
+            f"{proxy.url}/rl/sessions/{session_id}/finish", json={"status": status}, headers=auth
+        )
+        assert r.status_code == 200, r.text
+    err = _error(_post(proxy, "/v1/chat/completions", _chat(proxy), key, conversation), 409)
+    assert err["code"] == "session_closed"
+    err = _error(
+        _post(
+            proxy, "/v1/completions", {"model": proxy.model_name, "prompt": "hi"}, key, conversation
+        ),
+        409,
+    )
+    assert err["code"] == "session_closed"
+    assert len(proxy.trajectory(session_id)["completions"]) == 1
+    # A new conversation id opens a new session.
+    other = _post(
+        proxy, "/v1/chat/completions", _chat(proxy), key, {"X-Session-Id": "conversation-2"}
+    )
+    assert other.status_code == 200 and other.headers["X-Proxima-Session-Id"] != session_id
+
+
+def test_failed_production_session_is_closed_too(proxy: LiveProxy) -> None:
+    key, _ = _production_key(proxy)
+    first = _post(proxy, "/v1/chat/completions", _chat(proxy, user="alice"), key)
+    session_id = first.headers["X-Proxima-Session-Id"]
+    r = httpx.post(
+        f"{proxy.url}/rl/sessions/{session_id}/finish",
+        json={"status": "failed"},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 200, r.text
+    err = _error(_post(proxy, "/v1/chat/completions", _chat(proxy, user="alice"), key), 409)
+    assert err["code"] == "session_closed"
+
+
+def test_stored_lone_surrogates_stay_readable(proxy: LiveProxy) -> None:
+    """Strings recorded before input was checked must not make a session unreadable."""
+    key = new_key(SESSION_KEY_PREFIX)
+
+    async def record(store: Store) -> str:
+        session = await store.create_session(api_key_hash=hash_key(key), metadata={"n": BAD})
+        await store.record_completion(
+            completion=completion(
+                session.id, request_messages=[{"role": "user", "content": "x", "name": BAD}]
+            )
+        )
+        return session.id
+
+    session_id = _in_store(proxy, record)
+    r = httpx.get(f"{proxy.url}/rl/sessions/{session_id}", headers=proxy.admin_headers())
+    assert r.status_code == 200, r.text
+    body = json.loads(r.content)
+    assert body["metadata"] == {"n": BAD}
+    assert body["completions"][0]["request_messages"][0]["name"] == BAD
+
+
+def test_chunked_body_over_the_limit_is_413(proxy: LiveProxy) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(2 * BODY_LIMIT // 1024):
+            yield b"a" * 1024
+        yield b'"}]}'
+
+    r = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=chunks(),  # no Content-Length: Transfer-Encoding: chunked
+        headers={
+            "Authorization": f"Bearer {proxy.admin_token}",
+            "Content-Type": "application/json",
+        },
+        timeout=60,
+    )
+    err = _error(r, 413)
+    assert "limit" in err["message"]
+
+
+def test_revoked_production_key_stops_within_the_cache_time(proxy: LiveProxy) -> None:
+    key, key_id = _production_key(proxy)
+    assert _post(proxy, "/v1/chat/completions", _chat(proxy), key).status_code == 200
+    _in_store(proxy, lambda s: s.revoke_api_key(key_id=key_id))
+    time.sleep(KEY_CACHE_SECONDS + 0.2)
+    _error(_post(proxy, "/v1/chat/completions", _chat(proxy), key), 401)
+
+
+# ----------------------------------------------------------------- weight pushes race
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("weights")
+    return build_tiny_model(root / "a", seed=11), build_tiny_model(root / "b", seed=12)
+
+
+def _push_together(proxy: LiveProxy, pushes: list[dict[str, Any]]) -> list[httpx.Response]:
+    """Send the pushes from threads, each a few ms after the previous one."""
+    answers: list[httpx.Response | None] = [None] * len(pushes)
+
+    def push(i: int) -> None:
+        answers[i] = httpx.post(
+            proxy.url + "/admin/weights", json=pushes[i], headers=proxy.admin_headers(), timeout=120
+        )
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.005)
+    for thread in threads:
+        thread.join()
+    assert all(a is not None for a in answers)
+    return [a for a in answers if a is not None]
+
+
+def _versions(proxy: LiveProxy) -> list[tuple[int, str | None]]:
+    async def read(store: Store) -> list[tuple[int, str | None]]:
+        return [(v.version, v.path) for v in await store.list_policy_versions()]
+
+    return _in_store(proxy, read)
+
+
+def test_concurrent_pushes_cannot_go_back_in_version(
+    proxy: LiveProxy, weights: tuple[Path, Path]
+) -> None:
+    """v10 then v5 a few ms later: v5 is refused, or (if it won the race) loaded first."""
+    a, b = weights
+    newer, older = _push_together(
+        proxy, [{"version": 10, "path": str(a)}, {"version": 5, "path": str(b)}]
+    )
+    assert newer.status_code == 200, newer.text
+    if older.status_code != 200:
+        assert _error(older, 409)["code"] == "version_not_newer"
+    health = httpx.get(proxy.url + "/health").json()
+    assert health["version"] == 10
+    assert [backend["version"] for backend in health["backends"]] == [10]
+    versions = _versions(proxy)
+    assert versions[-1] == (10, str(a))
+    assert ((5, str(b)) in versions) == (older.status_code == 200)
+
+
+def test_one_version_number_names_one_set_of_weights(
+    proxy: LiveProxy, weights: tuple[Path, Path]
+) -> None:
+    paths = [str(path) for path in weights]
+    answers = _push_together(proxy, [{"version": 20, "path": path} for path in paths])
+    assert sorted(a.status_code for a in answers) == [200, 409], [a.text for a in answers]
+    winner = paths[[a.status_code for a in answers].index(200)]
+    assert _error(answers[[a.status_code for a in answers].index(409)], 409)["param"] == "version"
+    assert httpx.get(proxy.url + "/health").json()["version"] == 20
+    assert _versions(proxy)[-1] == (20, winner)
