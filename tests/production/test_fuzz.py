@@ -184,6 +184,148 @@ def test_no_server_errors_under_fuzzing(proxy: LiveProxy) -> None:
     assert failures == [], f"{len(failures)} server errors:\n" + "\n".join(failures[:10])
 
 
+# ------------------------------------------------------------------ hostile strings
+# schemathesis draws printable text; these are the strings it never produced. A lone
+# surrogate is valid JSON ("\ud800") but has no UTF-8 form: a 400 naming the field.
+HOSTILE_STRINGS = [
+    "\ud800",
+    "tail \udfff",
+    "\udc00\ud800",  # two lone halves in the wrong order are not a pair
+    "\x00",
+    "nul\x00inside",
+    "\U0010ffff" * 300,
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🦀 \u202e\ufeff\ufffe",
+    "\\ud800",  # the escape as text: valid Unicode
+    "",
+]
+
+
+def _templates(model: str, session_id: str) -> dict[str, dict[str, Any]]:
+    """A valid body per route, with strings at every place a client can put one."""
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    return {
+        "/v1/chat/completions": {
+            "model": model,
+            "max_tokens": 2,
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": [{"type": "text", "text": "part"}], "name": "ann"},
+                {"role": "assistant", "content": "calling", "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "result"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "description": "desc",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+                    },
+                }
+            ],
+            "stop": ["stop"],
+            "user": "someone",
+        },
+        "/v1/completions": {"model": model, "max_tokens": 2, "prompt": "hi", "stop": "s"},
+        "/rl/sessions": {"group_id": "g", "data_id": "d", "metadata": {"k": ["v", {"n": "m"}]}},
+        f"/rl/sessions/{session_id}/reward": {"reward": 0.5, "completion_id": "c"},
+    }
+
+
+def _string_places(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Paths of every string value, and of every dict key (marked with a trailing "key")."""
+    if isinstance(value, str):
+        return [path]
+    if isinstance(value, dict):
+        places = []
+        for key, item in value.items():
+            places.append((*path, key, "key"))
+            places += _string_places(item, (*path, key))
+        return places
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _string_places(item, (*path, i))]
+    return []
+
+
+def _replace(body: Any, place: tuple[Any, ...], text: str) -> Any:
+    body = json.loads(json.dumps(body))
+    *parents, last = place
+    if last == "key":
+        *parents, key = parents
+        target = body
+        for step in parents:
+            target = target[step]
+        target[text] = target.pop(key)
+        return body
+    target = body
+    for step in parents:
+        target = target[step]
+    target[last] = text
+    return body
+
+
+def _has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def test_hostile_strings_anywhere_get_4xx_never_5xx(proxy: LiveProxy) -> None:
+    """Every string place of every body gets surrogates, NUL and astral text, escaped in
+    JSON or as raw (CESU-8) bytes, which Python's JSON parser also turns into surrogates."""
+    session = proxy.new_session(group_id="hostile")
+    templates = _templates(proxy.model_name, session["session_id"])
+    cases = [
+        (route, place)
+        for route, body in templates.items()
+        for place in _string_places(body)
+        if place[-1] != "key" or route.startswith("/rl/sessions") or "properties" in place
+    ]
+    problems: list[str] = []
+
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True)
+    @given(
+        case=st.sampled_from(cases),
+        text=st.one_of(
+            st.sampled_from(HOSTILE_STRINGS), st.text(st.characters(codec=None), max_size=8)
+        ),
+        raw=st.booleans(),
+    )
+    def send(case: tuple[str, tuple[Any, ...]], text: str, raw: bool) -> None:
+        route, place = case
+        body = _replace(templates[route], place, text)
+        if raw:  # UTF-8 on the wire; surrogates as their 3-byte (CESU-8) forms
+            content = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        else:
+            content = json.dumps(body).encode()
+        r = httpx.post(
+            proxy.url + route,
+            content=content,
+            headers={**_auth(proxy.admin_token), "Content-Type": "application/json"},
+            timeout=60,
+        )
+        what = f"{route} {place} {text[:40]!a} raw={raw}: {r.status_code} {r.text[:200]}"
+        if r.status_code >= 500:
+            problems.append(what)
+        elif _has_surrogate(text) and r.status_code != 400:
+            problems.append("accepted a lone surrogate: " + what)
+        elif r.status_code >= 400 and set(r.json().get("error", {})) != {
+            "message",
+            "type",
+            "param",
+            "code",
+        }:
+            problems.append("not OpenAI's error envelope: " + what)
+
+    send()
+    assert problems == [], f"{len(problems)} problems:\n" + "\n".join(problems[:10])
+    # Whatever was recorded stays readable.
+    assert (
+        httpx.get(
+            f"{proxy.url}/rl/sessions/{session['session_id']}", headers=_auth(proxy.admin_token)
+        ).status_code
+        == 200
+    )
+
+
 # ------------------------------------------------------------------ access walls
 def _admin_operations(proxy: LiveProxy) -> list[tuple[str, str]]:
     """Every admin-only route: those under /admin/, and session creation."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 from proxima.proxy.auth import PRODUCTION_KEY_PREFIX, SESSION_KEY_PREFIX, hash_key, new_key
 from proxima.proxy.store import Store
 from proxima.proxy.testing.live import LiveProxy
-from proxima.proxy.testing.tiny_model import build_tiny_model
 
 from tests.proxy.store.factories import completion
 
@@ -344,67 +342,3 @@ def test_revoked_production_key_stops_within_the_cache_time(proxy: LiveProxy) ->
     _in_store(proxy, lambda s: s.revoke_api_key(key_id=key_id))
     time.sleep(KEY_CACHE_SECONDS + 0.2)
     _error(_post(proxy, "/v1/chat/completions", _chat(proxy), key), 401)
-
-
-# ----------------------------------------------------------------- weight pushes race
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("weights")
-    return build_tiny_model(root / "a", seed=11), build_tiny_model(root / "b", seed=12)
-
-
-def _push_together(proxy: LiveProxy, pushes: list[dict[str, Any]]) -> list[httpx.Response]:
-    """Send the pushes from threads, each a few ms after the previous one."""
-    answers: list[httpx.Response | None] = [None] * len(pushes)
-
-    def push(i: int) -> None:
-        answers[i] = httpx.post(
-            proxy.url + "/admin/weights", json=pushes[i], headers=proxy.admin_headers(), timeout=120
-        )
-
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.005)
-    for thread in threads:
-        thread.join()
-    assert all(a is not None for a in answers)
-    return [a for a in answers if a is not None]
-
-
-def _versions(proxy: LiveProxy) -> list[tuple[int, str | None]]:
-    async def read(store: Store) -> list[tuple[int, str | None]]:
-        return [(v.version, v.path) for v in await store.list_policy_versions()]
-
-    return _in_store(proxy, read)
-
-
-def test_concurrent_pushes_cannot_go_back_in_version(
-    proxy: LiveProxy, weights: tuple[Path, Path]
-) -> None:
-    """v10 then v5 a few ms later: v5 is refused, or (if it won the race) loaded first."""
-    a, b = weights
-    newer, older = _push_together(
-        proxy, [{"version": 10, "path": str(a)}, {"version": 5, "path": str(b)}]
-    )
-    assert newer.status_code == 200, newer.text
-    if older.status_code != 200:
-        assert _error(older, 409)["code"] == "version_not_newer"
-    health = httpx.get(proxy.url + "/health").json()
-    assert health["version"] == 10
-    assert [backend["version"] for backend in health["backends"]] == [10]
-    versions = _versions(proxy)
-    assert versions[-1] == (10, str(a))
-    assert ((5, str(b)) in versions) == (older.status_code == 200)
-
-
-def test_one_version_number_names_one_set_of_weights(
-    proxy: LiveProxy, weights: tuple[Path, Path]
-) -> None:
-    paths = [str(path) for path in weights]
-    answers = _push_together(proxy, [{"version": 20, "path": path} for path in paths])
-    assert sorted(a.status_code for a in answers) == [200, 409], [a.text for a in answers]
-    winner = paths[[a.status_code for a in answers].index(200)]
-    assert _error(answers[[a.status_code for a in answers].index(409)], 409)["param"] == "version"
-    assert httpx.get(proxy.url + "/health").json()["version"] == 20
-    assert _versions(proxy)[-1] == (20, winner)
