@@ -214,5 +214,12 @@ def test_dockerfile() -> None:
     project_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install ."))
     assert torch_at < project_at
     copied = {s.split()[1] for s in steps if s.startswith("COPY")}
-    for package in ("proxima", "proxy", "trainer", "migrations", "agents_examples", "pyproject.toml"):
+    for package in (
+        "proxima",
+        "proxy",
+        "trainer",
+        "migrations",
+        "agents_examples",
+        "pyproject.toml",
+    ):
         assert package in copied, package
