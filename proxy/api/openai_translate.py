@@ -14,6 +14,7 @@ from proxima.proxy.chat import normalize_messages
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling, TextInput
 from proxima.proxy.tools import resolve_tool_choice
+from proxima.proxy.unicode import InvalidString
 from pydantic import ValidationError
 
 
@@ -83,6 +84,9 @@ def chat_request_of(body: dict[str, Any], params: dict[str, str]) -> CanonicalRe
         return chat_request(ChatCompletionRequest.model_validate(body))
     except ValidationError as exc:
         first = exc.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidString):  # a lone surrogate somewhere in the body
+            raise BadRequest(str(cause), param=cause.param) from exc
         param = ".".join(str(p) for p in first.get("loc", ()))
         raise BadRequest(
             f"Invalid value for '{params.get(param, param)}': {first.get('msg')}.",
