@@ -19,14 +19,27 @@ start the grammar afresh after the partial output. Its attempt is held back
 until the backend finishes it, and an interrupted attempt is discarded and
 started over from the prompt; the caller sees its tokens only at the end
 (streaming clients receive a constrained reply in one piece).
+
+Three SGLang facts shape the loop:
+
+- An abort that carries a ``status_code`` is an error the scheduler reports
+  in the stream (a prompt over its input limit): it is raised at once as the
+  matching OpenAI error, never resumed.
+- SGLang matches stop strings on its own output only, and a resumed request's
+  earlier tokens are part of its input; a stop string that straddles an
+  interruption is found here, on the joined text (:class:`BoundaryStops`).
+- ``/abort_request`` aborts every request whose rid *starts with* the given
+  one, so backend rids are prefix-free (:func:`backend_rid`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from proxima.proxy.backends.errors import (
@@ -35,8 +48,15 @@ from proxima.proxy.backends.errors import (
     BackendRejected,
 )
 from proxima.proxy.backends.pool import Backend, BackendPool
-from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
-from proxima.proxy.errors import BackendUnavailable, BadRequest
+from proxima.proxy.backends.protocol import FinishReason, GenerateRequest, SamplingParams
+from proxima.proxy.backends.sglang import GenerateDelta
+from proxima.proxy.errors import (
+    BackendUnavailable,
+    BadRequest,
+    ContextTooLong,
+    ProximaError,
+    RateLimited,
+)
 from proxima.proxy.structured import Grammar
 
 logger = logging.getLogger(__name__)
@@ -62,6 +82,8 @@ class GenerationParams:
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     grammar: Grammar | None = None
+    # Text of token ids, to find stop strings that straddle an interruption.
+    decode: Callable[[list[int]], str] | None = None
 
     def sampling(self, remaining: int) -> SamplingParams:
         return SamplingParams(
@@ -127,6 +149,67 @@ class GenerationResult:
         self.top_logprobs.extend(chunk.top_logprobs)
 
 
+RID_END = "#"
+
+
+def backend_rid(base: str, attempt: int) -> str:
+    """The rid of one backend request: no such rid is a prefix of another.
+
+    SGLang's ``/abort_request`` aborts every request whose rid starts with the
+    given one. Each rid here ends with ``RID_END`` and holds it nowhere else,
+    so a proper prefix of one rid (which would end with ``RID_END``) is never
+    another rid: an abort never hits a neighbour (``chatcmpl-x-1`` of choice
+    0's second attempt vs ``chatcmpl-x-1-0`` of choice 1).
+    """
+    return f"{base.replace(RID_END, '_')}-{attempt}{RID_END}"
+
+
+def abort_error(finish: FinishReason) -> ProximaError:
+    """The OpenAI error for an abort that carries a status (a scheduler-side failure)."""
+    status = finish.status_code or 500
+    message = f"The inference backend refused the request: {finish.message or finish.err_type}"
+    if status == 429:
+        return RateLimited(message)
+    if 400 <= status < 500:
+        if "length" in (finish.message or "").lower():
+            return ContextTooLong(message)
+        return BadRequest(message)
+    return BackendUnavailable(message)
+
+
+class BoundaryStops:
+    """Stop strings that straddle an interruption, which SGLang cannot see.
+
+    After a resume, SGLang's output holds only the new tokens, so a stop string
+    that began before the interruption is missed. A match must end within
+    ``max(len(stop)) - 1`` characters after the boundary, so only the first few
+    new tokens are decoded (with a window of old tokens before them).
+    """
+
+    def __init__(self, stops: list[str], decode: Callable[[list[int]], str], ids: list[int]):
+        self.stops = stops
+        self.decode = decode
+        self.longest = max(len(s) for s in stops)
+        self.window = ids[-(self.longest + 4) :]  # old tokens: enough for longest - 1 chars
+        self.before = len(decode(self.window))
+        self.done = False
+
+    def find(self, new_ids: list[int]) -> tuple[int, str] | None:
+        """``(tokens to keep, stop)`` when a straddling stop string completes in ``new_ids``."""
+        for i, token in enumerate(new_ids):
+            if self.done:
+                return None
+            self.window.append(token)
+            text = self.decode(self.window)
+            for stop in self.stops:
+                at = text.find(stop, max(0, self.before - len(stop) + 1))
+                if 0 <= at < self.before:  # begins before the boundary, ends after it
+                    return i + 1, stop
+            # Past this point a match would lie wholly in the new output: SGLang sees it.
+            self.done = len(text) - self.before >= self.longest
+        return None
+
+
 def _parse_version(raw: str | None, fallback: int) -> int:
     try:
         return int(raw) if raw is not None else fallback
@@ -139,6 +222,41 @@ async def _abort_quietly(backend: Backend, rid: str) -> None:
         await backend.client.abort_request(rid=rid)
     except (BackendConnectionError, BackendOperationFailed, BackendRejected) as exc:
         logger.debug("abort of %s on %s failed: %s", rid, backend.url, exc)
+
+
+class _Attempt:
+    """One backend request of a completion: turns stream deltas into token chunks."""
+
+    def __init__(self, backend: Backend, rid: str, boundary: BoundaryStops | None):
+        self.backend = backend
+        self.rid = rid
+        self.boundary = boundary
+        self.finish: FinishReason | None = None
+        self.straddled = False
+
+    def take(
+        self, delta: GenerateDelta, params: GenerationParams, current: int
+    ) -> TokenChunk | None:
+        self.backend.last_ok = time.monotonic()  # it answers: no health probe needed
+        found = self.boundary.find(delta.token_ids) if self.boundary else None
+        if found is not None:
+            keep, stop = found
+            del delta.token_ids[keep:], delta.logprobs[keep:], delta.top_logprobs[keep:]
+            delta.finish_reason = FinishReason(type="stop", matched=stop)
+            self.straddled = True
+        if delta.finish_reason is not None:
+            self.finish = delta.finish_reason
+        if not delta.token_ids:
+            return None
+        version = _parse_version(delta.weight_version, current)
+        return TokenChunk(
+            token_ids=delta.token_ids,
+            logprobs=delta.logprobs,
+            versions=[version] * len(delta.token_ids),
+            top_logprobs=delta.top_logprobs
+            if params.top_logprobs
+            else [[] for _ in delta.token_ids],
+        )
 
 
 async def generate(
@@ -169,8 +287,11 @@ async def generate(
         except BackendUnavailable:
             await pool.wait_for_healthy(FAILOVER_WAIT_S)
             continue
-        rid = f"{base_rid}-{attempt}"
+        rid = backend_rid(base_rid, attempt)
         attempt += 1
+        boundary = None
+        if params.stop and params.decode is not None and result.output_ids:
+            boundary = BoundaryStops(params.stop, params.decode, list(result.output_ids))
         request = GenerateRequest(
             input_ids=prompt_ids + result.output_ids,
             sampling_params=params.sampling(remaining),
@@ -178,29 +299,22 @@ async def generate(
             top_logprobs_num=params.top_logprobs,
             rid=rid,
         )
-        finish = None
+        attempt_state = _Attempt(backend, rid, boundary)
         held: list[TokenChunk] = []  # a constrained attempt's tokens, until it finishes
         result.backend = backend.url
         with pool.lease(backend):
             try:
-                async for delta in backend.client.generate_stream(request):
-                    if delta.token_ids:
-                        version = _parse_version(delta.weight_version, pool.version)
-                        chunk = TokenChunk(
-                            token_ids=delta.token_ids,
-                            logprobs=delta.logprobs,
-                            versions=[version] * len(delta.token_ids),
-                            top_logprobs=delta.top_logprobs
-                            if params.top_logprobs
-                            else [[] for _ in delta.token_ids],
-                        )
-                        if params.grammar is not None:
+                async with aclosing(backend.client.generate_stream(request)) as stream:
+                    async for delta in stream:
+                        chunk = attempt_state.take(delta, params, pool.version)
+                        if chunk is not None and params.grammar is not None:
                             held.append(chunk)
-                        else:
+                        elif chunk is not None:
                             result.extend(chunk)
                             yield chunk
-                    if delta.finish_reason is not None:
-                        finish = delta.finish_reason
+                        if attempt_state.straddled:
+                            await asyncio.shield(_abort_quietly(backend, rid))
+                            break
             except BackendConnectionError as exc:
                 pool.mark_failed(backend, exc)
                 result.interruptions += 1
@@ -215,6 +329,9 @@ async def generate(
             except (asyncio.CancelledError, GeneratorExit):
                 await asyncio.shield(_abort_quietly(backend, rid))
                 raise
+        finish = attempt_state.finish
+        if finish is not None and finish.is_error:
+            raise abort_error(finish)
         if finish is None or finish.type == "abort":
             # Interrupted (weight update, explicit abort): resume from the partial tokens
             # (a constrained attempt starts over: its held tokens are dropped).

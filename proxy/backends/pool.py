@@ -39,6 +39,7 @@ class Backend:
     version: int | None = None  # policy version loaded on this backend
     failures: int = 0
     last_error: str | None = None
+    last_ok: float = 0.0  # monotonic time of its last answer to a generation
 
     @property
     def url(self) -> str:
@@ -69,6 +70,7 @@ class BackendPool:
         self.publish_lock = asyncio.Lock()
         self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
+        self._updates_begun = 0  # weight updates started; health probes that overlap one are void
         self.last_update: WeightUpdate | None = None
 
     # -- routing -------------------------------------------------------------
@@ -127,10 +129,35 @@ class BackendPool:
                 await asyncio.sleep(0.2)
 
     # -- health --------------------------------------------------------------
-    async def check_health(self) -> None:
-        """Probe every backend; one that comes back loads the current weights first."""
-        results = await asyncio.gather(*(b.client.health() for b in self.backends))
-        for backend, ok in zip(self.backends, results, strict=True):
+    async def check_health(self, *, fresh_s: float = 0.0) -> None:
+        """Probe the backends; one that comes back loads the current weights first.
+
+        SGLang's ``/health`` generates one token: it blocks while generation is
+        paused and answers 503 by itself after 20 s, so the probe waits longer
+        than that (SGLang's verdict decides, not our timer) and:
+
+        - no backend is probed, nor judged, while a weight update runs (every
+          backend is paused on purpose); a probe that overlapped an update
+          counts for nothing;
+        - a healthy backend that answered a generation in the last ``fresh_s``
+          seconds is not probed: it is busy and alive, and a probe would only
+          add load.
+
+        Generation itself takes a backend out at once when its connection
+        fails (``mark_failed``); probes find dead idle backends and bring
+        recovered ones back.
+        """
+        if self.updating:
+            return
+        begun = self._updates_begun
+        now = time.monotonic()
+        probed = [
+            b for b in self.backends if not (b.healthy and fresh_s and now - b.last_ok < fresh_s)
+        ]
+        results = await asyncio.gather(*(b.client.health() for b in probed))
+        if self.updating or self._updates_begun != begun:
+            return  # the backends were paused meanwhile: the answers say nothing
+        for backend, ok in zip(probed, results, strict=True):
             if ok and not backend.healthy:
                 await self._rejoin(backend)
             elif not ok and backend.healthy:
@@ -157,7 +184,7 @@ class BackendPool:
             while True:
                 await asyncio.sleep(interval)
                 try:
-                    await self.check_health()
+                    await self.check_health(fresh_s=interval)
                 except Exception:  # keep probing; a probe bug must not end health checks
                     logger.exception("health check round failed")
 
@@ -174,6 +201,7 @@ class BackendPool:
         """Interrupt generation everywhere, load ``path`` as ``version``, resume."""
         async with self._update_lock:
             started = time.monotonic()
+            self._updates_begun += 1
             self._ready.clear()
             try:
                 targets = self.healthy_backends()

@@ -170,6 +170,7 @@ class PromptPreparer:
             frequency_penalty=sampling.frequency_penalty or 0.0,
             presence_penalty=sampling.presence_penalty or 0.0,
             logit_bias=self._logit_bias(sampling.logit_bias),
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[str, float] | None:

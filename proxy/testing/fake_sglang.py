@@ -77,6 +77,9 @@ class FakeBackend:
         health_poll_s: float = 1.0,
         null_logprob_at: frozenset[int] = frozenset(),
         record_bodies: bool = False,
+        script: list[int] | None = None,
+        abort_at: frozenset[int] = frozenset(),
+        text_of: Callable[[list[int]], str] | None = None,
     ):
         self.vocab_size = vocab_size
         self.tokens_per_s = tokens_per_s
@@ -89,6 +92,12 @@ class FakeBackend:
         self.health_timeout_s = health_timeout_s
         self.health_poll_s = health_poll_s
         self.null_logprob_at = null_logprob_at
+        # Test knobs: token at sequence position p is script[p % len(script)]; a request
+        # is aborted (plain abort) when its sequence reaches a length in abort_at; with
+        # text_of (ids -> text) chunks carry text and stop strings are matched.
+        self.script = script
+        self.abort_at = abort_at
+        self.text_of = text_of
         self.weight_version = "0"
         self.rng = random.Random(seed)
         self.gate = asyncio.Event()  # set = not paused
@@ -180,7 +189,8 @@ class FakeBackend:
                 meta["output_token_logprobs"] = lps[start:]
                 if request.top_logprobs_num:
                     meta["output_top_logprobs"] = tops[start:]
-            return {"text": "", "output_ids": out_ids, "meta_info": meta}
+            text = self.text_of(ids[start:]) if self.text_of else ""
+            return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
         try:
             if self.max_input_tokens is not None and prompt_len >= self.max_input_tokens:
@@ -201,7 +211,12 @@ class FakeBackend:
                     continue
                 step = min(self.chunk_tokens, params.max_new_tokens - len(ids))
                 for _ in range(step):
-                    token = rng.randrange(self.vocab_size)
+                    position = prompt_len + len(ids)
+                    token = (
+                        self.script[position % len(self.script)]
+                        if self.script
+                        else rng.randrange(self.vocab_size)
+                    )
                     lp, top = self._logprob_entry(rng, token, len(ids), request)
                     ids.append(token)
                     lps.append(lp)
@@ -209,6 +224,12 @@ class FakeBackend:
                     self.generated_tokens += 1
                     if token == self.eos_id and not params.ignore_eos:
                         finish = self._finish("stop", len(ids), request)
+                        break
+                    if (stop := self._matched_stop(ids, params)) is not None:
+                        finish = {"type": "stop", "matched": stop}
+                        break
+                    if prompt_len + len(ids) in self.abort_at:
+                        self.aborted.add(rid)
                         break
                 self.last_receive = asyncio.get_running_loop().time()
                 if finish is None and len(ids) >= params.max_new_tokens:
@@ -221,6 +242,13 @@ class FakeBackend:
             self.running.discard(rid)
             self.aborted.discard(rid)
             self.retracted.discard(rid)
+
+    def _matched_stop(self, ids: list[int], params: SamplingParams) -> str | None:
+        """SGLang's check: stop strings are looked for in this request's output only."""
+        if self.text_of is None or not params.stop_strings:
+            return None
+        tail = self.text_of(ids)
+        return next((stop for stop in params.stop_strings if stop in tail), None)
 
     def retract(self, rid: str) -> None:
         """Move a running request back to the waiting queue (SGLang does so under memory
