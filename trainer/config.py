@@ -305,8 +305,16 @@ class TrainerConfig(_Section):
     max_staleness: int = Field(
         4,
         ge=0,
-        description="eta: samples whose oldest generated token's policy version is below "
-        "current_version - eta are dropped; 0 is synchronous RL.",
+        description="eta: generated tokens whose policy version is below current_version - eta "
+        "are not trained (see stale_rule); 0 is synchronous RL.",
+    )
+    stale_rule: Literal["token", "sample"] = Field(
+        "token",
+        description="How max_staleness is enforced on the trainer side. token: tokens older "
+        "than current_version - eta leave the loss, the rest of their sample trains (a "
+        "completion interrupted by several pushes keeps its recent tokens). sample: a sample "
+        "with any trained token older than the bound is dropped whole (biased against long "
+        "outputs).",
     )
     checkpoint_every: int = Field(
         0, ge=0, description="Save a full checkpoint every N steps; 0 disables checkpoints."

@@ -10,7 +10,10 @@ One step (:meth:`Trainer.step`), top to bottom:
    advantages; ``proxima.trainer.samples``). A session whose records cannot
    be trained (``samples.session_problem``) is dropped with its reason logged,
    so a bad session can never fail a step again after every restart.
-3. Drop samples older than ``current_version - max_staleness`` (counted),
+3. Bound staleness: tokens older than ``current_version - max_staleness``
+   leave the loss (``stale_rule = "token"``, the default; ``"sample"`` drops
+   their whole sample, the old rule), samples left without trained tokens
+   are dropped (counted),
    samples longer than ``batching.max_tokens_per_mb`` (counted, with a
    warning), and samples without signal (``advantage.zero_signal``: all
    advantages zero). Sessions with no sample left are marked DROPPED; a batch
@@ -254,7 +257,7 @@ class Trainer:
 
         # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch; and
         #    what carries no signal (advantage.zero_signal).
-        samples, stale = filter_stale(samples, version, cfg.max_staleness)
+        samples, stale = filter_stale(samples, version, cfg.max_staleness, cfg.stale_rule)
         samples, too_long = _drop_too_long(samples, cfg.batching.max_tokens_per_mb)
         samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))

@@ -40,6 +40,7 @@ Sequences (``sample_mode``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -326,12 +327,33 @@ def zero_signal_filter(
 
 
 def filter_stale(
-    samples: Sequence[Sample], current_version: int, max_staleness: int
+    samples: Sequence[Sample],
+    current_version: int,
+    max_staleness: int,
+    rule: Literal["token", "sample"] = "token",
 ) -> tuple[list[Sample], int]:
-    """Drop samples whose oldest trained token is older than ``current_version - max_staleness``.
+    """Bound staleness: nothing older than ``current_version - max_staleness`` is trained.
+
+    ``token``: tokens older than the bound leave the loss (mask 0; they stay
+    as context), the rest of their sample trains; a sample with no trained
+    token left is dropped. ``sample``: a sample whose oldest trained token is
+    older than the bound is dropped whole. Both give the same guarantee on
+    every trained token; ``sample`` also discards the fresh tokens of any
+    completion whose decode spanned more than ``max_staleness`` pushes, and so
+    drops the longest answers preferentially.
 
     Returns ``(kept, dropped_count)``; ``kept`` preserves the input order.
     """
     oldest_allowed = current_version - max_staleness
-    kept = [s for s in samples if s.oldest_version >= oldest_allowed]
+    if rule == "sample":
+        kept = [s for s in samples if s.oldest_version >= oldest_allowed]
+        return kept, len(samples) - len(kept)
+    kept = []
+    for s in samples:
+        mask = [
+            m if v >= oldest_allowed else 0 for m, v in zip(s.loss_mask, s.versions, strict=True)
+        ]
+        if not any(mask):
+            continue
+        kept.append(s if mask == s.loss_mask else dataclasses.replace(s, loss_mask=mask))
     return kept, len(samples) - len(kept)

@@ -203,8 +203,9 @@ async def test_prox_is_behav_when_not_decoupled(
         assert weight_mean == weight_max == 1.0  # w = exp(behav - behav)
 
 
+@pytest.mark.parametrize("rule", ["token", "sample"])
 async def test_stale_samples_are_dropped_counted_and_marked(
-    store: Store, tiny_model_dir: Path, tmp_path: Path
+    store: Store, tiny_model_dir: Path, tmp_path: Path, rule: str
 ) -> None:
     for version in range(1, 6):  # the proxy serves version 5 (weights: the tiny model)
         await store.record_policy_version(version=version, path=str(tiny_model_dir))
@@ -212,20 +213,34 @@ async def test_stale_samples_are_dropped_counted_and_marked(
     lagging = await add_session(store, group="a", reward=0.0, versions=[4, 4])
     stale = await add_session(store, group="b", reward=1.0, versions=[1, 1])
     mixed = await add_session(store, group="b", reward=0.0, versions=[2, 3])  # oldest token: 2
-    cfg = _cfg(tmp_path, tiny_model_dir, max_staleness=2)
+    cfg = _cfg(tmp_path, tiny_model_dir, max_staleness=2, stale_rule=rule)
     trainer = await Trainer.start(cfg, store=store, sink=RecordingSink(store), console=False)
     assert trainer.state.version == 5
     record = await trainer.step()
     await trainer.close()
 
     assert record is not None and record.version == 6
-    assert (record.dropped_samples, record.dropped_sessions, record.trained_sessions) == (2, 2, 2)
-    assert record.staleness == {0: 3, 1: 2}
+    # bound: version >= 5 - 2 = 3. token: mixed keeps its version-3 token; sample: dropped whole.
+    if rule == "token":
+        assert (record.dropped_samples, record.dropped_sessions, record.trained_sessions) == (
+            1,
+            1,
+            3,
+        )
+        assert record.staleness == {0: 3, 1: 2, 2: 1}
+    else:
+        assert (record.dropped_samples, record.dropped_sessions, record.trained_sessions) == (
+            2,
+            2,
+            2,
+        )
+        assert record.staleness == {0: 3, 1: 2}
+    mixed_status = (SessionStatus.TRAINED, 6) if rule == "token" else (SessionStatus.DROPPED, None)
     assert await statuses(store, [fresh, lagging, stale, mixed]) == [
         (SessionStatus.TRAINED, 6),
         (SessionStatus.TRAINED, 6),
         (SessionStatus.DROPPED, None),
-        (SessionStatus.DROPPED, None),
+        mixed_status,
     ]
     assert read_log(cfg.output_dir)[0]["source"] == "pushed"
 

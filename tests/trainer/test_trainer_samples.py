@@ -237,14 +237,37 @@ def _sample_with_versions(versions: list[int]) -> Sample:
     )
 
 
-def test_filter_stale_drops_by_oldest_trained_token() -> None:
+def test_filter_stale_sample_rule_drops_by_oldest_trained_token() -> None:
     samples = [_sample_with_versions(v) for v in ([10, 9], [8, 10], [7, 10], [10])]
     # current 10, eta 2: keep oldest >= 8
-    kept, dropped = filter_stale(samples, current_version=10, max_staleness=2)
+    kept, dropped = filter_stale(samples, current_version=10, max_staleness=2, rule="sample")
     assert [s.oldest_version for s in kept] == [9, 8, 10]
     assert dropped == 1
-    kept, dropped = filter_stale(samples, current_version=10, max_staleness=0)  # synchronous
+    kept, dropped = filter_stale(samples, 10, 0, rule="sample")  # synchronous
     assert [s.oldest_version for s in kept] == [10] and dropped == 3
+
+
+# versions of the trained tokens -> loss mask after the token rule at current 10, eta 2
+# (bound: version >= 8); None: the sample is dropped
+TOKEN_RULE = [
+    ([10, 9], [0, 1, 1]),
+    ([7, 8, 10], [0, 0, 1, 1]),  # an interrupted completion keeps its recent tokens
+    ([6, 7], None),
+    ([8], [0, 1]),  # exactly eta behind: kept (the bound is inclusive)
+]
+
+
+@pytest.mark.parametrize(("versions", "mask"), TOKEN_RULE)
+def test_filter_stale_token_rule_masks_only_stale_tokens(
+    versions: list[int], mask: list[int] | None
+) -> None:
+    sample = _sample_with_versions(versions)
+    kept, dropped = filter_stale([sample], current_version=10, max_staleness=2)
+    if mask is None:
+        assert (kept, dropped) == ([], 1)
+    else:
+        assert dropped == 0 and kept[0].loss_mask == mask
+        assert kept[0].versions == sample.versions  # versions unchanged: stats read the mask
 
 
 def _sample_with_advantages(sid: str, advantages: list[float]) -> Sample:
