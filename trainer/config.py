@@ -199,7 +199,7 @@ class MegatronConfig(_Section):
     """How the megatron backend lays the model out (``backend = "megatron"``).
 
     The random seed is :attr:`TrainerConfig.seed`;
-    ``proxima.trainer.backends.torch_backend.MegatronPPOBackend`` turns this section
+    ``proxima.trainer.backends.megatron.MegatronPPOBackend`` turns this section
     into megatron's ``MegatronParallelConfig``.
     """
 

@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 
 from proxima.proxy.store import SessionKind, SessionRecord, SessionStatus, Store
 from proxima.proxy.store.records import CompletionRecord
-from proxima.trainer.backends.torch_backend import PPOBackend, StepStats
+from proxima.trainer.backends.base import PPOBackend, StepStats
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import (
     StepRecord,

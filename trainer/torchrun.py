@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from proxima.trainer.backends.torch_backend import PPOBackend, StepStats, build_backend
+from proxima.trainer.backends import build_backend
+from proxima.trainer.backends.base import PPOBackend, StepStats
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.samples import Sample
 from proxima.trainer.weights import ResumePlan
@@ -42,7 +43,7 @@ def init_ranks(cfg: TrainerConfig) -> int:
             'backend = "megatron" for a multi-process run (the processes are [megatron] '
             "tensor_parallel x data-parallel replicas)"
         )
-    from proxima.trainer.backends.megatron_compat import control_group, init_distributed
+    from proxima.trainer.backends.megatron.compat import control_group, init_distributed
 
     env = init_distributed()
     control_group()
@@ -61,13 +62,13 @@ class RankZeroLeader:
         self._stopped = False
 
     def send_plan(self, plan: ResumePlan) -> None:
-        from proxima.trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron.compat import broadcast_object
 
         broadcast_object(plan)
         self._plan_sent = True
 
     def send(self, method: str, *args: Any) -> None:
-        from proxima.trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron.compat import broadcast_object
 
         if self._stopped:
             raise RuntimeError("the other ranks were already told to stop")
@@ -77,7 +78,7 @@ class RankZeroLeader:
         """Tell the other ranks to exit (once)."""
         if self._stopped:
             return
-        from proxima.trainer.backends.megatron_compat import broadcast_object
+        from proxima.trainer.backends.megatron.compat import broadcast_object
 
         self._stopped = True
         broadcast_object(("stop",) if self._plan_sent else None)
@@ -141,7 +142,7 @@ async def follow_rank_zero(cfg: TrainerConfig) -> int:
 
 
 def _follow(cfg: TrainerConfig) -> int:
-    from proxima.trainer.backends.megatron_compat import broadcast_object
+    from proxima.trainer.backends.megatron.compat import broadcast_object
 
     plan = broadcast_object()
     if plan is None:

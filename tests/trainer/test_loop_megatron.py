@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from proxima.proxy.store import SessionStatus, Store, ensure_schema
-from proxima.trainer.backends.torch_backend import MegatronPPOBackend
+from proxima.trainer.backends.megatron import MegatronPPOBackend
 from proxima.trainer.loop import Trainer
 from proxima.trainer.weights import weights_dir
 from transformers import AutoModelForCausalLM

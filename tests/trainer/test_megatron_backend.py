@@ -23,19 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
-from proxima.trainer.backends.megatron_backend import (
-    MegatronBackend,
-    MegatronParallelConfig,
-    MicroBatch,
+from proxima.proxy.serving import free_port
+from proxima.trainer.backends.base import read_hf_state_dict
+from proxima.trainer.backends.megatron.backend import MegatronBackend, MicroBatch, split_segments
+from proxima.trainer.backends.megatron.compat import CpuRNGStatesTracker
+from proxima.trainer.backends.megatron.convert import (
     hf_to_mcore,
     mcore_to_hf,
     merge_tensor_parallel_shards,
-    model_shape,
-    read_hf_state_dict,
     shard_for_tensor_parallel,
-    split_segments,
 )
-from proxima.trainer.backends.megatron_compat import CpuRNGStatesTracker, free_port
+from proxima.trainer.backends.megatron.model import MegatronParallelConfig, model_shape
 from proxima.trainer.batching import PackedBatch
 from proxima.trainer.config import OptimConfig
 from proxima.trainer.logprobs import forward_logprobs as hf_packed_logprobs

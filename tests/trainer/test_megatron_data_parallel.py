@@ -29,18 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
-from proxima.trainer.backends.megatron_backend import (
-    MegatronBackend,
-    MegatronParallelConfig,
-    mcore_to_hf,
-    read_hf_state_dict,
-)
-from proxima.trainer.backends.megatron_compat import broadcast_object, free_port
-from proxima.trainer.backends.torch_backend import (
-    MegatronPPOBackend,
-    assign_to_replicas,
-    micro_batches,
-)
+from proxima.proxy.serving import free_port
+from proxima.trainer.backends.base import assign_to_replicas, micro_batches, read_hf_state_dict
+from proxima.trainer.backends.megatron import MegatronPPOBackend
+from proxima.trainer.backends.megatron.backend import MegatronBackend
+from proxima.trainer.backends.megatron.compat import broadcast_object
+from proxima.trainer.backends.megatron.convert import mcore_to_hf
+from proxima.trainer.backends.megatron.model import MegatronParallelConfig
 from proxima.trainer.config import BatchingConfig, TrainerConfig
 from proxima.trainer.samples import Sample
 from proxima.trainer.torchrun import init_ranks

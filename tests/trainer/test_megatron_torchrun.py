@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
+from proxima.proxy.serving import free_port
 from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.testing.live import LiveProxy
-from proxima.trainer.backends.megatron_compat import free_port
 from proxima.trainer.log import read_log
 from proxima.trainer.weights import latest_checkpoint, weights_dir
 from transformers import AutoModelForCausalLM

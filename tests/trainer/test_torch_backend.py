@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from proxima.trainer.backends.torch_backend import TorchBackend, split_minibatches
+from proxima.trainer.backends.base import split_minibatches
+from proxima.trainer.backends.torch_backend import TorchBackend
 from proxima.trainer.config import BatchingConfig, OptimConfig, PPOConfig
 from proxima.trainer.loss import token_logprobs
 from proxima.trainer.samples import Sample

@@ -28,7 +28,7 @@ import httpx
 from openai import OpenAI
 from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.testing.live import LiveProxy
-from proxima.trainer.backends.torch_backend import build_backend
+from proxima.trainer.backends import build_backend
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import read_log
 from proxima.trainer.loop import Trainer

@@ -21,7 +21,7 @@ unavailable (on a GPU machine megatron's own paths are used untouched):
 
 One more CUDA assumption is avoided rather than patched: the local attention
 builds its default causal mask with ``device="cuda"``, so callers pass an
-explicit mask (see ``megatron_backend.causal_attention_mask``).
+explicit mask (see ``proxima.trainer.backends.megatron.backend.causal_attention_mask``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
+from proxima.proxy.serving import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,6 @@ _MODEL_PARALLEL_RNG_NAME: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME
 def cuda_available() -> bool:
     """True when megatron can use its CUDA paths (and no shim is installed)."""
     return torch.cuda.is_available()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (for a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
