@@ -241,7 +241,8 @@ def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from proxima.trainer.train import eval_only, load_run_config, train
+    from proxima.trainer.train import eval_only, train
+    from proxima.trainer.train_config import load_run_config
 
     try:
         cfg = load_run_config(args.config)

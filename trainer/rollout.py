@@ -13,7 +13,7 @@ contract")::
             POST /rl/sessions/{id}/reward  (final, or one per completion)
             POST /rl/sessions/{id}/finish  {status: finished | failed}
 
-The agent module is not modified. In ``"inprocess"`` mode its HTTP requests
+The agent module is not modified (loading and calling it: ``proxima.trainer.agents``). In ``"inprocess"`` mode its HTTP requests
 to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.binding`
 (a context variable plus an httpx hook), whatever ``api_key`` the agent
 passed; sync agents run in worker threads, which inherit the context. In
@@ -45,92 +45,44 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import contextvars
-import importlib
-import importlib.machinery
-import inspect
 import json
 import logging
-import math
-import numbers
 import os
 import secrets
-import signal
 import sys
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from proxima.trainer.agents import (
+    AgentError,
+    AgentFn,
+    Mode,
+    RolloutError,
+    agent_spec,
+    call_inprocess,
+    call_subprocess,
+    check_importable,
+    first_rollout_error,
+    parse_reward,
+    resolve_agent,
+)
 from proxima.trainer.binding import SessionBinding, bound_context
+from proxima.trainer.rollout_sessions import finish_session, open_session, post_rewards
 
 logger = logging.getLogger(__name__)
 
-AgentFn = Callable[[dict[str, Any]], Any]
-Mode = Literal["inprocess", "subprocess"]
 Dataset = str | os.PathLike[str] | Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
 
-FINAL_KEY = "final"
 # How long a cancelled in-process agent gets to unwind before the run is given up on.
 CANCEL_GRACE_S = 5.0
-# Kept from a failed subprocess agent's stderr, for the report and the log.
-STDERR_TAIL_CHARS = 4000
-
-
-class RolloutError(Exception):
-    """The rollout cannot go on (proxy unreachable, bad admin token, bad agent spec)."""
-
-
-class AgentError(Exception):
-    """One agent run failed in a way that is the agent's doing; its session is failed."""
 
 
 # --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class AgentReward:
-    """An agent's return value, normalised: a final reward and per-completion rewards."""
-
-    final: float | None
-    per_completion: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        """Sum of every reward the run posted (the final one included)."""
-        return (self.final or 0.0) + sum(self.per_completion.values())
-
-
-def _as_reward(value: Any, what: str) -> float:
-    if not isinstance(value, numbers.Real):
-        raise AgentError(f"{what} must be a number, got {type(value).__name__}: {value!r}")
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise AgentError(f"{what} must be finite, got {reward}")
-    return reward
-
-
-def parse_reward(value: Any) -> AgentReward:
-    """Normalise what ``run_agent_return_reward`` returned (see the module docstring)."""
-    if isinstance(value, Mapping):
-        final: float | None = None
-        per_completion: dict[str, float] = {}
-        for key, reward in value.items():
-            if not isinstance(key, str):
-                raise AgentError(f"reward keys must be completion ids (str), got {key!r}")
-            if key == FINAL_KEY:
-                final = _as_reward(reward, "the final reward")
-            else:
-                per_completion[key] = _as_reward(reward, f"the reward of completion {key}")
-        if final is None and not per_completion:
-            raise AgentError("the agent returned an empty reward mapping")
-        return AgentReward(final=final, per_completion=per_completion)
-    return AgentReward(final=_as_reward(value, "the reward"), per_completion={})
 
 
 @dataclass(slots=True)
@@ -180,98 +132,6 @@ class RolloutReport:
 # --------------------------------------------------------------------------- agent loading
 
 
-def resolve_agent(agent: str | AgentFn) -> AgentFn:
-    """Import ``"package.module:function"`` (or return a callable as is)."""
-    if callable(agent):
-        return agent
-    module_name, sep, attr = agent.partition(":")
-    if not sep or not module_name or not attr:
-        raise RolloutError(f"agent must be 'module:function', got {agent!r}")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RolloutError(f"cannot import agent module {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError as exc:
-            raise RolloutError(f"{module_name!r} has no attribute {attr!r}") from exc
-    if not callable(target):
-        raise RolloutError(f"agent {agent!r} is not callable")
-    return target
-
-
-def agent_spec(agent: str | AgentFn) -> str:
-    """The ``"module:function"`` spelling of ``agent`` (for subprocess mode)."""
-    if isinstance(agent, str):
-        return agent
-    module, qualname = getattr(agent, "__module__", None), getattr(agent, "__qualname__", "")
-    if not module or module == "__main__" or "<" in qualname:
-        raise RolloutError(
-            f"subprocess mode needs an importable agent; pass 'module:function' instead of {agent!r}"
-        )
-    return f"{module}:{qualname}"
-
-
-def check_importable(spec: str, pythonpath: str = "") -> None:
-    """Raise :class:`RolloutError` unless ``spec``'s top-level module can be found (not imported).
-
-    The search covers ``sys.path`` and the ``pythonpath`` entries a subprocess will get.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise RolloutError(f"agent must be 'module:function', got {spec!r}")
-    top = module_name.split(".")[0]
-    if top in sys.modules or top in sys.builtin_module_names:
-        return
-    search = [p for p in pythonpath.split(os.pathsep) if p] + sys.path
-    if importlib.machinery.PathFinder.find_spec(top, search) is None:
-        raise RolloutError(
-            f"cannot find agent module {module_name!r} (searched sys.path and PYTHONPATH)"
-        )
-
-
-def _unwrap(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The error to raise for a failed task group: its first :class:`RolloutError`, else
-    its only exception, else the group itself."""
-    leaves: list[BaseException] = []
-
-    def collect(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                collect(inner)
-        else:
-            leaves.append(exc)
-
-    collect(group)
-    rollout_errors = [e for e in leaves if isinstance(e, RolloutError)]
-    if rollout_errors:
-        return rollout_errors[0]
-    return leaves[0] if len(leaves) == 1 else group
-
-
-# Runs one agent in a fresh interpreter: spec in argv, item JSON on stdin, reward JSON on the
-# original stdout. The agent's own prints go to stderr so they cannot corrupt the result.
-SUBPROCESS_RUNNER = """\
-import asyncio, importlib, inspect, json, os, sys
-result_out = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-module_name, _, attr = sys.argv[1].partition(":")
-fn = importlib.import_module(module_name)
-for part in attr.split("."):
-    fn = getattr(fn, part)
-data = json.load(sys.stdin)
-result = fn(data)
-if inspect.isawaitable(result):
-    async def _await(awaitable):
-        return await awaitable
-    result = asyncio.run(_await(result))
-json.dump({"reward": result}, result_out, default=float)
-result_out.flush()
-"""
-
-
 # --------------------------------------------------------------------------- datasets
 
 
@@ -299,20 +159,6 @@ def item_id(item: Mapping[str, Any], index: int) -> str:
     """The item's ``id`` (or ``data_id``), else its position in the dataset."""
     value = item.get("id", item.get("data_id"))
     return str(value) if value is not None else str(index)
-
-
-def _retry_after(response: httpx.Response, default: float = 1.0) -> float:
-    value = response.headers.get("Retry-After")
-    if value is None:
-        return default
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return default
 
 
 # --------------------------------------------------------------------------- controller
@@ -446,7 +292,7 @@ class RolloutController:
                             )
                         )
         except BaseExceptionGroup as group:
-            raise _unwrap(group) from None
+            raise first_rollout_error(group) from None
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             report.elapsed_s = time.monotonic() - started
@@ -454,6 +300,11 @@ class RolloutController:
         return report
 
     # -- one run --------------------------------------------------------------------------
+
+    def _count_wait(self, seconds: float) -> None:
+        """A 429 from ``POST /rl/sessions``, waited out for ``seconds``."""
+        self._report.waits_429 += 1
+        self._report.wait_seconds_429 += seconds
 
     async def _run_one(
         self,
@@ -476,8 +327,14 @@ class RolloutController:
                 "rollout": tag,
                 "group_size": self.group_size,  # the trainer claims the group once all exist
             }
-            opened = await self._open_session(
-                client, group_id=group_id, data_id=data_id, metadata=metadata
+            assert self._stopping is not None
+            opened = await open_session(
+                client,
+                self._stopping,
+                self._count_wait,
+                group_id=group_id,
+                data_id=data_id,
+                metadata=metadata,
             )
             if opened is None:
                 return
@@ -489,7 +346,7 @@ class RolloutController:
                 result = await self._agent_run(client, executor, item, opened, result)
             finally:
                 result.seconds = time.monotonic() - t0
-                await asyncio.shield(self._finish(client, session_id, result.status))
+                await asyncio.shield(finish_session(client, session_id, result.status))
                 report.runs.append(result)
                 if result.status == "finished":
                     report.sessions_rewarded += 1
@@ -517,10 +374,18 @@ class RolloutController:
             base_url=base_url,
             prefixes=(self.proxy_url + "/v1",),
         )
-        if self.mode == "inprocess":
-            agent_call = self._call_inprocess(executor, data)
+        if self._agent_fn is not None:
+            agent_call = call_inprocess(self._agent_fn, executor, data)
         else:
-            agent_call = self._call_subprocess(data, binding)
+            assert self._agent_spec is not None
+            agent_call = call_subprocess(
+                self._agent_spec,
+                data,
+                binding,
+                env=self.env,
+                model=self.model,
+                python=self.python,
+            )
         task = asyncio.create_task(agent_call, context=bound_context(binding))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
@@ -534,7 +399,7 @@ class RolloutController:
                 )
                 return result
             reward = parse_reward(task.result())
-            await self._post_rewards(client, session_id, reward)
+            await post_rewards(client, session_id, reward)
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -548,106 +413,6 @@ class RolloutController:
             return result
         result.status, result.reward = "finished", reward.total
         return result
-
-    async def _call_inprocess(self, executor: ThreadPoolExecutor, data: dict[str, Any]) -> Any:
-        fn = self._agent_fn
-        assert fn is not None
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-            return await fn(data)
-        loop = asyncio.get_running_loop()
-        # The worker thread runs in a copy of this task's context: the session binding follows.
-        value = await loop.run_in_executor(executor, contextvars.copy_context().run, fn, data)
-        if inspect.isawaitable(value):
-            value = await value
-        return value
-
-    async def _call_subprocess(self, data: dict[str, Any], binding: SessionBinding) -> Any:
-        assert self._agent_spec is not None
-        env = {
-            **os.environ,
-            "OPENAI_BASE_URL": binding.base_url,
-            "OPENAI_API_KEY": binding.api_key,
-            # Anthropic clients append /v1/messages to the proxy's root themselves.
-            "ANTHROPIC_BASE_URL": binding.base_url.rstrip("/").removesuffix("/v1"),
-            "ANTHROPIC_API_KEY": binding.api_key,
-            "PROXIMA_SESSION_ID": binding.session_id,
-            **self.env,
-        }
-        if self.model is not None:
-            env["OPENAI_MODEL"] = self.model
-        proc = await asyncio.create_subprocess_exec(
-            self.python,
-            "-c",
-            SUBPROCESS_RUNNER,
-            self._agent_spec,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            out, err = await proc.communicate(json.dumps(data).encode())
-        finally:
-            if proc.returncode is None:  # timed out or cancelled: kill the agent and its children
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        stderr = err.decode(errors="replace")
-        if proc.returncode != 0:
-            raise AgentError(
-                f"agent process exited with {proc.returncode}: {stderr[-STDERR_TAIL_CHARS:]}"
-            )
-        try:
-            return json.loads(out)["reward"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise AgentError(f"agent process wrote no reward: {out[:200]!r}") from exc
-
-    # -- proxy calls ----------------------------------------------------------------------
-
-    async def _open_session(
-        self, client: httpx.AsyncClient, *, group_id: str, data_id: str, metadata: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """``POST /rl/sessions``, waiting out 429s; ``None`` once :meth:`stop` was called."""
-        stopping = self._stopping
-        assert stopping is not None
-        body = {"group_id": group_id, "data_id": data_id, "metadata": metadata}
-        while not stopping.is_set():
-            try:
-                resp = await client.post("/rl/sessions", json=body)
-            except httpx.HTTPError as exc:
-                raise RolloutError(f"cannot open a session at {self.proxy_url}: {exc!r}") from exc
-            if resp.status_code == 429:
-                delay = _retry_after(resp)
-                self._report.waits_429 += 1
-                self._report.wait_seconds_429 += delay
-                logger.debug("no capacity for a new session; waiting", extra={"retry_after": delay})
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), timeout=delay)
-                continue
-            if resp.status_code != 200:
-                raise RolloutError(f"POST /rl/sessions answered {resp.status_code}: {resp.text}")
-            return resp.json()
-        return None
-
-    async def _post_rewards(
-        self, client: httpx.AsyncClient, session_id: str, reward: AgentReward
-    ) -> None:
-        posts = [{"reward": r, "completion_id": cid} for cid, r in reward.per_completion.items()]
-        if reward.final is not None:
-            posts.append({"reward": reward.final})
-        for body in posts:
-            resp = await client.post(f"/rl/sessions/{session_id}/reward", json=body)
-            if 400 <= resp.status_code < 500:
-                raise AgentError(f"reward {body} rejected ({resp.status_code}): {resp.text}")
-            resp.raise_for_status()
-
-    async def _finish(self, client: httpx.AsyncClient, session_id: str, status: str) -> None:
-        resp = await client.post(f"/rl/sessions/{session_id}/finish", json={"status": status})
-        if resp.status_code != 200:
-            raise RolloutError(
-                f"finishing session {session_id} answered {resp.status_code}: {resp.text}"
-            )
 
 
 # --------------------------------------------------------------------------- CLI

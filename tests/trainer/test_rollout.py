@@ -21,14 +21,8 @@ import pytest
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 from proxima.proxy.testing.live import LiveProxy
-from proxima.trainer.rollout import (
-    AgentError,
-    AgentReward,
-    RolloutController,
-    RolloutError,
-    item_id,
-    parse_reward,
-)
+from proxima.trainer.agents import AgentError, AgentReward, RolloutError, parse_reward
+from proxima.trainer.rollout import RolloutController, item_id
 from pydantic import SecretStr
 
 SHORT = {"max_tokens": 8, "temperature": 1.0}

