@@ -5,9 +5,9 @@
 agents awaited, sync ones on a worker thread that inherits the session
 binding of ``proxima.trainer.binding``) or in a fresh interpreter
 (:func:`call_subprocess`: ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
-``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` set for the session, the item as JSON on stdin, the reward as JSON on stdout). What it
-returns is normalised by :func:`parse_reward` (see ``proxima.trainer.rollout``
-for the contract).
+``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` set for the session, the item as
+JSON on stdin, the reward as JSON on stdout). What it returns is normalised by
+:func:`parse_reward` (see ``proxima.trainer.rollout`` for the contract).
 """
 
 from __future__ import annotations
