@@ -316,6 +316,20 @@ class TrainerConfig(_Section):
         "with any trained token older than the bound is dropped whole (biased against long "
         "outputs).",
     )
+    production_max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Staleness bound of recorded production samples (they carry the pinned "
+        "production version, often many versions behind). None: any staleness; the decoupled "
+        "importance weights, capped by ppo.importance_weight_cap, correct for it.",
+    )
+    production_share: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Most share of a batch's sessions that may be production sessions (the rest "
+        "are rollout sessions). None: no limit, oldest first whatever their kind.",
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="Save a full checkpoint every N steps; 0 disables checkpoints."
     )

@@ -67,6 +67,8 @@ class StepRecord:
     advantage_mean: float  # over trained tokens
     advantage_std: float
     staleness: dict[int, int]  # version lag (current - token version) -> trained tokens
+    production_samples: int = 0  # samples of recorded production sessions trained
+    production_staleness_mean: float | None = None  # their mean lag (current - oldest version)
     ppo: dict[str, float] = field(default_factory=dict)  # StepStats.as_dict()
     times: StepTimes = field(default_factory=StepTimes)
 
@@ -124,6 +126,11 @@ def console_line(record: StepRecord) -> str:
         f"sessions {record.trained_sessions}/{record.sessions} (dropped {record.dropped_sessions})",
         f"reward {reward}",
     ]
+    if record.production_samples:
+        parts.append(
+            f"production {record.production_samples} "
+            f"(staleness {record.production_staleness_mean:.1f})"
+        )
     if record.ppo:
         parts.append(
             f"loss {record.ppo['loss']:+.4f} clip {record.ppo['clip_fraction']:.3f} "

@@ -69,10 +69,15 @@ from proxima.trainer.log import (
     advantage_moments,
     staleness_histogram,
 )
+from proxima.trainer.production import (
+    ProductionUse,
+    filter_stale_by_kind,
+    production_quota,
+    production_use,
+)
 from proxima.trainer.samples import (
     Sample,
     build_samples,
-    filter_stale,
     session_problem,
     zero_signal_filter,
 )
@@ -257,7 +262,15 @@ class Trainer:
 
         # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch; and
         #    what carries no signal (advantage.zero_signal).
-        samples, stale = filter_stale(samples, version, cfg.max_staleness, cfg.stale_rule)
+        kinds = {s.id: s.kind for s in sessions}
+        samples, stale = filter_stale_by_kind(
+            samples,
+            kinds,
+            version,
+            max_staleness=cfg.max_staleness,
+            production_max_staleness=cfg.production_max_staleness,
+            rule=cfg.stale_rule,
+        )
         samples, too_long = _drop_too_long(samples, cfg.batching.max_tokens_per_mb)
         samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
@@ -265,6 +278,7 @@ class Trainer:
         dropped_ids = [s.id for s in sessions if s.id not in trained]
         await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
         metrics = _BatchMetrics.of(batch, samples, version, stale + too_long + no_signal)
+        metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
         if not samples:
             times = StepTimes(wait=wait_s, total=time.monotonic() - started)
             return self._log_step(metrics, dropped_ids, None, None, times)
@@ -370,15 +384,29 @@ class Trainer:
         """
         size = self.cfg.batch_size
         kinds = [SessionKind(k) for k in self.cfg.loop.session_kinds]
+        quota = production_quota(size, self.cfg.production_share)
         claimed: list[SessionRecord] = []
         while True:
-            claimed += await self.store.claim_groups(
-                min_sessions=size - len(claimed), trainer_id=self.state.trainer_id, kinds=kinds
-            )
+            if quota is None or SessionKind.PRODUCTION not in kinds:
+                claimed += await self._claim(size - len(claimed), kinds)
+            else:
+                # Production sessions up to their share, then rollout sessions fill the batch.
+                held = sum(s.kind is SessionKind.PRODUCTION for s in claimed)
+                room = min(quota - held, size - len(claimed))
+                claimed += await self._claim(room, [SessionKind.PRODUCTION])
+                others = [k for k in kinds if k is not SessionKind.PRODUCTION]
+                claimed += await self._claim(size - len(claimed), others)
             if len(claimed) >= size:
                 return claimed
             if await _stopped_within(stop, self.cfg.loop.poll_interval_s):
                 return None
+
+    async def _claim(self, limit: int, kinds: list[SessionKind]) -> list[SessionRecord]:
+        if limit <= 0 or not kinds:
+            return []
+        return await self.store.claim_groups(
+            min_sessions=limit, trainer_id=self.state.trainer_id, kinds=kinds
+        )
 
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
         """Samples carrying proximal logprobs (recomputed, or the behaviour ones).
@@ -422,6 +450,8 @@ class Trainer:
             advantage_mean=metrics.advantage_mean,
             advantage_std=metrics.advantage_std,
             staleness=metrics.staleness,
+            production_samples=metrics.production.samples,
+            production_staleness_mean=metrics.production.staleness_mean,
             ppo=stats.as_dict() if stats is not None else {},
             times=times,
         )
@@ -591,6 +621,7 @@ class _BatchMetrics:
     advantage_mean: float
     advantage_std: float
     staleness: dict[int, int]
+    production: ProductionUse = ProductionUse(0, None)
 
     @classmethod
     def of(
