@@ -254,7 +254,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         cfg.output_dir = args.output_dir
     if args.command == "eval":
-        asyncio.run(eval_only(cfg))
+        if args.proxy is not None:
+            cfg.proxy.url = args.proxy
+        if args.admin_token is not None:
+            cfg.proxy.admin_token = args.admin_token
+        try:
+            asyncio.run(eval_only(cfg, args.version))
+        except ValueError as exc:
+            print(f"proxima eval: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.steps is not None:
         cfg.steps = args.steps
@@ -354,6 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
             "--config", type=Path, required=True, help="run config (.toml, .json, .yaml)"
         )
         p.add_argument("--output-dir", type=Path, default=None, help="override output_dir")
+        if name == "eval":
+            p.add_argument(
+                "--version",
+                type=int,
+                default=None,
+                help="evaluate this registered version of a running proxy and record its score",
+            )
+            p.add_argument("--proxy", default=None, help="running proxy URL (overrides proxy.url)")
+            p.add_argument(
+                "--admin-token",
+                default=os.environ.get("PROXIMA_ADMIN_TOKEN"),
+                help="admin token of that proxy (or PROXIMA_ADMIN_TOKEN)",
+            )
         if name == "train":
             p.add_argument("--steps", type=int, default=None, help="override steps")
             p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -206,6 +206,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             recorder=recorder,
             cache=app.state.cache,
             metrics=app.state.metrics,
+            deployments=deployments,
         )
         app.state.admission_lock = asyncio.Lock()
         logger.info(

@@ -69,7 +69,7 @@ class Metrics:
         # canary's error rate and latency sit next to the stable version's.
         self.deployment_requests = Counter(
             "proxima_deployment_requests",
-            "Generation requests by deployment, version and outcome (ok, error)",
+            "Generation requests by deployment, version and outcome (ok, error, cancelled)",
             ["deployment", "version", "outcome"],
             registry=r,
         )
@@ -102,13 +102,13 @@ class Metrics:
         deployment: str,
         version: int,
         seconds: float,
-        ok: bool,
+        outcome: str,
         prompt_tokens: int,
         completion_tokens: int,
     ) -> None:
         """One request served by ``deployment`` at ``version`` (its last token's version)."""
         v = str(version)
-        self.deployment_requests.labels(deployment, v, "ok" if ok else "error").inc()
+        self.deployment_requests.labels(deployment, v, outcome).inc()
         self.deployment_latency.labels(deployment, v).observe(seconds)
         self.deployment_tokens.labels(deployment, v, "prompt").inc(prompt_tokens)
         self.deployment_tokens.labels(deployment, v, "completion").inc(completion_tokens)

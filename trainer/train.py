@@ -223,14 +223,18 @@ class _Run:
         if self.proxy is not None:
             self.proxy.stop()
 
-    async def evaluate(self, items: list[dict[str, Any]]) -> float:
-        """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings)."""
+    async def evaluate(self, items: list[dict[str, Any]], version: int | None = None) -> float:
+        """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings).
+
+        With ``version``, the agents ask for ``<model>@v<version>``: the proxy serves
+        them from the deployment that serves that registered version.
+        """
         return await evaluate(
             self.cfg.rollout.agent,
             items,
             base_url=self.url + "/v1",
             api_key=self.token,
-            model=self.model_name,
+            model=self.model_name if version is None else f"{self.model_name}@v{version}",
             section=self.cfg.eval,
             fields=dict(self.cfg.rollout.item_fields),
         )
@@ -404,16 +408,39 @@ def _copy_final(cfg: TrainRunConfig) -> Path | None:
     return final
 
 
-async def eval_only(cfg: TrainRunConfig) -> float:
-    """``proxima eval``: held-out accuracy of the configured model through the proxy."""
+async def eval_only(cfg: TrainRunConfig, version: int | None = None) -> float:
+    """``proxima eval``: held-out accuracy of the configured model through the proxy.
+
+    With ``version`` (a running proxy: ``proxy.url``), that registered version is
+    evaluated and its score recorded in the proxy's registry, where
+    ``proxima production promote --require-eval`` compares it with production's.
+    """
+    if version is not None and not cfg.proxy.url:
+        raise ValueError("--version evaluates a version of a running proxy: set proxy.url")
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
     _, test_items = load_items(cfg.data)
     run = _Run(cfg, model_dir)
     try:
         run.start()
-        score = await run.evaluate(test_items)
+        score = await run.evaluate(test_items, version)
     finally:
         run.stop()
-    print(f"held-out accuracy: {score:.1%} ({len(test_items)} items)")
+    scored = min(cfg.eval.items, len(test_items)) if cfg.eval.items else len(test_items)
+    label = "" if version is None else f" of version {version}"
+    print(f"held-out accuracy{label}: {score:.1%} ({scored} items)")
+    if version is not None:
+        await _record_eval(run, version, score, scored)
     return score
+
+
+async def _record_eval(run: _Run, version: int, score: float, items: int) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        resp = await http.post(
+            f"{run.url}/admin/versions/{version}/evals",
+            json={"score": score, "items": items, "name": "proxima eval"},
+            headers={"Authorization": f"Bearer {run.token}"},
+        )
+    resp.raise_for_status()

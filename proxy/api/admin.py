@@ -68,7 +68,11 @@ async def metrics(request: Request, pool: PoolDep, store: StoreDep) -> Response:
     """Prometheus exposition; gauges are read from the pool and the store at scrape time."""
     m = request.app.state.metrics
     m.policy_version.set(pool.version)
-    for backend in pool.backends:
+    deployments = request.app.state.deployments
+    for deployment in deployments.all():
+        m.deployment_version.labels(deployment.name).set(deployment.version)
+    m.canary_fraction.set(deployments.split.fraction if deployments.split else 0.0)
+    for backend in (b for d in deployments.all() for b in d.pool.backends):
         m.backend_healthy.labels(backend.url).set(1 if backend.healthy else 0)
         m.backend_in_flight.labels(backend.url).set(backend.in_flight)
     for kind in SessionKind:

@@ -50,7 +50,7 @@ async def chat_completions(
                 prep,
                 service.stream(prep),
                 model=model,
-                policy_version=service.pool.version,
+                policy_version=service.version_of(prep),
                 include_usage=include_usage,
             ),
             media_type="text/event-stream",

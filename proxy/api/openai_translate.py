@@ -39,6 +39,7 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
         user=req.user,
+        model=req.model,
     )
 
 
@@ -54,6 +55,7 @@ def completion_request(req: CompletionRequest) -> CanonicalRequest:
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
         user=req.user,
+        model=req.model,
     )
 
 

@@ -67,7 +67,8 @@ class CanonicalRequest:
 
     ``id_prefix`` starts the response id (``chatcmpl-``, ``cmpl-``); choice
     ``i > 0`` is recorded as ``{response_id}-{i}``. ``user`` names the
-    production session when no ``X-Session-Id`` header does.
+    production session when no ``X-Session-Id`` header does. ``model`` is
+    the name asked for; ``<name>@v<N>`` asks for version N (admin token).
     """
 
     input: ChatInput | TextInput
@@ -76,6 +77,7 @@ class CanonicalRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     user: str | None = None
+    model: str | None = None
 
 
 def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class GenerationDriver:
         return Completion(
             choices=[f for _, f in finished],
             usage=self._usage(prep, runs),
-            policy_version=self.pool.version,
+            policy_version=self._pool(prep).version,
         )
 
     async def stream(self, prep: Prepared, commit: Commit) -> AsyncIterator[Event]:
@@ -101,19 +101,23 @@ class GenerationDriver:
             await commit(prep, finished)
             for _, finish in finished:
                 yield finish
-            yield Done(self._usage(prep, runs), self.pool.version)
+            yield Done(self._usage(prep, runs), self._pool(prep).version)
         except ProximaError as exc:
             logger.warning("stream %s failed: %s", prep.response_id, exc.message)
             yield Failed(exc)
 
     # --------------------------------------------------------------------- choices
+    def _pool(self, prep: Prepared) -> BackendPool:
+        """The pool of the request's deployment (the default pool without one)."""
+        return prep.deployment.pool if prep.deployment is not None else self.pool
+
     def _runs(self, prep: Prepared) -> list[ChoiceRun]:
         return [ChoiceRun(i, cid) for i, cid in enumerate(prep.completion_ids)]
 
     async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
         """One choice's tokens as they arrive (its result accumulates them)."""
         async for tokens in generate(
-            self.pool,
+            self._pool(prep),
             prompt_ids=prep.prompt_ids,
             params=prep.params,
             result=run.result,

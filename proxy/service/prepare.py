@@ -24,6 +24,7 @@ from typing import Any
 
 from proxima.proxy.chat import ChatRenderer
 from proxima.proxy.config import Settings
+from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
 from proxima.proxy.generation import GenerationParams
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
@@ -53,6 +54,7 @@ class Prepared:
     parser: ToolCallParser | None = None
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
 
     @property
     def completion_ids(self) -> list[str]:

@@ -10,6 +10,7 @@ and hand the driver's events to their response builder.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -18,13 +19,14 @@ from typing import Any
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
+from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_model_version
 from proxima.proxy.errors import Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, assistant_message
 from proxima.proxy.service.driver import ChoiceRun, GenerationDriver
-from proxima.proxy.service.events import Completion, Event, Finish
+from proxima.proxy.service.events import Completion, Done, Event, Failed, Finish
 from proxima.proxy.service.prepare import Prepared, PromptPreparer
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
@@ -43,10 +45,12 @@ class CompletionService:
         recorder: CompletionRecorder,
         cache: SessionCache,
         metrics: Metrics,
+        deployments: Deployments | None = None,
     ):
         self.settings = settings
         self.store = store
-        self.pool = pool
+        self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
+        self.deployments = deployments or Deployments(Deployment(TRAINING, pool))
         self.recorder = recorder
         self.cache = cache
         self.metrics = metrics
@@ -64,7 +68,8 @@ class CompletionService:
 
     # ----------------------------------------------------------------- requests
     def check_model(self, model: str) -> None:
-        if model != self.settings.model_name:
+        """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N)."""
+        if split_model_version(model)[0] != self.settings.model_name:
             raise NotFound(
                 f"The model '{model}' does not exist; this server serves "
                 f"'{self.settings.model_name}'.",
@@ -83,18 +88,78 @@ class CompletionService:
         if session is not None:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
+        deployment = self._route(request, principal, session, external_id)
         if isinstance(request.input, ChatInput):
-            return self.preparer.chat(request, request.input, session, history)
-        assert text_ids is not None
-        return self.preparer.text(request, text_ids, session, history)
+            prep = self.preparer.chat(request, request.input, session, history)
+        else:
+            assert text_ids is not None
+            prep = self.preparer.text(request, text_ids, session, history)
+        prep.deployment = deployment
+        return prep
+
+    def _route(
+        self,
+        request: CanonicalRequest,
+        principal: Principal,
+        session: SessionRecord | None,
+        external_id: str | None,
+    ) -> Deployment:
+        """Production keys -> production (canary split sticky per session); others -> training."""
+        version = split_model_version(request.model)[1] if request.model else None
+        if version is not None and not principal.is_admin:
+            raise NotFound(
+                f"The model '{request.model}' does not exist; only the admin token may ask "
+                "for a version by name.",
+                param="model",
+                code="model_not_found",
+            )
+        sticky = session.id if session is not None else (external_id or request.user)
+        return self.deployments.route(
+            production=principal.kind is PrincipalKind.PRODUCTION,
+            sticky_key=sticky,
+            version=version,
+        )
+
+    def version_of(self, prep: Prepared) -> int:
+        """The version the request's deployment serves now."""
+        return (prep.deployment or self.deployments.training).version
 
     async def complete(self, prep: Prepared) -> Completion:
         """Every choice, generated and committed."""
-        return await self.driver.complete(prep, self._commit)
+        started, outcome, tokens = time.monotonic(), "error", 0
+        try:
+            completion = await self.driver.complete(prep, self._commit)
+            outcome, tokens = "ok", completion.usage.completion_tokens
+            return completion
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._observe(prep, started, outcome, tokens)
 
-    def stream(self, prep: Prepared) -> AsyncIterator[Event]:
+    async def stream(self, prep: Prepared) -> AsyncIterator[Event]:
         """The generation's events; every choice is committed before its ``Finish``."""
-        return self.driver.stream(prep, self._commit)
+        started, outcome, tokens = time.monotonic(), "cancelled", 0
+        try:
+            async for event in self.driver.stream(prep, self._commit):
+                if isinstance(event, Failed):
+                    outcome = "error"
+                elif isinstance(event, Done):
+                    outcome, tokens = "ok", event.usage.completion_tokens
+                yield event
+        finally:
+            self._observe(prep, started, outcome, tokens)
+
+    def _observe(self, prep: Prepared, started: float, outcome: str, tokens: int) -> None:
+        deployment = prep.deployment or self.deployments.training
+        self.metrics.observe_generation(
+            deployment=deployment.name,
+            version=deployment.version,
+            seconds=time.monotonic() - started,
+            outcome=outcome,
+            prompt_tokens=len(prep.prompt_ids) * prep.n,
+            completion_tokens=tokens,
+        )
 
     def count_prompt_tokens(self, request: CanonicalRequest) -> int:
         """The tokens a conversation renders to on its own (no session, no generation)."""
