@@ -198,8 +198,8 @@ async def test_production_share_caps_production_sessions_per_batch(
     tmp_path: Path,
 ) -> None:
     await _setup(store, tiny_model_dir, old_policy, count=4)  # the oldest sessions
-    for r in (0, 1, 0, 1):
-        await add_session(store, group="g", reward=float(r), versions=[CURRENT] * 3)
+    for i, r in enumerate((0, 1, 0, 1)):  # two groups of two: the trainer claims whole groups
+        await add_session(store, group=f"g{i // 2}", reward=float(r), versions=[CURRENT] * 3)
     cfg = _cfg(tmp_path, tiny_model_dir, production_share=0.5)
     trainer = await Trainer.start(cfg, store=store, sink=RecordingSink(store), console=False)
     record = await trainer.step()
