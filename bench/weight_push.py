@@ -4,7 +4,7 @@ A short real run: ``proxima serve`` (embedded engine) on a randomly
 initialised Qwen2 model built offline (``--hidden``/``--layers`` pick its
 size), agents on concurrent OpenAI SDK clients generating sessions (one chat
 completion each, rewarded by how many vowels the answer holds, groups of
-``--group-size``), and the trainer (``proxima.trainer.loop.run_trainer``, torch
+``--group-size``), and the trainer (``proxima.trainer.run.run_trainer``, torch
 backend) running ``--steps`` steps in this process against the proxy.
 
 Per step the trainer logs (``train_log.jsonl``) its time split; this script
@@ -44,7 +44,7 @@ from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
 from proxima.trainer.config import TrainerConfig  # noqa: E402
 from proxima.trainer.log import read_log  # noqa: E402
-from proxima.trainer.loop import run_trainer  # noqa: E402
+from proxima.trainer.run import run_trainer  # noqa: E402
 
 logger = logging.getLogger("bench.weight_push")
 

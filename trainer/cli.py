@@ -116,7 +116,7 @@ async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
         stop.set()
         loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
 
-    from proxima.trainer.loop import run_trainer
+    from proxima.trainer.run import run_trainer
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
+from proxima.trainer.production import ProductionUse
 from proxima.trainer.samples import Sample
 from tqdm import tqdm
 
@@ -218,3 +220,47 @@ def read_log(output_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             logger.warning("skipping a torn line in %s", path)
     return records
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    """Batch statistics that do not depend on training."""
+
+    sessions: int
+    samples: int
+    dropped_samples: int
+    tokens: int
+    loss_tokens: int
+    reward_mean: float | None
+    advantage_mean: float
+    advantage_std: float
+    staleness: dict[int, int]
+    production: ProductionUse = ProductionUse(0, None)
+
+    @classmethod
+    def of(
+        cls,
+        batch: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]],
+        samples: Sequence[Sample],
+        version: int,
+        dropped_samples: int,
+    ) -> BatchMetrics:
+        rewards = [_total_reward(session, completions) for session, completions in batch]
+        adv_mean, adv_std = advantage_moments(samples)
+        return cls(
+            sessions=len(batch),
+            samples=len(samples),
+            dropped_samples=dropped_samples,
+            tokens=sum(s.num_tokens for s in samples),
+            loss_tokens=sum(s.num_loss_tokens for s in samples),
+            reward_mean=math.fsum(rewards) / len(rewards) if rewards else None,
+            advantage_mean=adv_mean,
+            advantage_std=adv_std,
+            staleness=staleness_histogram(samples, version),
+        )
+
+
+def _total_reward(session: SessionRecord, completions: Sequence[CompletionRecord]) -> float:
+    """Session reward plus per-turn rewards (unset = 0)."""
+    turns = math.fsum(c.reward for c in completions if c.reward is not None)
+    return (session.reward or 0.0) + turns

@@ -28,9 +28,9 @@ One step (:meth:`Trainer.step`), top to bottom:
 7. Mark the sessions TRAINED into ``v + 1``; checkpoint every
    ``checkpoint_every`` steps; log the step.
 
-Start-up applies the recovery rule of ``proxima.trainer.weights`` (settle a pending
-push, release this trainer's stale claims, resume at the last pushed
-version). Stopping (``stop_event``, set by SIGINT/SIGTERM in the CLI): a step
+Start-up applies the recovery rule of ``proxima.trainer.weights``
+(``proxima.trainer.recovery``: settle a pending push, release this
+trainer's stale claims, resume at the last pushed version). Stopping (``stop_event``, set by SIGINT/SIGTERM in the CLI): a step
 that is still waiting for data or recomputing proximal logprobs is abandoned;
 one that has started training is finished through its push, so the weights
 in memory always equal a pushed version. Then claims are released and a
@@ -48,10 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
-import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,51 +56,44 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxima.proxy.store import SessionKind, SessionRecord, SessionStatus, Store
-from proxima.proxy.store.records import CompletionRecord
 from proxima.trainer.backends.base import PPOBackend, StepStats
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import (
+    BatchMetrics,
     StepRecord,
     StepTimes,
     TrainLog,
-    advantage_moments,
-    staleness_histogram,
 )
 from proxima.trainer.production import (
-    ProductionUse,
     filter_stale_by_kind,
     production_quota,
     production_use,
 )
+from proxima.trainer.recovery import recover, settle_pending_step
 from proxima.trainer.samples import (
     Sample,
     build_samples,
-    session_problem,
+    drop_too_long,
+    vocab_size_of,
+    without_invalid,
     zero_signal_filter,
 )
 from proxima.trainer.torchrun import (
     BroadcastingBackend,
     RankZeroLeader,
-    follow_rank_zero,
-    init_ranks,
     load_backend,
-    torchrun_world_size,
 )
 from proxima.trainer.weights import (
     PendingStep,
-    ProxyWeightSink,
     PushResult,
     TrainerState,
     WeightSink,
     clear_pending,
     export_weights,
-    latest_checkpoint,
-    plan_resume,
     prune_weights,
     read_pending,
     remove_partial_writes,
     save_checkpoint,
-    weights_dir,
     write_pending,
 )
 
@@ -139,7 +129,7 @@ class Trainer:
         self._executor = executor
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
-        self._vocab_size = _vocab_size(cfg.connection.model_dir)
+        self._vocab_size = vocab_size_of(cfg.connection.model_dir)
 
     # ------------------------------------------------------------------ start-up
 
@@ -166,24 +156,8 @@ class Trainer:
         remove_partial_writes(output_dir)
         trainer_id = cfg.loop.trainer_id
 
-        pushed_version = await store.current_policy_version()
-        settled = await _settle_pending_step(store, output_dir, pushed_version)
-        checkpoint = latest_checkpoint(output_dir)
-        released = await store.release_claims(trainer_id=trainer_id)
-        if checkpoint is not None and checkpoint.state.trainer_id != trainer_id:
-            logger.warning(
-                "checkpoint was written by trainer %r, now running as %r; releasing both's claims",
-                checkpoint.state.trainer_id,
-                trainer_id,
-            )
-            released += await store.release_claims(trainer_id=checkpoint.state.trainer_id)
-        records = await store.list_policy_versions()
-        plan = plan_resume(
-            output_dir=output_dir,
-            checkpoint=checkpoint,
-            pushed_version=pushed_version,
-            pushed_paths=[(r.version, r.path) for r in records],
-        )
+        recovery = await recover(store, output_dir, trainer_id)
+        plan, released, settled = recovery.plan, recovery.released, recovery.settled
 
         if leader is not None:
             await asyncio.to_thread(leader.send_plan, plan)
@@ -258,7 +232,7 @@ class Trainer:
         #    whose records cannot be trained is dropped with its reason (never a failed step,
         #    which would release the claim and fail again on the next claim).
         batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
-        samples = build_samples(_without_invalid(batch, self._vocab_size), cfg.advantage)
+        samples = build_samples(without_invalid(batch, self._vocab_size), cfg.advantage)
 
         # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch; and
         #    what carries no signal (advantage.zero_signal).
@@ -271,13 +245,13 @@ class Trainer:
             production_max_staleness=cfg.production_max_staleness,
             rule=cfg.stale_rule,
         )
-        samples, too_long = _drop_too_long(samples, cfg.batching.max_tokens_per_mb)
+        samples, too_long = drop_too_long(samples, cfg.batching.max_tokens_per_mb)
         samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
         trained = set(trained_ids)
         dropped_ids = [s.id for s in sessions if s.id not in trained]
         await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
-        metrics = _BatchMetrics.of(batch, samples, version, stale + too_long + no_signal)
+        metrics = BatchMetrics.of(batch, samples, version, stale + too_long + no_signal)
         metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
         if not samples:
             times = StepTimes(wait=wait_s, total=time.monotonic() - started)
@@ -369,7 +343,7 @@ class Trainer:
         pending = read_pending(self.cfg.output_dir)
         assert pending is not None
         pushed_version = await self.store.current_policy_version()
-        await _settle_pending_step(self.store, self.cfg.output_dir, pushed_version)
+        await settle_pending_step(self.store, self.cfg.output_dir, pushed_version)
         if pending.version == pushed_version:  # it landed: the weights in memory are served
             self.state = dataclasses.replace(
                 self.state, version=pending.version, step=self.state.step + 1
@@ -429,7 +403,7 @@ class Trainer:
 
     def _log_step(
         self,
-        metrics: _BatchMetrics,
+        metrics: BatchMetrics,
         dropped_ids: Sequence[str],
         stats: StepStats | None,
         push: PushResult | None,
@@ -459,144 +433,7 @@ class Trainer:
         return record
 
 
-# --------------------------------------------------------------------------- entry point
-
-
-async def run_trainer(
-    cfg: TrainerConfig,
-    *,
-    stop_event: asyncio.Event | None = None,
-    sink: WeightSink | None = None,
-    console: bool = True,
-) -> int:
-    """Run the trainer until ``stop_event`` is set or ``cfg.loop.max_steps`` steps ran.
-
-    Opens the store at ``cfg.connection.db_url`` and pushes to
-    ``cfg.connection.proxy_url`` (unless another ``sink`` is given). Returns
-    the number of steps this run took. This is what ``proxima trainer`` and
-    ``proxima train`` call.
-    """
-    conn = cfg.connection
-    missing = [m for m in conn.missing() if not (m == "proxy_url" and sink is not None)]
-    if missing:
-        flags = {"proxy_url": "--proxy URL", "db_url": "--db URL", "model_dir": "--model DIR"}
-        raise ValueError(
-            "the trainer needs " + ", ".join(f"connection.{m} ({flags[m]})" for m in missing)
-        )
-    assert conn.db_url is not None
-    leader: RankZeroLeader | None = None
-    if torchrun_world_size() > 1:
-        rank = init_ranks(cfg)
-        if rank != 0:
-            return await follow_rank_zero(cfg)
-        leader = RankZeroLeader()
-    try:
-        store = await Store.open(conn.db_url)
-        own_sink = sink is None
-        if sink is None:
-            assert conn.proxy_url is not None
-            token = conn.admin_token.get_secret_value() if conn.admin_token else None
-            sink = ProxyWeightSink(
-                conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s
-            )
-        try:
-            trainer = await Trainer.start(
-                cfg, store=store, sink=sink, console=console, leader=leader
-            )
-            return await trainer.run(stop_event or asyncio.Event())
-        finally:
-            if own_sink:
-                await sink.aclose()
-            await store.close()
-    finally:
-        if leader is not None:
-            await asyncio.to_thread(leader.stop)
-
-
 # --------------------------------------------------------------------------- internals
-
-
-async def _settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:
-    """Rule 1 of ``proxima.trainer.weights``: finish or undo a step that died around its push.
-
-    Returns the number of sessions marked TRAINED now.
-    """
-    pending = read_pending(output_dir)
-    if pending is None:
-        return 0
-    marked = 0
-    if pending.version <= pushed_version:
-        still_claimed = []
-        for session_id in pending.session_ids:
-            session = await store.get_session(session_id=session_id)
-            if (
-                session is not None
-                and session.status == SessionStatus.CLAIMED
-                and session.claimed_by == pending.trainer_id
-            ):
-                still_claimed.append(session_id)
-        await store.mark_sessions(
-            session_ids=still_claimed,
-            status=SessionStatus.TRAINED,
-            trained_version=pending.version,
-        )
-        marked = len(still_claimed)
-        logger.info(
-            "pending step settled: its push landed",
-            extra={"version": pending.version, "marked": marked},
-        )
-    else:
-        undo = weights_dir(output_dir, pending.version)
-        if undo.exists():
-            shutil.rmtree(undo)
-        logger.info(
-            "pending step undone: its push never landed", extra={"version": pending.version}
-        )
-    clear_pending(output_dir)
-    return marked
-
-
-def _vocab_size(model_dir: Path | None) -> int | None:
-    """The policy's vocabulary size from its HF ``config.json`` (None when unknown)."""
-    if model_dir is None:
-        return None
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    size = config.get("vocab_size")
-    return size if isinstance(size, int) and size > 0 else None
-
-
-def _without_invalid(
-    batch: list[tuple[SessionRecord, list[CompletionRecord]]], vocab_size: int | None
-) -> list[tuple[SessionRecord, list[CompletionRecord]]]:
-    """The batch without sessions whose records cannot be trained (each logged with why).
-
-    They are left CLAIMED here and marked DROPPED with the other dropped sessions.
-    """
-    kept = []
-    for session, completions in batch:
-        problem = session_problem(completions, vocab_size=vocab_size)
-        if problem is None:
-            kept.append((session, completions))
-        else:
-            logger.error("session %s cannot be trained, dropped: %s", session.id, problem)
-    return kept
-
-
-def _drop_too_long(samples: list[Sample], max_tokens: int) -> tuple[list[Sample], int]:
-    kept = [s for s in samples if s.num_tokens <= max_tokens]
-    if len(kept) < len(samples):
-        longest = max(s.num_tokens for s in samples)
-        logger.warning(
-            "dropped %d samples longer than batching.max_tokens_per_mb=%d (longest %d tokens); "
-            "raise max_tokens_per_mb or cap the agent's context",
-            len(samples) - len(kept),
-            max_tokens,
-            longest,
-        )
-    return kept, len(samples) - len(kept)
 
 
 async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
@@ -606,47 +443,3 @@ async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-@dataclasses.dataclass(frozen=True)
-class _BatchMetrics:
-    """Batch statistics that do not depend on training."""
-
-    sessions: int
-    samples: int
-    dropped_samples: int
-    tokens: int
-    loss_tokens: int
-    reward_mean: float | None
-    advantage_mean: float
-    advantage_std: float
-    staleness: dict[int, int]
-    production: ProductionUse = ProductionUse(0, None)
-
-    @classmethod
-    def of(
-        cls,
-        batch: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]],
-        samples: Sequence[Sample],
-        version: int,
-        dropped_samples: int,
-    ) -> _BatchMetrics:
-        rewards = [_total_reward(session, completions) for session, completions in batch]
-        adv_mean, adv_std = advantage_moments(samples)
-        return cls(
-            sessions=len(batch),
-            samples=len(samples),
-            dropped_samples=dropped_samples,
-            tokens=sum(s.num_tokens for s in samples),
-            loss_tokens=sum(s.num_loss_tokens for s in samples),
-            reward_mean=math.fsum(rewards) / len(rewards) if rewards else None,
-            advantage_mean=adv_mean,
-            advantage_std=adv_std,
-            staleness=staleness_histogram(samples, version),
-        )
-
-
-def _total_reward(session: SessionRecord, completions: Sequence[CompletionRecord]) -> float:
-    """Session reward plus per-turn rewards (unset = 0)."""
-    turns = math.fsum(c.reward for c in completions if c.reward is not None)
-    return (session.reward or 0.0) + turns

@@ -41,9 +41,12 @@ Sequences (``sample_mode``):
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
@@ -356,4 +359,53 @@ def filter_stale(
         if not any(mask):
             continue
         kept.append(s if mask == s.loss_mask else dataclasses.replace(s, loss_mask=mask))
+    return kept, len(samples) - len(kept)
+
+
+# --------------------------------------------------------------------------- batch checks
+
+logger = logging.getLogger(__name__)
+
+
+def vocab_size_of(model_dir: Path | None) -> int | None:
+    """The policy's vocabulary size from its HF ``config.json`` (None when unknown)."""
+    if model_dir is None:
+        return None
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def without_invalid(
+    batch: list[tuple[SessionRecord, list[CompletionRecord]]], vocab_size: int | None
+) -> list[tuple[SessionRecord, list[CompletionRecord]]]:
+    """The batch without sessions whose records cannot be trained (each logged with why).
+
+    They are left CLAIMED here and marked DROPPED with the other dropped sessions.
+    """
+    kept = []
+    for session, completions in batch:
+        problem = session_problem(completions, vocab_size=vocab_size)
+        if problem is None:
+            kept.append((session, completions))
+        else:
+            logger.error("session %s cannot be trained, dropped: %s", session.id, problem)
+    return kept
+
+
+def drop_too_long(samples: list[Sample], max_tokens: int) -> tuple[list[Sample], int]:
+    """Samples of at most ``max_tokens`` tokens (one micro-batch), and how many were dropped."""
+    kept = [s for s in samples if s.num_tokens <= max_tokens]
+    if len(kept) < len(samples):
+        longest = max(s.num_tokens for s in samples)
+        logger.warning(
+            "dropped %d samples longer than batching.max_tokens_per_mb=%d (longest %d tokens); "
+            "raise max_tokens_per_mb or cap the agent's context",
+            len(samples) - len(kept),
+            max_tokens,
+            longest,
+        )
     return kept, len(samples) - len(kept)

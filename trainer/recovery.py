@@ -1,0 +1,98 @@
+"""Start-up recovery: settle a step that died around its push, release claims, plan the resume.
+
+The rule itself (which of checkpoint, pushed weights and pending step wins)
+is ``proxima.trainer.weights``'; this module applies it against the store:
+:func:`recover` runs before the backend loads, :func:`settle_pending_step`
+also when a push raised but may have landed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxima.proxy.store import SessionStatus, Store
+from proxima.trainer.weights import (
+    ResumePlan,
+    clear_pending,
+    latest_checkpoint,
+    plan_resume,
+    read_pending,
+    weights_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """Where the trainer resumes, and what recovery did on the way."""
+
+    plan: ResumePlan
+    released: int  # claims released (this trainer's, and the checkpoint writer's)
+    settled: int  # sessions marked TRAINED by settling a pending step
+
+
+async def recover(store: Store, output_dir: Path, trainer_id: str) -> Recovery:
+    """Settle a pending step, release stale claims and plan the resume (``weights`` rule)."""
+    pushed_version = await store.current_policy_version()
+    settled = await settle_pending_step(store, output_dir, pushed_version)
+    checkpoint = latest_checkpoint(output_dir)
+    released = await store.release_claims(trainer_id=trainer_id)
+    if checkpoint is not None and checkpoint.state.trainer_id != trainer_id:
+        logger.warning(
+            "checkpoint was written by trainer %r, now running as %r; releasing both's claims",
+            checkpoint.state.trainer_id,
+            trainer_id,
+        )
+        released += await store.release_claims(trainer_id=checkpoint.state.trainer_id)
+    records = await store.list_policy_versions()
+    plan = plan_resume(
+        output_dir=output_dir,
+        checkpoint=checkpoint,
+        pushed_version=pushed_version,
+        pushed_paths=[(r.version, r.path) for r in records],
+    )
+    return Recovery(plan=plan, released=released, settled=settled)
+
+
+async def settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:
+    """Rule 1 of ``proxima.trainer.weights``: finish or undo a step that died around its push.
+
+    Returns the number of sessions marked TRAINED now.
+    """
+    pending = read_pending(output_dir)
+    if pending is None:
+        return 0
+    marked = 0
+    if pending.version <= pushed_version:
+        still_claimed = []
+        for session_id in pending.session_ids:
+            session = await store.get_session(session_id=session_id)
+            if (
+                session is not None
+                and session.status == SessionStatus.CLAIMED
+                and session.claimed_by == pending.trainer_id
+            ):
+                still_claimed.append(session_id)
+        await store.mark_sessions(
+            session_ids=still_claimed,
+            status=SessionStatus.TRAINED,
+            trained_version=pending.version,
+        )
+        marked = len(still_claimed)
+        logger.info(
+            "pending step settled: its push landed",
+            extra={"version": pending.version, "marked": marked},
+        )
+    else:
+        undo = weights_dir(output_dir, pending.version)
+        if undo.exists():
+            shutil.rmtree(undo)
+        logger.info(
+            "pending step undone: its push never landed", extra={"version": pending.version}
+        )
+    clear_pending(output_dir)
+    return marked

@@ -1,0 +1,72 @@
+"""The trainer process: open the store and the weight sink, take a torchrun role, run the loop.
+
+:func:`run_trainer` is what ``proxima trainer`` and ``proxima train`` call.
+Under torchrun rank 0 runs :class:`~proxima.trainer.loop.Trainer` and the
+other ranks replay its backend calls (``proxima.trainer.torchrun``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxima.proxy.store import Store
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.loop import Trainer
+from proxima.trainer.torchrun import (
+    RankZeroLeader,
+    follow_rank_zero,
+    init_ranks,
+    torchrun_world_size,
+)
+from proxima.trainer.weights import ProxyWeightSink, WeightSink
+
+
+async def run_trainer(
+    cfg: TrainerConfig,
+    *,
+    stop_event: asyncio.Event | None = None,
+    sink: WeightSink | None = None,
+    console: bool = True,
+) -> int:
+    """Run the trainer until ``stop_event`` is set or ``cfg.loop.max_steps`` steps ran.
+
+    Opens the store at ``cfg.connection.db_url`` and pushes to
+    ``cfg.connection.proxy_url`` (unless another ``sink`` is given). Returns
+    the number of steps this run took. This is what ``proxima trainer`` and
+    ``proxima train`` call.
+    """
+    conn = cfg.connection
+    missing = [m for m in conn.missing() if not (m == "proxy_url" and sink is not None)]
+    if missing:
+        flags = {"proxy_url": "--proxy URL", "db_url": "--db URL", "model_dir": "--model DIR"}
+        raise ValueError(
+            "the trainer needs " + ", ".join(f"connection.{m} ({flags[m]})" for m in missing)
+        )
+    assert conn.db_url is not None
+    leader: RankZeroLeader | None = None
+    if torchrun_world_size() > 1:
+        rank = init_ranks(cfg)
+        if rank != 0:
+            return await follow_rank_zero(cfg)
+        leader = RankZeroLeader()
+    try:
+        store = await Store.open(conn.db_url)
+        own_sink = sink is None
+        if sink is None:
+            assert conn.proxy_url is not None
+            token = conn.admin_token.get_secret_value() if conn.admin_token else None
+            sink = ProxyWeightSink(
+                conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s
+            )
+        try:
+            trainer = await Trainer.start(
+                cfg, store=store, sink=sink, console=console, leader=leader
+            )
+            return await trainer.run(stop_event or asyncio.Event())
+        finally:
+            if own_sink:
+                await sink.aclose()
+            await store.close()
+    finally:
+        if leader is not None:
+            await asyncio.to_thread(leader.stop)
