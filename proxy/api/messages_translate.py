@@ -36,6 +36,21 @@ from pydantic import BaseModel, ConfigDict, Field
 Message = dict[str, Any]
 
 
+# Options that only concern Anthropic's hosted service (caching, routing, billing, tracing);
+# accepted and without effect on what is generated. Any other unknown field is a 400.
+ACCEPTED_WITHOUT_EFFECT = frozenset(
+    {
+        "cache_control",
+        "service_tier",
+        "inference_geo",
+        "speed",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
+    }
+)
+
+
 class MessagesRequest(BaseModel):
     """The body of ``POST /v1/messages`` (types checked; the rest in ``to_chat_request``)."""
 
@@ -249,6 +264,12 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
 
 def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
     """The Chat Completions request body equivalent to ``req``."""
+    unknown = sorted(set(req.model_extra or {}) - ACCEPTED_WITHOUT_EFFECT)
+    if unknown:
+        raise BadRequest(
+            f"{unknown[0]}: not supported by this server (extra inputs are not permitted).",
+            param=unknown[0],
+        )
     if req.thinking and req.thinking.get("type") not in (None, "disabled"):
         raise BadRequest("Extended thinking is not supported with this model.", param="thinking")
     tool_choice, parallel = translate_tool_choice(req.tool_choice)

@@ -41,17 +41,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Message = dict[str, Any]
 
-# Options that only matter to OpenAI's hosted service; accepted and without effect here.
-ACCEPTED_WITHOUT_EFFECT = (
-    "store",
-    "metadata",
-    "include",
-    "service_tier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "safety_identifier",
-    "stream_options",
-    "max_tool_calls",
+# Options that only concern OpenAI's hosted service (storage, caching, billing, built-in
+# tools); accepted and without effect on what is generated. Any other unknown field is a 400.
+ACCEPTED_WITHOUT_EFFECT = frozenset(
+    {
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "stream_options",
+        "max_tool_calls",
+        "access_programs",
+        "image",
+        "background_options",
+    }
 )
 
 
@@ -89,6 +94,12 @@ class ResponsesRequest(BaseModel):
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
+    extra = req.model_extra or {}
+    if extra.get("moderation") is not None:
+        raise BadRequest("Output moderation is not supported.", param="moderation")
+    unknown = sorted(set(extra) - ACCEPTED_WITHOUT_EFFECT - {"moderation"})
+    if unknown:
+        raise BadRequest(f"Unrecognized request argument supplied: {unknown[0]}.", param=unknown[0])
     if req.background:
         raise BadRequest(
             "background responses are not supported; call without 'background'.",

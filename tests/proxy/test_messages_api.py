@@ -169,6 +169,8 @@ def test_tool_choice_and_sampling_translate_to_chat(
             "messages[0].content[0].tool_use_id",
         ),
         ({"system": [{"type": "image"}]}, "system[0].type"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
+        ({"n": 2}, "n"),
     ],
 )
 def test_unsupported_requests_are_400s_naming_the_parameter(
@@ -294,3 +296,15 @@ def test_stream_stopped_by_a_sequence_and_a_failed_stream() -> None:
     assert names[-1] == "error"
     error = json.loads(stream.fail(BackendUnavailable("down"))[0].decode().split("data: ")[1])
     assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "down"}}
+
+
+def test_hosted_service_options_are_accepted() -> None:
+    body = to_chat_request(
+        req(
+            messages=[{"role": "user", "content": "Q"}],
+            cache_control={"type": "ephemeral"},
+            service_tier="auto",
+            metadata={"user_id": "u"},
+        )
+    )
+    assert body["messages"] == [{"role": "user", "content": "Q"}]

@@ -169,6 +169,9 @@ def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
         ({"input": "Q", "truncation": "auto"}, "truncation"),
         ({"input": "Q", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "Q", "text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"input": "Q", "n": 2}, "n"),
+        ({"input": "Q", "seed": 1}, "seed"),
+        ({"input": "Q", "moderation": {"model": "omni"}}, "moderation"),
     ],
 )
 def test_unsupported_requests_are_400s_naming_the_parameter(
