@@ -164,6 +164,7 @@ async def test_stop_string_split_by_an_interruption_still_stops() -> None:
         assert (result.finish_reason, result.matched_stop) == ("stop", "hello")
         assert len(result.logprobs) == len(result.versions) == 9
         # Without a decoder the loop cannot see it: the fake alone misses the stop.
+        fake.abort_at = {9}
         blind = await _run(
             pool, GenerationParams(max_new_tokens=20, stop=["hello"]), prompt=script[:2]
         )

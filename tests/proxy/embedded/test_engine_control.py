@@ -76,7 +76,7 @@ async def test_update_weights_from_disk_changes_version_and_output(
         "message": response.json()["message"],
         "num_paused_requests": 0,
     }
-    assert (await client.get("/get_model_info")).json()["weight_version"] == "v1"
+    assert (await client.get("/model_info")).json()["weight_version"] == "v1"
 
     after = await generate(client, **body)
     expected_ids, expected_logprobs = other.greedy(prompt_ids, max_new_tokens=16)
