@@ -46,7 +46,7 @@ class EvalScoreRequest(BaseModel):
     name: str = Field("eval", min_length=1, max_length=200, description="Which evaluation.")
 
 
-def get_production(request: Request) -> ProductionController:
+async def get_production(request: Request) -> ProductionController:
     return request.app.state.production
 
 

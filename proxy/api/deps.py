@@ -19,19 +19,19 @@ from proxima.proxy.service import CompletionService
 from proxima.proxy.store.store import Store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     return request.app.state.store
 
 
-def get_pool(request: Request) -> BackendPool:
+async def get_pool(request: Request) -> BackendPool:
     return request.app.state.pool
 
 
-def get_service(request: Request) -> CompletionService:
+async def get_service(request: Request) -> CompletionService:
     return request.app.state.service
 
 
@@ -41,7 +41,7 @@ PoolDep = Annotated[BackendPool, Depends(get_pool)]
 ServiceDep = Annotated[CompletionService, Depends(get_service)]
 
 
-def get_cache(request: Request) -> SessionCache:
+async def get_cache(request: Request) -> SessionCache:
     return request.app.state.cache
 
 

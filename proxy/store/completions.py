@@ -10,7 +10,7 @@ from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 
 
@@ -53,8 +53,9 @@ class CompletionsMixin(StoreBase):
                             f"session {session_id} was already taken by a trainer "
                             f"({status[session_id]})"
                         )
-                db.add_all(rows)
-                await db.flush()
+                # A Core executemany, not the ORM unit of work: the rows are new and never
+                # read back, and this is the proxy's per-request hot path.
+                await db.execute(insert(CompletionRow), [_columns(row) for row in rows])
         except IntegrityError as exc:
             ids = ", ".join(c.id for c in completions)
             raise Conflict(f"completion already recorded (one of: {ids})") from exc
@@ -74,3 +75,10 @@ class CompletionsMixin(StoreBase):
         )
         async with self._read() as db:
             return [completion_record(row) for row in (await db.execute(query)).scalars()]
+
+
+_COMPLETION_COLUMNS = tuple(c.key for c in CompletionRow.__table__.columns)
+
+
+def _columns(row: CompletionRow) -> dict[str, object]:
+    return {key: getattr(row, key) for key in _COMPLETION_COLUMNS}
