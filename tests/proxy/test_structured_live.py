@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -287,3 +288,54 @@ def test_context_length_above_the_models_is_refused_at_start_up(
     )
     assert proc.returncode == 2
     assert "--context-length 4096 exceeds the backend's context length 2048" in proc.stderr
+
+
+# ------------------------------------------------- the Responses and Messages APIs
+
+
+def test_responses_parse_with_text_format(live_proxy: LiveProxy) -> None:
+    session = live_proxy.new_session()
+    client = OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+    response = client.responses.parse(
+        model=live_proxy.model_name,
+        input="Forecast for Rome.",
+        text_format=Forecast,
+        max_output_tokens=300,
+        temperature=1.0,
+    )
+    assert isinstance(response.output_parsed, Forecast)
+    [stored] = _stored(live_proxy, session["session_id"])
+    assert stored["sampling"]["logit_transforms"] == ["grammar:json_schema"]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "names"),
+    [
+        ({"type": "any"}, {"get_weather", "get_time"}),
+        ({"type": "tool", "name": "get_time"}, {"get_time"}),
+    ],
+)
+def test_anthropic_forced_tool_use(
+    live_proxy: LiveProxy, tool_choice: dict[str, Any], names: set[str]
+) -> None:
+    session = live_proxy.new_session()
+    client = anthropic.Anthropic(
+        base_url=session["base_url"].removesuffix("/v1"), api_key=session["api_key"]
+    )
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+        for t in (WEATHER_TOOL, TIME_TOOL)
+    ]
+    message = client.messages.create(
+        model=live_proxy.model_name,
+        max_tokens=300,
+        messages=[{"role": "user", "content": "Hello there."}],
+        tools=tools,
+        tool_choice=tool_choice,
+    )
+    assert message.stop_reason == "tool_use"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and {u.name for u in uses} <= names
+    schemas = {t["name"]: t["input_schema"] for t in tools}
+    for use in uses:
+        jsonschema.validate(use.input, schemas[use.name])
