@@ -73,6 +73,7 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
@@ -91,6 +92,7 @@ class GenerationParams:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids or None,
             ignore_eos=self.ignore_eos,

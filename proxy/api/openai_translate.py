@@ -3,6 +3,12 @@
 The OpenAI-specific checks live here (``echo``,
 ``suffix``, ``top_logprobs`` without ``logprobs``); what is common to every
 API (context window, ``n``, sessions) is checked by the service.
+
+Unknown fields are accepted (clients send ``store``, ``metadata``,
+``service_tier``... that change nothing generated), except the ones that
+would change the reply and that Proxima does not implement
+(:data:`UNSUPPORTED`): those are a 400 naming the field, never silently
+ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +23,36 @@ from proxima.proxy.tools import resolve_tool_choice
 from proxima.proxy.unicode import InvalidString
 from pydantic import ValidationError
 
+UNSUPPORTED: dict[str, str] = {
+    "functions": "the legacy 'functions' parameter is not supported; use 'tools'.",
+    "function_call": "the legacy 'function_call' parameter is not supported; use 'tool_choice'.",
+    "audio": "audio output is not supported.",
+    "web_search_options": "web search is not supported.",
+    "repetition_penalty": "repetition_penalty is not supported; use presence_penalty or "
+    "frequency_penalty.",
+    "min_tokens": "min_tokens is not supported.",
+    "best_of": "best_of is not supported; use n.",
+    "guided_json": "guided_json is not supported; use response_format.",
+    "guided_regex": "guided_regex is not supported.",
+}
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """A 400 for a field that would change the reply but is not implemented."""
+    extra = req.model_extra or {}
+    for name, why in UNSUPPORTED.items():
+        if extra.get(name) is not None:
+            raise BadRequest(f"Unsupported parameter '{name}': {why}", param=name)
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise BadRequest(
+            "Unsupported parameter 'modalities': only ['text'] output is supported.",
+            param="modalities",
+        )
+
 
 def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
+    refuse_unsupported(req)
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     messages = normalize_messages(req.messages)
@@ -44,6 +78,7 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
 
 
 def completion_request(req: CompletionRequest) -> CanonicalRequest:
+    refuse_unsupported(req)
     if req.echo:
         raise BadRequest("echo is not supported.", param="echo")
     if req.suffix:
@@ -66,6 +101,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> Sampling:
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
+        min_p=req.min_p,
         stop=req.stop_list,
         seed=req.seed,
         ignore_eos=req.ignore_eos,

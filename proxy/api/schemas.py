@@ -93,6 +93,7 @@ class SamplingFields(_Open, _Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension (vLLM/SGLang)
     seed: int | None = None
     user: str | None = Field(None, max_length=MAX_ID_LENGTH)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

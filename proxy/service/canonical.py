@@ -33,6 +33,7 @@ class Sampling:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False

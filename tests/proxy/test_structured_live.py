@@ -239,6 +239,11 @@ def test_logit_bias_and_penalties_are_honoured(live_proxy: LiveProxy) -> None:
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
     ],
 )
 def test_bad_structured_parameters_are_400(
@@ -253,6 +258,39 @@ def test_bad_structured_parameters_are_400(
             extra_body=body,
         )
     assert info.value.body["param"].startswith(param)  # type: ignore[index]
+
+
+def test_min_p_is_honoured(live_proxy: LiveProxy) -> None:
+    # min_p = 1 keeps only the most likely token: sampling at T = 1 is then greedy.
+    client, session_id = _client(live_proxy)
+    kwargs: dict[str, Any] = {
+        "model": live_proxy.model_name,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 12,
+    }
+    greedy = client.chat.completions.create(temperature=0, **kwargs)
+    for seed in range(2):
+        truncated = client.chat.completions.create(
+            temperature=1.0, seed=seed, extra_body={"min_p": 1.0}, **kwargs
+        )
+        assert truncated.choices[0].message.content == greedy.choices[0].message.content
+    stored = _stored(live_proxy, session_id)
+    assert stored[-1]["sampling"]["min_p"] == 1.0
+    assert "logit_transforms" not in stored[-1]["sampling"]  # truncation keeps logprobs trainable
+
+
+def test_fields_that_change_nothing_generated_are_accepted(live_proxy: LiveProxy) -> None:
+    client, _ = _client(live_proxy)
+    completion = client.chat.completions.create(
+        model=live_proxy.model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        store=False,
+        metadata={"run": "x"},
+        service_tier="auto",
+        extra_body={"modalities": ["text"]},
+    )
+    assert completion.choices[0].message.content is not None
 
 
 def test_models_retrieve(live_proxy: LiveProxy) -> None:
