@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -255,6 +256,24 @@ async def test_inprocess_binding_of_clients_created_inside_the_agent(
         OpenAI(base_url=proxy.base_url, api_key="dummy", max_retries=0).chat.completions.create(
             model=proxy.model_name, messages=[{"role": "user", "content": "unbound"}], **SHORT
         )
+
+
+async def test_inprocess_binding_of_an_anthropic_agent(proxy: LiveProxy) -> None:
+    """An Anthropic SDK agent (key in x-api-key, base URL the proxy root) is bound too."""
+
+    async def agent(data: dict[str, Any]) -> float:
+        root = data["base_url"].removesuffix("/v1")
+        client = anthropic.AsyncAnthropic(base_url=root, api_key="placeholder", max_retries=0)
+        await client.messages.create(
+            model=data["model"], max_tokens=8, messages=[{"role": "user", "content": "claude"}]
+        )
+        return 1.0
+
+    report = await controller(proxy, agent, group_size=2, max_concurrency=2).run([{"id": "msg"}])
+    assert report.sessions_rewarded == 2, [r.error for r in report.runs]
+    for run in report.runs:
+        [completion] = proxy.trajectory(run.session_id)["completions"]
+        assert completion["id"].startswith("msg_")  # served by /v1/messages, in its own session
 
 
 SUBPROCESS_AGENTS = textwrap.dedent('''
