@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from proxima.proxy.embedded.engine import Engine, GenerationState
@@ -16,6 +17,11 @@ def output_text(engine: Engine, state: GenerationState, *, skip_special_tokens: 
         if cut >= 0:
             text = text[:cut]
     return text
+
+
+def _logprob(value: float) -> float | None:
+    """A logprob as SGLang's orjson writes it: -inf and NaN become null (JSON has neither)."""
+    return value if math.isfinite(value) else None
 
 
 def generate_payload(
@@ -36,12 +42,12 @@ def generate_payload(
     }
     if return_logprob:
         meta_info["output_token_logprobs"] = [
-            [logprob, token_id, None]
+            [_logprob(logprob), token_id, None]
             for logprob, token_id in zip(state.output_logprobs, state.output_ids, strict=True)
         ]
         if state.output_top_logprobs is not None:
             meta_info["output_top_logprobs"] = [
-                [[logprob, token_id, None] for logprob, token_id in position]
+                [[_logprob(logprob), token_id, None] for logprob, token_id in position]
                 for position in state.output_top_logprobs
             ]
     return {

@@ -27,8 +27,8 @@ def load_checked_state_dict(
     """Read every ``*.safetensors`` file of ``model_path`` and check it fits ``model``.
 
     Every tensor must name a parameter or buffer of the model with the same
-    shape, and every parameter must be present (a tied parameter counts as
-    present when any of its names is).
+    shape and hold only finite values, and every parameter must be present (a
+    tied parameter counts as present when any of its names is).
     """
     if load_format not in SUPPORTED_LOAD_FORMATS:
         raise WeightLoadError(
@@ -58,6 +58,14 @@ def load_checked_state_dict(
     ]
     if mismatched:
         raise WeightLoadError(f"shape mismatch: {mismatched[:5]}")
+    non_finite = sorted(
+        name
+        for name, tensor in loaded.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    )
+    if non_finite:
+        # A diverged training step: serving it would sample garbage and report NaN logprobs.
+        raise WeightLoadError(f"non-finite values (NaN or inf) in tensors: {non_finite[:5]}")
     present_storages = {targets[name].data_ptr() for name in loaded}
     missing = sorted(
         name

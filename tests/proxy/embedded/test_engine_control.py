@@ -103,8 +103,22 @@ async def test_running_request_continues_with_new_weights(
     assert reply["meta_info"]["weight_version"] == "7"
 
 
+def _nan_weights(tiny_model_dir: Path, where: Path) -> Path:
+    """The tiny model's weights with one NaN and one inf: shapes and names all fit."""
+    from safetensors.torch import load_file, save_file
+
+    where.mkdir()
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    name = next(n for n in sorted(tensors) if "mlp" in n)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    tensors[name].view(-1)[1] = float("inf")
+    save_file(tensors, where / "model.safetensors")
+    return where
+
+
 async def test_bad_weights_are_rejected_and_old_weights_kept(
-    client: httpx.AsyncClient, tmp_path: Path, narrow_model_dir: Path
+    client: httpx.AsyncClient, tmp_path: Path, narrow_model_dir: Path, tiny_model_dir: Path
 ) -> None:
     body = {
         "text": "hello",
@@ -116,6 +130,7 @@ async def test_bad_weights_are_rejected_and_old_weights_kept(
         (tmp_path / "missing", "not a directory"),
         (tmp_path, "no *.safetensors"),
         (narrow_model_dir, "shape mismatch"),
+        (_nan_weights(tiny_model_dir, tmp_path / "nan"), "non-finite values"),
     ]:
         response = await client.post(
             "/update_weights_from_disk", json={"model_path": str(path), "weight_version": "bad"}
@@ -132,7 +147,7 @@ async def test_bad_weights_are_rejected_and_old_weights_kept(
 async def test_service_endpoints(client: httpx.AsyncClient, tiny_model_dir: Path) -> None:
     assert (await client.get("/health")).status_code == 200
     assert (await client.get("/health_generate")).status_code == 200
-    info = (await client.get("/get_model_info")).json()
+    info = (await client.get("/model_info")).json()
     assert info == {
         "model_path": str(tiny_model_dir),
         "tokenizer_path": str(tiny_model_dir),
