@@ -34,6 +34,7 @@ from proxima.proxy.embedded.engine import (
     InvalidRequestError,
     RequestHandle,
 )
+from proxima.proxy.embedded.parent_watch import exit_with_parent
 from proxima.proxy.embedded.payloads import generate_payload
 
 logger = logging.getLogger(__name__)
@@ -252,7 +253,9 @@ def run_engine(
 
     ``kwargs`` go to :func:`create_engine_app` (``weight_version``,
     ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``).
+    Started by ``proxima serve``, it exits when that process dies.
     """
+    exit_with_parent()
     uvicorn.run(
         create_engine_app(model_dir, **kwargs),
         host=host,

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proxima.proxy.embedded.parent_watch import child_env
 from proxima.proxy.serving import free_port, wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class EngineProcess:
             self.weight_version,
         ]
         logger.info("starting embedded engine: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # child_env: the engine exits when this process dies, even by SIGKILL.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child_env()}
+        self.proc = subprocess.Popen(cmd, env=env)
 
     async def wait_healthy(self, timeout: float = 180.0) -> None:
         assert self.proc is not None, "start() first"
