@@ -190,3 +190,22 @@ def test_string_lengths_become_patterns() -> None:
     assert props["c"] == schema["properties"]["c"] and props["d"] == schema["properties"]["d"]
     assert schema["properties"]["a"] == {"type": "string", "maxLength": 5}  # input unchanged
     assert unenforceable_schema_reason(out) is None
+
+
+# ``sglang/srt/sampling/sampling_params.py`` of SGLang 0.5.23 (its API-facing fields), read
+# from the wheel: every field the proxy sends must be one of them, or SGLang answers 400.
+SGLANG_0_5_23_SAMPLING_FIELDS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "beam_width", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params", "watermark",
+}  # fmt: skip
+
+
+def test_protocol_sampling_fields_are_sglangs() -> None:
+    from proxima.proxy.backends.protocol import SamplingParams
+
+    assert set(SamplingParams.model_fields) <= SGLANG_0_5_23_SAMPLING_FIELDS
+    for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+        assert kind in SamplingParams.model_fields
