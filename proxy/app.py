@@ -224,7 +224,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    app = FastAPI(title="Proxima proxy", version="0.1.0", lifespan=lifespan)
+    private = settings.private_observability
+    app = FastAPI(
+        title="Proxima proxy",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None if private else "/docs",
+        redoc_url=None if private else "/redoc",
+        openapi_url=None if private else "/openapi.json",
+    )
     app.state.settings = settings
     install_error_handlers(app)
     if settings.cors_origins:

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
         "`proxima keys revoke` stops working within this time (0: every request reads the "
         "store).",
     )
+    private_observability: bool = Field(
+        False,
+        description="Require the admin token for /metrics and serve no /docs, /redoc or "
+        "/openapi.json (for a proxy reachable beyond loopback).",
+    )
     health_check_interval: float = Field(
         5.0, gt=0, description="Seconds between backend health probes."
     )

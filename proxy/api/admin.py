@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from proxima.proxy.api.deps import AdminDep, PoolDep, StoreDep
+from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.errors import BadRequest, Conflict
@@ -64,7 +64,7 @@ async def health(pool: PoolDep) -> dict[str, Any]:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request, pool: PoolDep, store: StoreDep) -> Response:
+async def metrics(request: Request, _: ObserverDep, pool: PoolDep, store: StoreDep) -> Response:
     """Prometheus exposition; gauges are read from the pool and the store at scrape time."""
     m = request.app.state.metrics
     m.policy_version.set(pool.version)

@@ -85,3 +85,20 @@ async def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 AdminDep = Annotated[Principal, Depends(get_admin)]
+
+
+async def get_observer(
+    request: Request,
+    settings: SettingsDep,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+) -> None:
+    """Who may read ``/metrics``: anyone, or with ``private_observability`` the admin only."""
+    if settings.private_observability:
+        principal = await get_principal(
+            settings, get_store(request), get_cache(request), authorization, x_api_key
+        )
+        principal.require_admin()
+
+
+ObserverDep = Annotated[None, Depends(get_observer)]

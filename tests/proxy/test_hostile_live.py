@@ -37,6 +37,7 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         env={
             "PROXIMA_MAX_BODY_BYTES": str(BODY_LIMIT),
             "PROXIMA_KEY_CACHE_SECONDS": str(KEY_CACHE_SECONDS),
+            "PROXIMA_PRIVATE_OBSERVABILITY": "true",
         },
     )
     live.start()
@@ -342,3 +343,19 @@ def test_revoked_production_key_stops_within_the_cache_time(proxy: LiveProxy) ->
     _in_store(proxy, lambda s: s.revoke_api_key(key_id=key_id))
     time.sleep(KEY_CACHE_SECONDS + 0.2)
     _error(_post(proxy, "/v1/chat/completions", _chat(proxy), key), 401)
+
+
+def test_private_observability_hides_docs_and_guards_metrics(proxy: LiveProxy) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(proxy.url + path).status_code == 404, path
+    _error(httpx.get(proxy.url + "/metrics"), 401)
+    session = proxy.new_session()
+    _error(
+        httpx.get(
+            proxy.url + "/metrics", headers={"Authorization": f"Bearer {session['api_key']}"}
+        ),
+        403,
+    )
+    r = httpx.get(proxy.url + "/metrics", headers=proxy.admin_headers())
+    assert r.status_code == 200 and "proxima_" in r.text
+    assert httpx.get(proxy.url + "/health").status_code == 200  # probes need no token
