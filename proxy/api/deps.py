@@ -95,8 +95,9 @@ async def get_observer(
 ) -> None:
     """Who may read ``/metrics``: anyone, or with ``private_observability`` the admin only."""
     if settings.private_observability:
+        state = request.app.state
         principal = await get_principal(
-            settings, get_store(request), get_cache(request), authorization, x_api_key
+            settings, state.store, state.cache, authorization, x_api_key
         )
         principal.require_admin()
 
