@@ -149,6 +149,10 @@ def test_sglang_service(services: dict[str, Any]) -> None:
     argv = _command(sglang)
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     assert _flag(argv, "--port") == "30000" and _flag(argv, "--host") == "0.0.0.0"
+    # The version the proxy was verified against, pinned (not :latest).
+    assert sglang["image"] == "lmsysorg/sglang:v0.5.23"
+    assert _flag(argv, "--weight-version") == "0"
+    assert "--incremental-streaming-output" in argv
     (device,) = sglang["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
 
