@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 from proxima.proxy.backends.errors import (
     BackendConnectionError,
     BackendOperationFailed,
@@ -155,7 +156,7 @@ class SGLangClient:
                         # Read the body to its end so the connection goes back to the pool.
                         done = True
                         continue
-                    chunk = json.loads(payload)
+                    chunk = orjson.loads(payload)
                     meta = chunk.get("meta_info")
                     if meta is None:
                         raise BackendRejected(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import orjson
 from proxima.proxy.service.events import Usage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -12,8 +12,10 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    # orjson: compact UTF-8 JSON, several times faster than json.dumps on the per-chunk path;
+    # a non-finite float becomes null instead of the invalid token NaN.
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    return b"data: " + payload + b"\n\n"
 
 
 def named_sse(event: dict[str, Any]) -> bytes:
@@ -22,8 +24,7 @@ def named_sse(event: dict[str, Any]) -> bytes:
     The Responses API and Anthropic's Messages API frame their events this way
     (Anthropic's SDK skips events without a name).
     """
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def usage(u: Usage) -> dict[str, int]:
