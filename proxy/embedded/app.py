@@ -57,6 +57,7 @@ router = APIRouter(tags=["engine"])
 async def generate(body: GenerateRequest, engine: EngineDep) -> dict[str, Any] | StreamingResponse:
     """Generate for one prompt; SSE with cumulative chunks when ``stream`` is set."""
     prompt_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
+    await engine.compile_grammar(body.sampling_params)  # off the event loop; submit hits the cache
     handle = engine.submit(
         prompt_ids,
         body.sampling_params,

@@ -338,6 +338,25 @@ class Engine:
         self._worker.send(cmd.Submit(request))
         return handle
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a thread (xgrammar caches it for :meth:`submit`).
+
+        A large schema over a large vocabulary takes tens of milliseconds to
+        compile; doing it here keeps the event loop free. Raises
+        :class:`InvalidRequestError` for a grammar that does not compile.
+        """
+        spec = grammar_of(
+            json_schema=params.json_schema,
+            regex=params.regex,
+            ebnf=params.ebnf,
+            structural_tag=params.structural_tag,
+        )
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self.grammars.compile, spec)
+            except InvalidGrammarError as exc:
+                raise InvalidRequestError(str(exc)) from exc
+
     def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
         for key, value in (bias or {}).items():
             if not 0 <= int(key) < self.vocab_size:
