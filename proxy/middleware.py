@@ -7,8 +7,11 @@ import json
 from typing import Any
 
 from proxima.proxy.errors import error_envelope
+from proxima.proxy.service.builders.messages import error_body as anthropic_error_body
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+ANTHROPIC_PATH = "/v1/messages"
 
 
 class BodyLimitMiddleware:
@@ -18,13 +21,13 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _reject(self, send: Send, size: Any) -> None:
-        body = json.dumps(
-            error_envelope(
-                f"Request body of {size} bytes exceeds the limit of {self.max_bytes}.",
-                "invalid_request_error",
-            )
-        ).encode()
+    async def _reject(self, send: Send, size: Any, path: str) -> None:
+        message = f"Request body of {size} bytes exceeds the limit of {self.max_bytes}."
+        if path.startswith(ANTHROPIC_PATH):
+            envelope = anthropic_error_body(413, message)  # Anthropic's clients read their shape
+        else:
+            envelope = error_envelope(message, "invalid_request_error")
+        body = json.dumps(envelope).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -43,7 +46,7 @@ class BodyLimitMiddleware:
             return
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send, int(value))
+                await self._reject(send, int(value), scope.get("path", ""))
                 return
         received = 0
         limit = self.max_bytes
@@ -60,7 +63,7 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited_receive, send)
         except _TooLarge as exc:
-            await self._reject(send, f"more than {exc.args[0]}")
+            await self._reject(send, f"more than {exc.args[0]}", scope.get("path", ""))
 
 
 class _TooLarge(HTTPException):

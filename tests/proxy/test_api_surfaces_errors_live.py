@@ -193,3 +193,13 @@ def test_x_api_key_serves_session_and_production_keys(
             live_proxy, "/v1/responses", None, _response_body(live_proxy), **{"x-api-key": key}
         )
         assert resp.status_code == 200 and resp.json()["object"] == "response", resp.text
+
+
+def test_too_large_bodies_get_each_apis_envelope(
+    live_proxy: LiveProxy, session: dict[str, Any]
+) -> None:
+    huge = b'{"input": "' + b"x" * (9 * 1024 * 1024) + b'"}'
+    resp = _post(live_proxy, "/v1/messages", session["api_key"], huge)
+    _anthropic_error(resp, 413, "request_too_large")
+    resp = _post(live_proxy, "/v1/responses", session["api_key"], huge)
+    assert _openai_error(resp, 413)["type"] == "invalid_request_error"
