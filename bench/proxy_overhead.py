@@ -1,14 +1,27 @@
-"""Proxy overhead: the same load sent straight to a fast SGLang-protocol backend and through the proxy.
+"""Proxy overhead, side by side in one run: direct, a bare relay, Proxima, and LiteLLM's proxy.
 
-The backend is ``proxima.proxy.testing.fake_sglang`` (no model: tokens as fast as the
-protocol allows), so the difference is the proxy: auth, prompt rendering,
-routing, streaming re-encoding and recording every completion in SQLite.
+Every arm streams the same fake tokens from one backend process
+(``bench/_bench_backend.py``: the fake SGLang server in incremental streaming mode,
+plus an OpenAI chat route for gateways that speak only OpenAI):
 
-Prints, side by side: per-request latency p50/p95 (direct vs proxy, and the
-difference) for sequential requests (pure overhead) and under concurrency,
-and recorded completions/s (counted in the store afterwards).
+- ``direct``: the client reads SGLang's ``/generate`` stream itself;
+- ``relay``: through ``bench/_relay.py``, a TCP pass-through in a few lines of asyncio,
+  the floor of any Python proxy on this machine;
+- ``proxima``: ``/v1/chat/completions`` through ``proxima serve --backend``: auth,
+  chat template, routing, re-encoding as OpenAI chunks, and every completion
+  recorded durably in SQLite before its response ends;
+- ``direct-openai`` and ``litellm``: the backend's OpenAI route straight, and through
+  LiteLLM's proxy (``litellm[proxy]`` in its own venv under ``.cache/bench``, made on
+  first use; master key, no database, nothing recorded).
 
-    .venv/bin/python bench/proxy_overhead.py --concurrency 200 --requests 2000
+For each arm: sequential latency p50/p95 and what it adds to its direct baseline,
+throughput at ``--concurrency`` streams and its ratio to direct, and the CPU time the
+middle process spends per request. Client, backend and each proxy are separate
+processes; the host's CPU and load are printed so the reader sees what limited it.
+Ends with ``proxy overhead: sequential added p50 X ms; throughput ratio Y`` (Proxima vs
+direct).
+
+    .venv/bin/python bench/proxy_overhead.py --concurrency 200 --requests 1000
 """
 
 from __future__ import annotations
@@ -16,20 +29,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
 from proxima.proxy.serving import free_port  # noqa: E402
 from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
+
+PROMPT_IDS = list(range(20))
+LITELLM_VENV = ROOT / ".cache" / "bench" / "litellm-venv"
+LITELLM_KEY = "sk-bench-master"
+
+Request = Callable[[int], Awaitable[float]]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -37,44 +59,43 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1000
 
 
-async def stream_direct(http: httpx.AsyncClient, url: str, ids: list[int], n_tokens: int) -> float:
+async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> float:
+    t0 = time.perf_counter()
+    async with http.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url} answered {resp.status_code}: {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                break
+    return time.perf_counter() - t0
+
+
+def generate_arm(http: httpx.AsyncClient, url: str, tokens: int) -> Request:
     body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n_tokens, "ignore_eos": True},
+        "input_ids": PROMPT_IDS,
+        "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
         "return_logprob": True,
         "stream": True,
     }
-    t0 = time.perf_counter()
-    async with http.stream("POST", url + "/generate", json=body) as resp:
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                break
-    return time.perf_counter() - t0
+    return lambda i: _read_stream(http, url + "/generate", body, {})
 
 
-async def stream_proxy(
-    http: httpx.AsyncClient, base: str, key: str, model: str, n_tokens: int
-) -> float:
+def chat_arm(
+    http: httpx.AsyncClient, base: str, keys: list[str], model: str, tokens: int
+) -> Request:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count to ten."}],
-        "max_tokens": n_tokens,
+        "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
     }
-    t0 = time.perf_counter()
-    async with http.stream(
-        "POST", base + "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-    ) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"proxy answered {resp.status_code}: {await resp.aread()!r}")
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                break
-    return time.perf_counter() - t0
+    return lambda i: _read_stream(
+        http, base + "/chat/completions", body, {"Authorization": f"Bearer {keys[i % len(keys)]}"}
+    )
 
 
-async def run_load(fn, jobs: int, concurrency: int) -> tuple[list[float], float]:
+async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float], float]:
     sem = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
 
@@ -87,109 +108,212 @@ async def run_load(fn, jobs: int, concurrency: int) -> tuple[list[float], float]
     return latencies, time.perf_counter() - t0
 
 
+@dataclass
+class ArmResult:
+    name: str
+    baseline: str | None
+    sequential: list[float]
+    concurrent: list[float]
+    throughput: float
+    cpu_ms_per_request: float | None
+
+
+async def measure(
+    name: str,
+    fn: Request,
+    args: argparse.Namespace,
+    proc: psutil.Process | None,
+    baseline: str | None,
+) -> ArmResult:
+    await run_load(fn, 20, 4)  # warm-up: connections, caches
+    cpu0 = sum(proc.cpu_times()[:2]) if proc else 0.0
+    seq, _ = await run_load(fn, args.sequential, 1)
+    con, wall = await run_load(fn, args.requests, args.concurrency)
+    cpu = (
+        (sum(proc.cpu_times()[:2]) - cpu0) * 1000 / (args.sequential + args.requests)
+        if proc
+        else None
+    )
+    print(f"  {name}: done ({args.requests / wall:.0f} req/s)", file=sys.stderr, flush=True)
+    return ArmResult(name, baseline, seq, con, args.requests / wall, cpu)
+
+
+def ensure_litellm() -> Path | None:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    print(
+        "installing litellm[proxy] into .cache/bench/litellm-venv (first run only)", file=sys.stderr
+    )
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run(
+            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True
+        )
+    except subprocess.CalledProcessError as exc:
+        print(f"litellm unavailable ({exc}); its arm is skipped", file=sys.stderr)
+        return None
+    return exe
+
+
+def start_litellm(exe: Path, work: Path, backend_url: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    config = work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: fake\n"
+        "    litellm_params:\n"
+        "      model: openai/fake\n"
+        f"      api_base: {backend_url}/v1\n"
+        "      api_key: sk-fake\n"
+        "general_settings:\n"
+        f"  master_key: {LITELLM_KEY}\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+    )
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    proc = subprocess.Popen(
+        [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=open(work / "litellm.log", "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_http(
+    url: str, proc: subprocess.Popen, timeout: float, headers: dict | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, headers=headers, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def host_line() -> str:
+    model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"host: {model}, {os.cpu_count()} cores, load average {load} (1/5/15 min) at start"
+
+
+def report(results: list[ArmResult], args: argparse.Namespace, recorded: int) -> None:
+    by_name = {r.name: r for r in results}
+    print(f"\nproxy overhead: {args.tokens} streamed tokens per request, one fake backend")
+    print(
+        f"{'arm':<15}{'seq p50':>9}{'added':>8}{'seq p95':>9}{'added':>8}"
+        f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}{'CPU ms/req':>12}"
+    )
+    for r in results:
+        base = by_name.get(r.baseline) if r.baseline else None
+        add50 = f"{pct(r.sequential, 0.5) - pct(base.sequential, 0.5):8.2f}" if base else f"{'':>8}"
+        add95 = (
+            f"{pct(r.sequential, 0.95) - pct(base.sequential, 0.95):8.2f}" if base else f"{'':>8}"
+        )
+        ratio = f"{r.throughput / base.throughput:10.2f}" if base else f"{'':>10}"
+        cpu = f"{r.cpu_ms_per_request:12.2f}" if r.cpu_ms_per_request is not None else f"{'':>12}"
+        print(
+            f"{r.name:<15}{pct(r.sequential, 0.5):9.2f}{add50}{pct(r.sequential, 0.95):9.2f}{add95}"
+            f"{r.throughput:12.0f}{ratio}{cpu}"
+        )
+    print("(ms; 'added' is against the arm's direct baseline: direct for relay and proxima,")
+    print(" direct-openai for litellm; CPU is the middle process's user+system time per request)")
+    expected = args.sequential + args.requests + 20
+    print(f"proxima recorded {recorded} completions in SQLite (expected {expected})")
+    proxima, direct = by_name["proxima"], by_name["direct"]
+    if "litellm" in by_name:
+        lite, lite_base = by_name["litellm"], by_name["direct-openai"]
+        ours = pct(proxima.sequential, 0.5) - pct(direct.sequential, 0.5)
+        theirs = pct(lite.sequential, 0.5) - pct(lite_base.sequential, 0.5)
+        print(f"sequential added p50: proxima {ours:.2f} ms (recording), litellm {theirs:.2f} ms "
+              f"(not recording): {ours / theirs:.2f}x")  # fmt: skip
+    print(
+        f"proxy overhead: sequential added p50 "
+        f"{pct(proxima.sequential, 0.5) - pct(direct.sequential, 0.5):.1f} ms; "
+        f"throughput ratio {proxima.throughput / direct.throughput:.2f}"
+    )
+
+
 async def main_async(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="proxima-bench-"))
+    print(host_line())
     model = build_tiny_model(work / "tiny")
-    port = free_port()
+    port, relay_port = free_port(), free_port()
+    procs: list[subprocess.Popen] = []
     backend = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxima.proxy.testing.fake_sglang",
-            "--port",
-            str(port),
-            "--vocab-size",
-            "250",
-            "--chunk-tokens",
-            "1",
-        ],
+        [sys.executable, str(ROOT / "bench" / "_bench_backend.py"), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    procs.append(backend)
     backend_url = f"http://127.0.0.1:{port}"
+    relay = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "_relay.py"), "--port", str(relay_port),
+         "--backend-port", str(port)],
+    )  # fmt: skip
+    procs.append(relay)
     db = work / "store.db"
     proxy = LiveProxy(
-        model,
-        db_url=f"sqlite:///{db}",
-        extra_args=["--backend", backend_url],
+        model, db_url=f"sqlite:///{db}", extra_args=["--backend", backend_url],
         log_path=work / "serve.log",
-    )
+    )  # fmt: skip
+    litellm_url = None
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(backend_url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_http(backend_url + "/model_info", backend, 60)
         proxy.start()
+        exe = None if args.no_litellm else ensure_litellm()
+        if exe is not None:
+            lite, litellm_url = start_litellm(exe, work, backend_url)
+            procs.append(lite)
+            wait_http(litellm_url + "/health/liveliness", lite, 180)
         limits = httpx.Limits(
             max_connections=args.concurrency + 10, max_keepalive_connections=args.concurrency + 10
         )
-        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-            sessions = []
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            keys = []
             for _ in range(args.sessions):
                 r = await http.post(
                     proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers()
                 )
-                sessions.append(r.json()["api_key"])
-            prompt_ids = list(range(20))
-            direct = lambda i: stream_direct(http, backend_url, prompt_ids, args.tokens)  # noqa: E731
-
-            def proxied(i):
-                return stream_proxy(
-                    http,
-                    proxy.base_url,
-                    sessions[i % len(sessions)],  # noqa: E731
-                    proxy.model_name,
-                    args.tokens,
-                )
-
-            # warm-up
-            await run_load(direct, 20, 4)
-            await run_load(proxied, 20, 4)
+                keys.append(r.json()["api_key"])
             rows_before = (
                 sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
             )
-
-            seq_d, _ = await run_load(direct, args.sequential, 1)
-            seq_p, _ = await run_load(proxied, args.sequential, 1)
-            con_d, wall_d = await run_load(direct, args.requests, args.concurrency)
-            con_p, wall_p = await run_load(proxied, args.requests, args.concurrency)
-        rows = (
-            sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
-            - rows_before
-        )
+            ps = psutil.Process
+            arms = [
+                ("direct", generate_arm(http, backend_url, args.tokens), None, None),
+                ("relay", generate_arm(http, f"http://127.0.0.1:{relay_port}", args.tokens),
+                 ps(relay.pid), "direct"),
+                ("proxima", chat_arm(http, proxy.base_url, keys, proxy.model_name, args.tokens),
+                 ps(proxy.proc.pid), "direct"),
+            ]  # fmt: skip
+            if litellm_url:
+                arms += [
+                    ("direct-openai", chat_arm(http, backend_url + "/v1", ["x"], "fake", args.tokens),
+                     None, None),
+                    ("litellm", chat_arm(http, litellm_url + "/v1", [LITELLM_KEY], "fake", args.tokens),
+                     ps(procs[-1].pid), "direct-openai"),
+                ]  # fmt: skip
+            results = [await measure(n, fn, args, p, b) for n, fn, p, b in arms]
+        recorded = sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
     finally:
         proxy.stop()
-        backend.terminate()
-
-    print(
-        f"\nproxy overhead: {args.tokens} streamed tokens per request, fake SGLang backend, "
-        f"SQLite recording, {os.cpu_count()} cores"
-    )
-    print(
-        f"{'load':<28}{'direct p50':>11}{'proxy p50':>11}{'added':>9}{'direct p95':>12}{'proxy p95':>11}{'added':>9}  (ms)"
-    )
-    for name, d, p in (
-        ("sequential (1 at a time)", seq_d, seq_p),
-        (f"{args.concurrency} concurrent streams", con_d, con_p),
-    ):
-        print(
-            f"{name:<28}{pct(d, 0.5):>11.2f}{pct(p, 0.5):>11.2f}{pct(p, 0.5) - pct(d, 0.5):>9.2f}"
-            f"{pct(d, 0.95):>12.2f}{pct(p, 0.95):>11.2f}{pct(p, 0.95) - pct(d, 0.95):>9.2f}"
-        )
-    print(
-        f"throughput under load: direct {args.requests / wall_d:.0f} req/s, "
-        f"proxy {args.requests / wall_p:.0f} req/s"
-    )
-    print(
-        f"recorded completions: {rows} in the store, {rows / wall_p:.0f} recorded completions/s "
-        f"(expected {args.sequential + args.requests})"
-    )
-    print(
-        f"mean sequential latency: direct {statistics.mean(seq_d) * 1000:.2f} ms, "
-        f"proxy {statistics.mean(seq_p) * 1000:.2f} ms"
-    )
+        for p in procs:
+            p.terminate()
+    report(results, args, recorded - rows_before)
 
 
 def main() -> None:
@@ -198,9 +322,10 @@ def main() -> None:
     )
     p.add_argument("--concurrency", type=int, default=200)
     p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--sequential", type=int, default=100)
+    p.add_argument("--sequential", type=int, default=200)
     p.add_argument("--sessions", type=int, default=200)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
     asyncio.run(main_async(p.parse_args()))
 
 
