@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"proxima": "proxima", "proxy": "proxima.proxy", "trainer": "proxima.trainer",
+           "agents_examples": "proxima.agents_examples", "migrations": "proxima.migrations"}  # fmt: skip
+
+
+def test_every_package_folder_is_declared() -> None:
+    """A subpackage missing from pyproject's explicit list would be left out of the wheel."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        declared = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {"proxima.migrations.versions"}  # migration scripts: a folder without __init__
+    for folder, package in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *rel)))
+    assert declared == found
 
 
 def test_installs_under_one_namespace(tmp_path: Path) -> None:
