@@ -216,6 +216,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         )
         yield
         await recorder.close()
+        app.state.service.close()
     finally:
         if deployments is not None:
             await deployments.close()

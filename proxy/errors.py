@@ -13,11 +13,13 @@ HTTP status, so no route formats errors by hand.
     ├── Conflict                      409 conflict_error (reward twice, finished session)
     ├── PayloadTooLarge               413 invalid_request_error
     ├── RateLimited                   429 rate_limit_error (+ Retry-After)
+    ├── ClientDisconnected            499 client_disconnected (nobody reads the answer)
     └── BackendUnavailable            503 service_unavailable (no healthy backend)
 
 Request validation errors (bad JSON, wrong types) become 400s that name the
 offending parameter; they never leak a raw pydantic dump. Store errors
-(``proxima.proxy.store.errors``) map to 404 / 409.
+(``proxima.proxy.store.errors``) map to 404 / 409. Once a stream has started,
+``as_proxima_error`` picks the error event that ends it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ class RateLimited(ProximaError):
         return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
+class ClientDisconnected(ProximaError):
+    """The client went away before its answer was ready (nginx's 499); nothing is sent."""
+
+    status_code = 499
+    error_type = "client_disconnected"
+
+
 class BackendUnavailable(ProximaError):
     status_code = 503
     error_type = "service_unavailable"
@@ -108,6 +117,21 @@ def error_envelope(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def as_proxima_error(exc: Exception) -> ProximaError:
+    """The API error for a failure: a store error keeps its status, anything else is a 500."""
+    from proxima.proxy.store import errors as store_errors
+
+    if isinstance(exc, ProximaError):
+        return exc
+    if isinstance(exc, store_errors.RewardAlreadySet):
+        return Conflict(str(exc), param="reward", code="reward_already_set")
+    if isinstance(exc, store_errors.Conflict):
+        return Conflict(str(exc))
+    if isinstance(exc, store_errors.NotFound):
+        return NotFound(str(exc))
+    return ProximaError("The server had an error while processing your request.")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

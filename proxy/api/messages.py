@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api import messages_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep
+from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.messages_translate import CountTokensRequest, MessagesRequest
 from proxima.proxy.errors import ProximaError
 from proxima.proxy.service.builders.messages import (
@@ -80,6 +81,7 @@ router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicErrorR
 @router.post("/messages", response_model=None)
 async def create_message(
     body: MessagesRequest,
+    request: Request,
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
@@ -94,7 +96,8 @@ async def create_message(
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
-    return JSONResponse(message_from(head, await service.complete(prep)), headers=headers)
+    completion = await unless_disconnected(request, service.complete(prep))
+    return JSONResponse(message_from(head, completion), headers=headers)
 
 
 @router.post("/messages/count_tokens")
@@ -103,4 +106,4 @@ async def count_tokens(
 ) -> dict[str, int]:
     """The prompt's size as the chat template renders it (a fresh render: no session reuse)."""
     service.check_model(body.model)
-    return {"input_tokens": service.count_prompt_tokens(translate.canonical_request(body))}
+    return {"input_tokens": await service.count_prompt_tokens(translate.canonical_request(body))}

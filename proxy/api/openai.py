@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from proxima.proxy.api import openai_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
+from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.schemas import MAX_ID_LENGTH, ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import NotFound
@@ -35,6 +36,7 @@ def _session_header(session: SessionRecord | None) -> dict[str, str]:
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
+    request: Request,
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: SessionHeader = None,
@@ -56,13 +58,14 @@ async def chat_completions(
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
-    completion = await service.complete(prep)
+    completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(chat_response(prep, completion, model=model), headers=headers)
 
 
 @router.post("/completions", response_model=None)
 async def completions(
     body: CompletionRequest,
+    request: Request,
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: SessionHeader = None,
@@ -78,7 +81,7 @@ async def completions(
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
-    completion = await service.complete(prep)
+    completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(completion_response(prep, completion, model=model), headers=headers)
 
 

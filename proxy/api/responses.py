@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from proxima.proxy.api import responses_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep
+from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.responses_translate import ResponsesRequest
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.responses import ResponseHead, response_events, response_from
@@ -26,6 +27,7 @@ router = APIRouter(prefix="/v1", tags=["responses"])
 @router.post("/responses", response_model=None)
 async def create_response(
     body: ResponsesRequest,
+    request: Request,
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
@@ -55,4 +57,5 @@ async def create_response(
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **headers},
         )
-    return JSONResponse(response_from(head, await service.complete(prep)), headers=headers)
+    completion = await unless_disconnected(request, service.complete(prep))
+    return JSONResponse(response_from(head, completion), headers=headers)

@@ -10,9 +10,18 @@ One driver serves every API surface. For a ``Prepared`` request it runs
 
 Either way, when every choice has finished it hands them to ``commit`` (the
 service records them) and only then reports them (``Finish``, ``Done``): a
-client never sees the end of a completion that is not durable. Cancelling
-the iteration (a client went away) cancels every choice, which aborts its
-backend request; nothing is committed then.
+client never sees the end of a completion that is not durable.
+
+Failures and disconnects:
+
+- a failure once a stream has started (a backend error, the store refusing
+  the commit because a trainer took the session, a bug) ends it with a
+  ``Failed`` event, never a dropped connection;
+- cancelling (the client went away) before every choice has finished
+  cancels each choice, which aborts its backend request, and nothing is
+  recorded; a commit that has started is finished (shielded), so a
+  completion is recorded exactly when its generation ended before the client
+  left.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.detokenize import IncrementalDetokenizer
-from proxima.proxy.errors import ProximaError
+from proxima.proxy.errors import as_proxima_error
 from proxima.proxy.generation import GenerationResult, TokenChunk, generate
 from proxima.proxy.service.events import (
     Completion,
@@ -77,7 +86,7 @@ class GenerationDriver:
         runs = self._runs(prep)
         await _gather_or_cancel([self._drain(prep, run) for run in runs])
         finished = [(run, self._finish_whole(prep, run)) for run in runs]
-        await commit(prep, finished)
+        await asyncio.shield(commit(prep, finished))
         return Completion(
             choices=[f for _, f in finished],
             usage=self._usage(prep, runs),
@@ -98,13 +107,17 @@ class GenerationDriver:
                     yield Delta(run.index, parts, logprobs)
                 else:
                     finished.append((run, state.finish(prep, run)))
-            await commit(prep, finished)
+            await asyncio.shield(commit(prep, finished))
             for _, finish in finished:
                 yield finish
             yield Done(self._usage(prep, runs), self._pool(prep).version)
-        except ProximaError as exc:
-            logger.warning("stream %s failed: %s", prep.response_id, exc.message)
-            yield Failed(exc)
+        except Exception as exc:  # the response has started: it ends with an error event
+            error = as_proxima_error(exc)
+            if error is exc:
+                logger.warning("stream %s failed: %s", prep.response_id, error.message)
+            else:
+                logger.exception("stream %s failed", prep.response_id)
+            yield Failed(error)
 
     # --------------------------------------------------------------------- choices
     def _pool(self, prep: Prepared) -> BackendPool:

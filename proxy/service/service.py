@@ -66,6 +66,9 @@ class CompletionService:
         )
         self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
 
+    def close(self) -> None:
+        self.preparer.close()
+
     # ----------------------------------------------------------------- requests
     def check_model(self, model: str) -> None:
         """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N)."""
@@ -83,14 +86,14 @@ class CompletionService:
         """Validate ``request``, find its session, and build its prompt."""
         text_ids = None
         if not isinstance(request.input, ChatInput):
-            text_ids = self.preparer.text_prompt_ids(request.input.prompt)
+            text_ids = await self.preparer.text_prompt(request.input.prompt)
         session = await self._session_for(principal, external_id or request.user)
         if session is not None:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
         deployment = self._route(request, principal, session, external_id)
         if isinstance(request.input, ChatInput):
-            prep = self.preparer.chat(request, request.input, session, history)
+            prep = await self.preparer.chat(request, request.input, session, history)
         else:
             assert text_ids is not None
             prep = self.preparer.text(request, text_ids, session, history)
@@ -161,12 +164,11 @@ class CompletionService:
             completion_tokens=tokens,
         )
 
-    def count_prompt_tokens(self, request: CanonicalRequest) -> int:
+    async def count_prompt_tokens(self, request: CanonicalRequest) -> int:
         """The tokens a conversation renders to on its own (no session, no generation)."""
         if not isinstance(request.input, ChatInput):
             raise TypeError("count_prompt_tokens takes a chat request")
-        chat = request.input
-        return len(self.preparer.renderer.build_prompt(chat.messages, chat.tools, []).prompt_ids)
+        return len((await self.preparer.render(request.input, [])).prompt_ids)
 
     async def conversation_of(
         self, principal: Principal, external_id: str | None, completion_id: str

@@ -43,7 +43,11 @@ def completion_response(prep: Prepared, completion: Completion, *, model: str) -
 async def completion_stream(
     prep: Prepared, events: AsyncIterator[Event], *, model: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """``text_completion`` chunks: text as it becomes final, the finish, [DONE]."""
+    """``text_completion`` chunks: text (and logprobs) as they arrive, the finish, [DONE].
+
+    A chunk whose text is held back (a partial character, a possible stop
+    string) still carries its tokens' logprobs, with ``text: ""``.
+    """
     head = {
         "id": prep.response_id,
         "object": "text_completion",
@@ -51,15 +55,20 @@ async def completion_stream(
         "model": model,
     }
 
-    def chunk(index: int, text: str, finish: str | None = None) -> bytes:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse({**head, "choices": [choice]})
 
+    offsets = [0] * prep.n  # text_offset of each choice's next token
     async for event in events:
         if isinstance(event, Delta):
             text = _text(event.parts)
-            if text:
-                yield chunk(event.index, text)
+            logprobs = None
+            if event.logprobs is not None:
+                logprobs = text_logprobs(event.logprobs, start=offsets[event.index])
+                offsets[event.index] += sum(len(lp.token) for lp in event.logprobs)
+            if text or logprobs is not None:
+                yield chunk(event.index, text, logprobs=logprobs)
         elif isinstance(event, Finish):
             yield chunk(event.index, _text(event.tail), event.finish_reason)
         elif isinstance(event, Done):
@@ -75,9 +84,14 @@ def _text(parts: list[Part]) -> str:
     return "".join(p.text for p in parts if isinstance(p, ContentDelta))
 
 
-def text_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
-    """A text completion choice's ``logprobs`` (offsets count the token texts)."""
-    offsets, pos = [], 0
+def text_logprobs(logprobs: list[TokenLogprob], *, start: int = 0) -> dict[str, Any]:
+    """A text completion's ``logprobs`` (offsets count the token texts from ``start``).
+
+    A stream sends each chunk's tokens with the chunk, offsets continuing
+    where the previous chunk's ended, so the chunks concatenate to the
+    non-streaming object.
+    """
+    offsets, pos = [], start
     for lp in logprobs:
         offsets.append(pos)
         pos += len(lp.token)

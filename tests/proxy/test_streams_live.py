@@ -1,0 +1,207 @@
+"""Streams and requests that end badly: failures mid-stream, finish, disconnects, big prompts.
+
+Each test drives a live ``proxima serve`` (tiny model, embedded engine) the
+way a client would, and checks what the client receives and what the store
+keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from proxima.proxy.store.store import Store
+from proxima.proxy.testing.live import LiveProxy
+
+LONG = {"max_tokens": 800, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProxy]:
+    work = tmp_path_factory.mktemp("streams-proxy")
+    live = LiveProxy(
+        tiny_model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+    )
+    live.start()
+    yield live
+    live.stop()
+
+
+def _chat_body(proxy: LiveProxy, **extra: Any) -> dict[str, Any]:
+    return {"model": proxy.model_name, "messages": [{"role": "user", "content": "Go on."}], **extra}
+
+
+def _data(line: str) -> Any:
+    """The payload of one SSE ``data:`` line (``"[DONE]"`` stays a string)."""
+    payload = line.removeprefix("data: ")
+    return payload if payload == "[DONE]" else json.loads(payload)
+
+
+def _stream_with(proxy: LiveProxy, key: str, act: Any) -> list[Any]:
+    """Stream a long chat completion; call ``act()`` after the first content; all events."""
+    events: list[Any] = []
+    acted = False
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json=_chat_body(proxy, stream=True, **LONG),
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line:
+                continue
+            events.append(_data(line))
+            delta = events[-1]["choices"][0]["delta"] if "choices" in events[-1] else {}
+            if not acted and delta.get("content"):
+                act()
+                acted = True
+    assert acted
+    return events
+
+
+def _in_flight(proxy: LiveProxy) -> int:
+    return sum(b["in_flight"] for b in httpx.get(proxy.url + "/health").json()["backends"])
+
+
+def test_a_trainer_claim_mid_stream_ends_the_stream_with_an_error_event(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    url = f"{proxy.url}/rl/sessions/{s['session_id']}"
+
+    def reward_finish_and_claim() -> None:
+        httpx.post(url + "/reward", json={"reward": 1.0}, headers=proxy.admin_headers())
+        httpx.post(url + "/finish", headers=proxy.admin_headers()).raise_for_status()
+
+        async def claim() -> list[Any]:
+            store = await Store.open(proxy.db_url)
+            try:
+                return await store.claim_sessions(limit=100, trainer_id="test-trainer")
+            finally:
+                await store.close()
+
+        claimed = asyncio.run(claim())
+        assert s["session_id"] in [c.id for c in claimed]
+
+    events = _stream_with(proxy, s["api_key"], reward_finish_and_claim)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "conflict_error"
+    assert "taken by a trainer" in error["message"]
+    assert not any(e["choices"][0]["finish_reason"] for e in events[:-2] if e.get("choices"))
+    assert proxy.trajectory(s["session_id"])["completions"] == []
+
+
+def test_finish_during_a_stream_lets_it_complete_and_records_it(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    url = f"{proxy.url}/rl/sessions/{s['session_id']}"
+
+    def finish() -> None:
+        httpx.post(url + "/finish", headers=proxy.admin_headers()).raise_for_status()
+
+    events = _stream_with(proxy, s["api_key"], finish)
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events[:-1])
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+    trajectory = proxy.trajectory(s["session_id"])
+    assert trajectory["status"] == "finished"
+    (completion,) = trajectory["completions"]
+    assert len(completion["output_ids"]) == LONG["max_tokens"]
+    # No new turn on the finished session.
+    again = httpx.post(
+        proxy.base_url + "/chat/completions",
+        json=_chat_body(proxy, max_tokens=2),
+        headers={"Authorization": f"Bearer {s['api_key']}"},
+    )
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "session_closed"
+
+
+def test_streamed_text_completion_sends_logprobs(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
+    tokens: list[str] = []
+    logprobs: list[float] = []
+    offsets: list[int] = []
+    text = ""
+    for chunk in client.completions.create(
+        model=proxy.model_name,
+        prompt="Once upon",
+        max_tokens=24,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs is not None:
+            tokens += choice.logprobs.tokens
+            logprobs += choice.logprobs.token_logprobs
+            offsets += choice.logprobs.text_offset
+            assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    (recorded,) = proxy.trajectory(s["session_id"])["completions"]
+    assert len(logprobs) == len(recorded["output_ids"]) == 24
+    assert all(
+        math.isclose(a, b, abs_tol=1e-5)
+        for a, b in zip(logprobs, recorded["output_logprobs"], strict=True)
+    )
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert text == recorded["response_text"]
+
+
+def test_a_non_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            proxy.base_url + "/chat/completions",
+            json=_chat_body(proxy, **LONG),
+            headers={"Authorization": f"Bearer {s['api_key']}"},
+            timeout=httpx.Timeout(10, read=1.5),
+        )
+    deadline = time.monotonic() + 10
+    while _in_flight(proxy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(proxy) == 0, "the backend request was not aborted"
+    time.sleep(1.0)  # a completion that was (wrongly) still committing would land now
+    assert proxy.trajectory(s["session_id"])["completions"] == []
+
+
+def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    body = _chat_body(proxy, max_tokens=4)
+    body["messages"] = [{"role": "user", "content": "lorem ipsum dolor sit amet " * 56_000}]
+    result: dict[str, Any] = {}
+
+    def big() -> None:
+        started = time.monotonic()
+        result["resp"] = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {s['api_key']}"},
+            timeout=300,
+        )
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    slowest = 0.0
+    while thread.is_alive():
+        started = time.monotonic()
+        assert httpx.get(proxy.url + "/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.05)
+    thread.join()
+    resp = result["resp"]
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "context_length_exceeded"
+    assert result["seconds"] > 1.0, "the message is too small to show a stall here"
+    assert slowest < min(1.0, result["seconds"] / 3), (slowest, result["seconds"])
