@@ -359,3 +359,25 @@ def test_private_observability_hides_docs_and_guards_metrics(proxy: LiveProxy) -
     r = httpx.get(proxy.url + "/metrics", headers=proxy.admin_headers())
     assert r.status_code == 200 and "proxima_" in r.text
     assert httpx.get(proxy.url + "/health").status_code == 200  # probes need no token
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/responses", {"input": BAD, "max_output_tokens": 16}),
+        ("/v1/responses", {"input": "hi", "instructions": BAD, "max_output_tokens": 16}),
+        ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": BAD}]}),
+        (
+            "/v1/messages",
+            {"max_tokens": 2, "system": BAD, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    ],
+)
+def test_lone_surrogates_in_the_other_apis_are_400s(
+    proxy: LiveProxy, path: str, body: dict[str, Any]
+) -> None:
+    session = proxy.new_session()
+    r = _post(proxy, path, {"model": proxy.model_name, **body}, session["api_key"])
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.text
+    assert proxy.trajectory(session["session_id"])["completions"] == []
