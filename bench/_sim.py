@@ -58,7 +58,7 @@ from proxima.proxy.backends.protocol import (
     GenerateRequest,
     UpdateWeightsFromDiskBody,
 )
-from proxima.proxy.testing.fake_sglang import generate_response, sglang_app
+from proxima.proxy.testing.sglang_routes import generate_response, sglang_app
 
 
 class SimGenerator:

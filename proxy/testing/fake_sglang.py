@@ -37,27 +37,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     GenerateRequest,
-    PauseGenerationBody,
     SamplingParams,
     UpdateWeightsFromDiskBody,
 )
-from pydantic import BaseModel, ValidationError
+from proxima.proxy.testing.sglang_routes import Chunk, generate_response, sglang_app
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-
-Chunk = dict[str, Any]
 
 
 class FakeBackend:
@@ -281,137 +275,31 @@ class FakeBackend:
             "num_paused_requests": counts,
         }
 
-    async def health(self) -> int:
-        """SGLang's health check: one greedy token, 200 once the scheduler answers anything."""
-        self.health_probes += 1
-        probe = GenerateRequest(
-            input_ids=[0],
-            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
-            rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
-        )
-        loop = asyncio.get_running_loop()
-        started = loop.time()
 
-        async def gen() -> None:
-            async for _ in self.run(probe):
-                break
+async def health_probe(fake: FakeBackend) -> int:
+    """SGLang's health check: one greedy token, 200 once the scheduler answers anything."""
+    fake.health_probes += 1
+    probe = GenerateRequest(
+        input_ids=[0],
+        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
 
-        task = asyncio.create_task(gen())
-        try:
-            while loop.time() < started + self.health_timeout_s:
-                await asyncio.sleep(self.health_poll_s)
-                if self.last_receive > started:
-                    return 200
-            return 503
-        finally:
-            task.cancel()
+    async def gen() -> None:
+        async for _ in fake.run(probe):
+            break
 
-
-def _bad_request(exc: ValidationError | json.JSONDecodeError) -> JSONResponse:
-    return JSONResponse({"error": str(exc)}, status_code=400)
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+    task = asyncio.create_task(gen())
     try:
-        return model.model_validate(json.loads(raw or b"{}"))
-    except (ValidationError, json.JSONDecodeError) as exc:
-        return _bad_request(exc)
-
-
-async def generate_response(
-    run: Callable[[GenerateRequest], AsyncIterator[Chunk]], request: GenerateRequest
-) -> Any:
-    """SGLang's ``/generate`` answer for ``run``'s chunks: SSE, or the final chunk as JSON."""
-    if request.stream:
-
-        async def events() -> AsyncIterator[bytes]:
-            async for out in run(request):
-                yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-    last: Chunk = {}
-    async for out in run(request):
-        last = out
-    return JSONResponse({**last, "output_ids": list(last["output_ids"])})
-
-
-def sglang_app(
-    title: str,
-    model_path: str,
-    *,
-    generate: Callable[[GenerateRequest], Awaitable[Any]],
-    abort: Callable[[AbortRequestBody], Awaitable[None]],
-    pause: Callable[[str], Awaitable[None]],
-    resume: Callable[[], Awaitable[None]],
-    update: Callable[[UpdateWeightsFromDiskBody], Awaitable[dict[str, Any]]],
-    weight_version: Callable[[], str],
-    health: Callable[[], Awaitable[int]] | None = None,
-    on_body: Callable[[dict[str, Any]], None] | None = None,
-) -> FastAPI:
-    """An app with SGLang's native routes over the given callbacks; bodies are checked strictly.
-
-    ``generate`` gets the parsed ``/generate`` body and returns the response;
-    ``abort`` the ``/abort_request`` body; ``pause`` the pause mode;
-    ``update`` the weight update body, returning SGLang's reply;
-    ``health`` the status of ``/health`` (200 at once when not given);
-    ``on_body`` sees every raw ``/generate`` body.
-    """
-    app = FastAPI(title=title)
-
-    @app.post("/generate")
-    async def generate_route(request: Request) -> Any:
-        if on_body is not None:
-            with contextlib.suppress(json.JSONDecodeError):
-                on_body(json.loads(await request.body()))
-        parsed = await _parse(request, GenerateRequest)
-        return parsed if isinstance(parsed, Response) else await generate(parsed)
-
-    @app.post("/abort_request")
-    async def abort_route(request: Request) -> Any:
-        parsed = await _parse(request, AbortRequestBody)
-        if isinstance(parsed, Response):
-            return parsed
-        await abort(parsed)
-        return Response(status_code=200)
-
-    @app.post("/pause_generation")
-    async def pause_route(request: Request) -> Any:
-        parsed = await _parse(request, PauseGenerationBody)
-        if isinstance(parsed, Response):
-            return parsed
-        await pause(parsed.mode)
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    @app.post("/continue_generation")
-    async def continue_route() -> dict[str, Any]:
-        await resume()
-        return {"message": "Generation continued successfully.", "status": "ok"}
-
-    @app.post("/update_weights_from_disk")
-    async def update_route(request: Request) -> Any:
-        parsed = await _parse(request, UpdateWeightsFromDiskBody)
-        if isinstance(parsed, Response):
-            return parsed
-        result = await update(parsed)
-        return JSONResponse(result, status_code=200 if result["success"] else 400)
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush() -> Response:
-        return Response("Cache flushed.\n", status_code=200)
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health_route() -> Response:
-        return Response(status_code=200 if health is None else await health())
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def info() -> dict[str, Any]:
-        return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
-
-    return app
+        while loop.time() < started + fake.health_timeout_s:
+            await asyncio.sleep(fake.health_poll_s)
+            if fake.last_receive > started:
+                return 200
+        return 503
+    finally:
+        task.cancel()
 
 
 def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
@@ -429,7 +317,7 @@ def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
         resume=fake.resume,
         update=fake.update,
         weight_version=lambda: fake.weight_version,
-        health=fake.health,
+        health=lambda: health_probe(fake),
         on_body=fake.bodies.append if fake.record_bodies else None,
     )
     app.state.fake = fake

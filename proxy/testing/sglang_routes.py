@@ -1,0 +1,133 @@
+"""SGLang's native HTTP routes over callbacks, with strictly checked bodies.
+
+Shared by the fake SGLang (:mod:`proxima.proxy.testing.fake_sglang`) and the
+bench simulator (``bench/_sim.py``): bodies are parsed with the wire schema of
+:mod:`proxima.proxy.backends.protocol` and refused with SGLang's 400
+``{"error": "..."}`` when they do not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from proxima.proxy.backends.protocol import (
+    AbortRequestBody,
+    GenerateRequest,
+    PauseGenerationBody,
+    UpdateWeightsFromDiskBody,
+)
+from pydantic import BaseModel, ValidationError
+
+Chunk = dict[str, Any]
+
+
+def _bad_request(exc: ValidationError | json.JSONDecodeError) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate(json.loads(raw or b"{}"))
+    except (ValidationError, json.JSONDecodeError) as exc:
+        return _bad_request(exc)
+
+
+async def generate_response(
+    run: Callable[[GenerateRequest], AsyncIterator[Chunk]], request: GenerateRequest
+) -> Any:
+    """SGLang's ``/generate`` answer for ``run``'s chunks: SSE, or the final chunk as JSON."""
+    if request.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            async for out in run(request):
+                yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    last: Chunk = {}
+    async for out in run(request):
+        last = out
+    return JSONResponse({**last, "output_ids": list(last["output_ids"])})
+
+
+def sglang_app(
+    title: str,
+    model_path: str,
+    *,
+    generate: Callable[[GenerateRequest], Awaitable[Any]],
+    abort: Callable[[AbortRequestBody], Awaitable[None]],
+    pause: Callable[[str], Awaitable[None]],
+    resume: Callable[[], Awaitable[None]],
+    update: Callable[[UpdateWeightsFromDiskBody], Awaitable[dict[str, Any]]],
+    weight_version: Callable[[], str],
+    health: Callable[[], Awaitable[int]] | None = None,
+    on_body: Callable[[dict[str, Any]], None] | None = None,
+) -> FastAPI:
+    """An app with SGLang's native routes over the given callbacks; bodies are checked strictly.
+
+    ``generate`` gets the parsed ``/generate`` body and returns the response;
+    ``abort`` the ``/abort_request`` body; ``pause`` the pause mode;
+    ``update`` the weight update body, returning SGLang's reply;
+    ``health`` the status of ``/health`` (200 at once when not given);
+    ``on_body`` sees every raw ``/generate`` body.
+    """
+    app = FastAPI(title=title)
+
+    @app.post("/generate")
+    async def generate_route(request: Request) -> Any:
+        if on_body is not None:
+            with contextlib.suppress(json.JSONDecodeError):
+                on_body(json.loads(await request.body()))
+        parsed = await _parse(request, GenerateRequest)
+        return parsed if isinstance(parsed, Response) else await generate(parsed)
+
+    @app.post("/abort_request")
+    async def abort_route(request: Request) -> Any:
+        parsed = await _parse(request, AbortRequestBody)
+        if isinstance(parsed, Response):
+            return parsed
+        await abort(parsed)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_route(request: Request) -> Any:
+        parsed = await _parse(request, PauseGenerationBody)
+        if isinstance(parsed, Response):
+            return parsed
+        await pause(parsed.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_route() -> dict[str, Any]:
+        await resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_route(request: Request) -> Any:
+        parsed = await _parse(request, UpdateWeightsFromDiskBody)
+        if isinstance(parsed, Response):
+            return parsed
+        result = await update(parsed)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush() -> Response:
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health_route() -> Response:
+        return Response(status_code=200 if health is None else await health())
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def info() -> dict[str, Any]:
+        return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
+
+    return app
