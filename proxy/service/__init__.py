@@ -17,6 +17,8 @@ Modules:
   calls incrementally, and yields ``events``;
 - ``events``: ``Delta`` / ``Finish`` / ``Done`` / ``Failed`` and the
   non-streaming ``Completion``;
+- ``recording``: finished choices to durable completion records (the
+  driver's commit step);
 - ``service``: sessions, generation and recording (``CompletionService``);
 - ``builders``: one module per API surface (``chat``, ``completions``).
 

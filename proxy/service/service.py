@@ -3,7 +3,8 @@
 Per request it finds the session (a session key, or a recorded production
 session), prepares the prompt (``prepare``), runs the generation driver
 (``driver``) and commits every completion to the store before the response
-ends (the durability rule: an acknowledged completion is never lost). It
+ends (``recording``; the durability rule: an acknowledged completion is never
+lost). It
 speaks no API: routes translate their request into a ``CanonicalRequest``
 and hand the driver's events to their response builder.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 from proxima.proxy.auth import Principal, PrincipalKind
@@ -24,10 +24,11 @@ from proxima.proxy.errors import Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
-from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, assistant_message
-from proxima.proxy.service.driver import ChoiceRun, GenerationDriver
-from proxima.proxy.service.events import Completion, Done, Event, Failed, Finish
+from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
+from proxima.proxy.service.driver import GenerationDriver
+from proxima.proxy.service.events import Completion, Done, Event, Failed
 from proxima.proxy.service.prepare import Prepared, PromptPreparer
+from proxima.proxy.service.recording import CompletionCommitter
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
 from proxima.proxy.tools import detect_tool_parser, get_tool_parser
@@ -65,6 +66,13 @@ class CompletionService:
             tool_parser=get_tool_parser(parser_name),
         )
         self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
+        self.commit = CompletionCommitter(
+            model_name=settings.model_name,
+            pool=pool,
+            recorder=recorder,
+            cache=cache,
+            metrics=metrics,
+        )
 
     def close(self) -> None:
         self.preparer.close()
@@ -131,7 +139,7 @@ class CompletionService:
         """Every choice, generated and committed."""
         started, outcome, tokens = time.monotonic(), "error", 0
         try:
-            completion = await self.driver.complete(prep, self._commit)
+            completion = await self.driver.complete(prep, self.commit)
             outcome, tokens = "ok", completion.usage.completion_tokens
             return completion
         except asyncio.CancelledError:
@@ -144,7 +152,7 @@ class CompletionService:
         """The generation's events; every choice is committed before its ``Finish``."""
         started, outcome, tokens = time.monotonic(), "cancelled", 0
         try:
-            async for event in self.driver.stream(prep, self._commit):
+            async for event in self.driver.stream(prep, self.commit):
                 if isinstance(event, Failed):
                     outcome = "error"
                 elif isinstance(event, Done):
@@ -224,60 +232,3 @@ class CompletionService:
             history = await self.store.list_completions(session_id=session.id)
             self.cache.remember_history(session.id, history)
         return history
-
-    # ---------------------------------------------------------------- recording
-    async def _commit(self, prep: Prepared, finished: list[tuple[ChoiceRun, Finish]]) -> None:
-        """Make the completions durable (group commit), then visible to the next turn."""
-        runs = [run for run, _ in finished]
-        self._account(len(prep.prompt_ids), runs)
-        if prep.session is None:
-            return
-        records = [self._record(prep, run, finish) for run, finish in finished]
-        await self.recorder.record(records)
-        self.cache.add_completions(records)
-        current = self.pool.version
-        for r in records:
-            self.metrics.completions.labels(
-                "chat" if r.request_messages is not None else "text"
-            ).inc()
-            if r.output_versions:
-                self.metrics.staleness.observe(current - min(r.output_versions))
-
-    def _record(self, prep: Prepared, run: ChoiceRun, finish: Finish) -> CompletionRecord:
-        assert prep.session is not None
-        r = run.result
-        return CompletionRecord(
-            id=run.completion_id,
-            session_id=prep.session.id,
-            parent_id=prep.parent_id,
-            prompt_ids=prep.prompt_ids,
-            output_ids=r.output_ids,
-            output_logprobs=r.logprobs,
-            output_versions=r.versions,
-            finish_reason=finish.finish_reason,
-            created_at=_now(),
-            request_messages=prep.messages,
-            request_tools=prep.tools,
-            response_message=assistant_message(finish.parsed)
-            if finish.parsed is not None
-            else None,
-            response_text=finish.text,
-            sampling=prep.sampling,
-            model=self.settings.model_name,
-            choice_index=run.index,
-            finished_at=_now(),
-            time_to_first_token=(run.first_token_at - run.started) if run.first_token_at else None,
-            duration=time.monotonic() - run.started,
-            backend=r.backend,
-        )
-
-    def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:
-        self.metrics.tokens.labels("prompt").inc(prompt_len)
-        self.metrics.tokens.labels("completion").inc(sum(len(r.result.output_ids) for r in runs))
-        interruptions = sum(r.result.interruptions for r in runs)
-        if interruptions:
-            self.metrics.interruptions.inc(interruptions)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)

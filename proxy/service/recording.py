@@ -1,0 +1,97 @@
+"""Recording: finished choices to durable completion records (the durability rule).
+
+``CompletionCommitter`` is the driver's ``commit`` step. It turns each
+finished choice into a ``CompletionRecord`` (canonical request messages and
+reply, token ids, behaviour logprobs, per-token policy versions, timings),
+commits them through the group-commit recorder and returns only when they
+are durable; then it makes them visible to the session's next turn (the
+history cache) and counts them (tokens, interruptions, staleness).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.metrics import Metrics
+from proxima.proxy.recorder import CompletionRecorder, SessionCache
+from proxima.proxy.service.canonical import assistant_message
+from proxima.proxy.service.driver import ChoiceRun
+from proxima.proxy.service.events import Finish
+from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.store.records import CompletionRecord
+
+
+class CompletionCommitter:
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        pool: BackendPool,
+        recorder: CompletionRecorder,
+        cache: SessionCache,
+        metrics: Metrics,
+    ) -> None:
+        self.model_name = model_name
+        self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
+        self.recorder = recorder
+        self.cache = cache
+        self.metrics = metrics
+
+    async def __call__(self, prep: Prepared, finished: list[tuple[ChoiceRun, Finish]]) -> None:
+        """Make the completions durable (group commit), then visible to the next turn."""
+        runs = [run for run, _ in finished]
+        self._account(len(prep.prompt_ids), runs)
+        if prep.session is None:
+            return
+        records = [self.record(prep, run, finish) for run, finish in finished]
+        await self.recorder.record(records)
+        self.cache.add_completions(records)
+        current = self.pool.version
+        for r in records:
+            self.metrics.completions.labels(
+                "chat" if r.request_messages is not None else "text"
+            ).inc()
+            if r.output_versions:
+                self.metrics.staleness.observe(current - min(r.output_versions))
+
+    def record(self, prep: Prepared, run: ChoiceRun, finish: Finish) -> CompletionRecord:
+        """The record of one finished choice of a request that has a session."""
+        assert prep.session is not None
+        r = run.result
+        return CompletionRecord(
+            id=run.completion_id,
+            session_id=prep.session.id,
+            parent_id=prep.parent_id,
+            prompt_ids=prep.prompt_ids,
+            output_ids=r.output_ids,
+            output_logprobs=r.logprobs,
+            output_versions=r.versions,
+            finish_reason=finish.finish_reason,
+            created_at=_now(),
+            request_messages=prep.messages,
+            request_tools=prep.tools,
+            response_message=assistant_message(finish.parsed)
+            if finish.parsed is not None
+            else None,
+            response_text=finish.text,
+            sampling=prep.sampling,
+            model=self.model_name,
+            choice_index=run.index,
+            finished_at=_now(),
+            time_to_first_token=(run.first_token_at - run.started) if run.first_token_at else None,
+            duration=time.monotonic() - run.started,
+            backend=r.backend,
+        )
+
+    def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:
+        self.metrics.tokens.labels("prompt").inc(prompt_len)
+        self.metrics.tokens.labels("completion").inc(sum(len(r.result.output_ids) for r in runs))
+        interruptions = sum(r.result.interruptions for r in runs)
+        if interruptions:
+            self.metrics.interruptions.inc(interruptions)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
