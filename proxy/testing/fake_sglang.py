@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -104,7 +105,7 @@ class FakeBackend:
         self.health_probes = 0
         self.record_bodies = record_bodies
         self.bodies: list[dict[str, Any]] = []  # every /generate body (with record_bodies)
-        self.last_receive = 0.0  # loop time of the last token made (SGLang's last_receive_tstamp)
+        self.last_receive = 0.0  # monotonic time of the last token made (SGLang's last_receive_tstamp)
 
     @property
     def paused(self) -> bool:
@@ -226,7 +227,7 @@ class FakeBackend:
                         self.abort_at.discard(prompt_len + len(ids))  # once per position
                         self.aborted.add(rid)
                         break
-                self.last_receive = asyncio.get_running_loop().time()
+                self.last_receive = time.monotonic()
                 if finish is None and len(ids) >= params.max_new_tokens:
                     finish = self._finish("length", len(ids), request)
                 yield chunk(finish)
@@ -284,8 +285,7 @@ async def health_probe(fake: FakeBackend) -> int:
         sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
         rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
     )
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    started = time.monotonic()  # not loop.time(): uvloop caches it per iteration (ms)
 
     async def gen() -> None:
         async for _ in fake.run(probe):
@@ -293,7 +293,7 @@ async def health_probe(fake: FakeBackend) -> int:
 
     task = asyncio.create_task(gen())
     try:
-        while loop.time() < started + fake.health_timeout_s:
+        while time.monotonic() < started + fake.health_timeout_s:
             await asyncio.sleep(fake.health_poll_s)
             if fake.last_receive > started:
                 return 200

@@ -74,14 +74,18 @@ async def test_long_weight_update_ejects_no_backend_and_moves_no_session() -> No
         assert pool.choose("session-1") is pinned
 
 
-async def test_probe_of_a_paused_backend_is_a_503_that_the_pool_ignores() -> None:
-    fake = FakeBackend(health_timeout_s=0.2, health_poll_s=0.05)
-    async with _client({"http://a": fake}) as http:
-        pool = BackendPool(["http://a"], http=http)
-        await fake.pause("abort")
-        assert not await pool.backends[0].client.health()  # SGLang's own verdict
-        await fake.resume()
-        assert await pool.backends[0].client.health()
+async def test_health_generates_and_a_paused_backend_answers_503_by_itself() -> None:
+    """Served by uvicorn (uvloop's clock ticks in milliseconds), as the fake runs in CI."""
+    fake = FakeBackend(health_timeout_s=0.5, health_poll_s=0.05)
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            client = BackendPool([server.url], http=http).backends[0].client
+            assert await client.health()
+            assert fake.generated_tokens == 1  # the probe generated one token
+            await client.pause_generation(mode="abort")
+            assert not await client.health()  # SGLang's own verdict while paused
+            await client.continue_generation()
+            assert await client.health()
 
 
 async def test_abort_with_status_is_an_error_at_once() -> None:
