@@ -105,7 +105,7 @@ class FakeBackend:
         self.health_probes = 0
         self.record_bodies = record_bodies
         self.bodies: list[dict[str, Any]] = []  # every /generate body (with record_bodies)
-        self.last_receive = 0.0  # monotonic time of the last token made (SGLang's last_receive_tstamp)
+        self.last_receive = 0.0  # monotonic time of the last token (last_receive_tstamp)
 
     @property
     def paused(self) -> bool:
