@@ -168,7 +168,7 @@ class CompletionService:
             version=deployment.version,
             seconds=time.monotonic() - started,
             outcome=outcome,
-            prompt_tokens=len(prep.prompt_ids) * prep.n,
+            prompt_tokens=len(prep.prompt_ids),
             completion_tokens=tokens,
         )
 

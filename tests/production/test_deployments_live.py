@@ -303,6 +303,19 @@ def test_eval_gate_and_versions_by_name(env: Env, tiny_model_dir: Path) -> None:
     assert state["version"] == 1
 
 
+def test_a_restarted_proxy_serves_the_last_promoted_state(env: Env) -> None:
+    before = admin(env, "GET", "/admin/production").json()
+    assert before["version"] == 1
+    env.proxy.stop()
+    env.proxy.start()
+    after = admin(env, "GET", "/admin/production").json()
+    assert (after["version"], after["canary"]) == (1, None)
+    assert after["history"] == before["history"]
+    _, versions = production_turns(env, "after-restart")
+    assert set(versions) == {1}
+    assert set(training_versions(env)) == {2}  # training resumes at the newest push
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

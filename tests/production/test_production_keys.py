@@ -187,3 +187,21 @@ async def test_recorded_production_session_reward_and_claim(
         headers=_auth(key),
     )
     assert late.status_code == 409
+
+
+def test_without_a_production_deployment_production_follows_the_trainer(
+    proxy: LiveProxy, keys: dict[str, str]
+) -> None:
+    # Started without --production-backend/--production-engine: one deployment, as before.
+    status = httpx.get(proxy.url + "/admin/production", headers=proxy.admin_headers()).json()
+    assert (status["mode"], status["canary"], status["history"]) == ("follows_training", None, [])
+    assert status["version"] == httpx.get(proxy.url + "/health").json()["version"]
+    refused = httpx.post(
+        proxy.url + "/admin/production", json={"version": 0}, headers=proxy.admin_headers()
+    )
+    assert refused.status_code == 409
+    assert refused.json()["error"]["code"] == "no_production_deployment"
+    assert "--production-engine" in refused.json()["error"]["message"]
+    registry = httpx.get(proxy.url + "/admin/versions", headers=proxy.admin_headers()).json()
+    current = [v for v in registry["versions"] if v["version"] == status["version"]]
+    assert current and current[0]["served_by"] == ["training", "production"]
