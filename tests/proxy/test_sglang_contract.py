@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import openai
 import pytest
 from openai import OpenAI
 from proxima.proxy.serving import ThreadedServer
@@ -123,3 +124,53 @@ def test_every_body_the_proxy_sends_passes_sglangs_contract(
     assert {"sampling_seed", "stop", "frequency_penalty", "presence_penalty"} <= seen_keys
     assert seen_keys & {"json_schema", "regex", "ebnf", "structural_tag"}
     assert any(b.get("top_logprobs_num") == 3 for b in bodies)
+
+
+def test_scheduler_error_in_the_stream_is_an_openai_400(
+    recording_proxy: tuple[LiveProxy, FakeBackend],
+) -> None:
+    """A prompt over SGLang's input limit: ``finish_reason.status_code`` 400, not a resume."""
+    proxy, fake = recording_proxy
+    session = proxy.new_session()
+    client = OpenAI(base_url=proxy.base_url, api_key=session["api_key"], max_retries=0)
+    fake.max_input_tokens = 5
+    requests_before = fake.requests
+    try:
+        messages: Any = [{"role": "user", "content": "A prompt longer than five tokens."}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=proxy.model_name, messages=messages, max_tokens=8)
+        assert caught.value.status_code == 400
+        assert caught.value.code == "context_length_exceeded"
+        assert "exceeds the maximum allowed length" in caught.value.message
+        # Streamed: the stream has begun, so the error arrives as its error event.
+        with pytest.raises(openai.APIError, match="exceeds the maximum allowed length"):
+            list(
+                client.chat.completions.create(
+                    model=proxy.model_name, messages=messages, max_tokens=8, stream=True
+                )
+            )
+    finally:
+        fake.max_input_tokens = None
+    assert fake.requests - requests_before == 2  # one backend request each: never resumed
+    assert proxy.trajectory(session["session_id"])["completions"] == []
+
+
+def test_a_null_sampled_logprob_is_refused_and_never_stored(
+    recording_proxy: tuple[LiveProxy, FakeBackend],
+) -> None:
+    proxy, fake = recording_proxy
+    session = proxy.new_session()
+    client = OpenAI(base_url=proxy.base_url, api_key=session["api_key"], max_retries=0)
+    fake.null_logprob_at = frozenset({2})  # NaN or -inf for the third token: JSON null
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(
+                model=proxy.model_name,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8,
+            )
+    finally:
+        fake.null_logprob_at = frozenset()
+    assert caught.value.status_code == 503
+    assert "non-finite logprob" in caught.value.message
+    assert proxy.trajectory(session["session_id"])["completions"] == []
