@@ -9,8 +9,9 @@ by file path: importing the ``sglang`` package itself would pull its GPU
 stack (its ``__init__`` imports ``sglang.srt.utils``, which needs pybase64,
 zmq and more).
 
-The proxy runs in front of the fake SGLang, which records every body and
-aborts each request every few tokens (so resumed bodies are checked too).
+The proxy runs in front of the fake SGLang (incremental streaming), which
+records every body and aborts requests every few tokens (so resumed bodies are
+checked too).
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ def test_sglang_contract_is_the_real_one() -> None:
 def recording_proxy(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[LiveProxy, FakeBackend]]:
+    # Incremental chunks, as compose launches SGLang (cumulative: test_backends, production).
     fake = FakeBackend(
-        tokens_per_s=500, chunk_tokens=2, record_bodies=True, abort_at=frozenset(range(0, 4096, 9))
+        tokens_per_s=500,
+        chunk_tokens=2,
+        incremental=True,
+        record_bodies=True,
+        abort_at=frozenset(range(0, 4096, 9)),
     )
     work = tmp_path_factory.mktemp("contract")
     with ThreadedServer(create_fake_app(fake)) as server:
