@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,8 +15,9 @@ from proxima.proxy.deployments import (
     canary_bucket,
     split_model_version,
 )
-from proxima.proxy.errors import Conflict
-from proxima.proxy.production import promotion_stack, rollback_target
+from proxima.proxy.errors import Conflict, NotFound
+from proxima.proxy.production import ProductionController, promotion_stack, rollback_target
+from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.store.records import PromotionRecord
 
 
@@ -110,3 +112,39 @@ def test_rollback_pops_the_promotion_stack() -> None:
     assert rollback_target(history) == 0
     history.append(_entry(6, "rollback", 0))
     assert rollback_target(history) is None
+
+
+async def test_eval_gate_needs_both_scores_and_refuses_a_lower_one(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    await ensure_schema(url)
+    store = await Store.open(url)
+    try:
+        await store.record_policy_version(version=1, path="/w/v1")
+        await store.record_policy_version(version=2, path="/w/v2")
+        controller = ProductionController(
+            deployments=Deployments(_deployment("training", 2), _deployment("production", 1)),
+            store=store,
+            base_model_path="/base",
+        )
+        assert await controller.path_of(0) == "/base"
+        assert await controller.path_of(2) == "/w/v2"
+        with pytest.raises(NotFound, match="not registered"):
+            await controller.path_of(3)
+
+        with pytest.raises(Conflict, match="Version 2 has no eval score") as exc:
+            await controller.promote(2, require_eval=True)
+        assert exc.value.code == "eval_missing"
+        await store.record_version_eval(version=2, score=0.4)
+        with pytest.raises(Conflict, match="production version 1 has no eval score"):
+            await controller.promote(2, require_eval=True)
+        await store.record_version_eval(version=1, score=0.5)
+        with pytest.raises(Conflict, match=r"scored 0.4, below production version 1 \(0.5\)"):
+            await controller.promote(2, require_eval=True)
+        assert await store.list_promotions() == []  # nothing refused was recorded
+
+        # A score equal to production's passes; production already serves 1, so no load.
+        state = await controller.promote(1, require_eval=True)
+        assert (state["version"], state["rollback_to"]) == (1, 0)
+        assert [h["action"] for h in state["history"]] == ["promote"]
+    finally:
+        await store.close()
