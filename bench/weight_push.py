@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         size_mb = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
         proxy = LiveProxy(
-            model_dir, db_url=f"sqlite:///{work / 'store.db'}", log_path=work / "serve.log"
+            model_dir,
+            db_url=f"sqlite:///{work / 'store.db'}",
+            log_path=work / "serve.log",
+            extra_args=["--train-batch-size", str(args.batch_size)],  # the trainer reads B here
         )
         proxy.start()
         stop = threading.Event()
@@ -151,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             producer.start()
             cfg = TrainerConfig.model_validate(
                 {
-                    "batch_size": args.batch_size,
                     "output_dir": str(work / "trainer"),
                     "optim": {"lr": 1e-4},
                     "loop": {"poll_interval_s": 0.1, "max_steps": args.steps},

@@ -300,13 +300,19 @@ class TrainerConfig(_Section):
         default_factory=ConnectionConfig, description="Proxy, store and initial model."
     )
     batch_size: int = Field(
-        8, ge=1, description="Sessions per training step (B in the staleness rule)."
+        8,
+        ge=1,
+        description="Sessions per training step (B in the staleness rule). Declared by the "
+        "proxy (proxima serve --train-batch-size): the trainer takes the proxy's; a different "
+        "value set here is refused (proxima.trainer.proxy_settings).",
     )
     max_staleness: int = Field(
         4,
         ge=0,
         description="eta: generated tokens whose policy version is below current_version - eta "
-        "are not trained (see stale_rule); 0 is synchronous RL.",
+        "are not trained (see stale_rule); 0 is synchronous RL. Declared by the proxy when it "
+        "runs with --max-staleness (the trainer takes it; a different value here is refused); "
+        "otherwise this value bounds what the trainer trains.",
     )
     stale_rule: Literal["token", "sample"] = Field(
         "token",

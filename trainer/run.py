@@ -12,6 +12,7 @@ import asyncio
 from proxima.proxy.store import Store
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.loop import Trainer
+from proxima.trainer.proxy_settings import adopt_proxy_settings, fetch_proxy_settings
 from proxima.trainer.torchrun import (
     RankZeroLeader,
     follow_rank_zero,
@@ -30,8 +31,10 @@ async def run_trainer(
 ) -> int:
     """Run the trainer until ``stop_event`` is set or ``cfg.loop.max_steps`` steps ran.
 
-    Opens the store at ``cfg.connection.db_url`` and pushes to
-    ``cfg.connection.proxy_url`` (unless another ``sink`` is given). Returns
+    Reads the staleness rule's settings from the proxy at
+    ``cfg.connection.proxy_url`` (``proxima.trainer.proxy_settings``), opens
+    the store at ``cfg.connection.db_url`` and pushes to the proxy (unless
+    another ``sink`` is given). Returns
     the number of steps this run took. This is what ``proxima trainer`` and
     ``proxima train`` call.
     """
@@ -50,6 +53,10 @@ async def run_trainer(
             return await follow_rank_zero(cfg)
         leader = RankZeroLeader()
     try:
+        if conn.proxy_url is not None:  # the staleness rule's settings are the proxy's
+            token = conn.admin_token.get_secret_value() if conn.admin_token else None
+            settings = await fetch_proxy_settings(conn.proxy_url, admin_token=token)
+            cfg = adopt_proxy_settings(cfg, settings, proxy_url=conn.proxy_url)
         store = await Store.open(conn.db_url)
         own_sink = sink is None
         if sink is None:

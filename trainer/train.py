@@ -309,7 +309,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             update={"output_dir": (cfg.output_dir / "trainer").resolve()}
         )
         config_path = cfg.output_dir / "trainer_config.json"
-        config_path.write_text(trainer_cfg.model_dump_json(indent=2, exclude={"connection"}))
+        # Only what the run config sets: batch_size and max_staleness left unset come from the proxy.
+        config_path.write_text(
+            trainer_cfg.model_dump_json(indent=2, exclude={"connection"}, exclude_unset=True)
+        )
         trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
         env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
         trainer_proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""Admin routes: weight updates, health."""
+"""Admin routes: weight updates, the trainer's shared settings, health."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, StoreDep
+from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.errors import BadRequest, Conflict
@@ -48,6 +48,19 @@ async def update_weights(
         "seconds": update.seconds,
         "backends": update.backends,
     }
+
+
+@router.get("/admin/config")
+async def trainer_settings(_: AdminDep, settings: SettingsDep) -> dict[str, Any]:
+    """The settings the proxy and the trainer share, declared once, here.
+
+    ``train_batch_size`` (B) and ``max_staleness`` (eta, null: no admission
+    gate) are the two numbers of the staleness rule ``N < (version + eta + 1) * B``
+    (``proxima serve --train-batch-size/--max-staleness``). The trainer reads
+    them at start and refuses a config that says otherwise
+    (``proxima.trainer.proxy_settings``).
+    """
+    return {"train_batch_size": settings.train_batch_size, "max_staleness": settings.max_staleness}
 
 
 @router.get("/health")

@@ -27,9 +27,16 @@ def megatron_process_group() -> Iterator[None]:
 
 @pytest.fixture
 def proxy(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LiveProxy]:
-    """A live ``proxima serve`` (embedded engine, tiny model, SQLite store) for one test."""
+    """A live ``proxima serve`` (embedded engine, tiny model, SQLite store) for one test.
+
+    Its trainer batch size is 2 (``--train-batch-size``), which ``proxima trainer`` runs
+    against it adopt (``proxima.trainer.proxy_settings``); no staleness gate.
+    """
     live = LiveProxy(
-        tiny_model_dir, db_url=f"sqlite:///{tmp_path / 'store.db'}", log_path=tmp_path / "serve.log"
+        tiny_model_dir,
+        db_url=f"sqlite:///{tmp_path / 'store.db'}",
+        log_path=tmp_path / "serve.log",
+        extra_args=["--train-batch-size", "2"],
     )
     live.start()
     yield live

@@ -195,11 +195,9 @@ def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
     # All 12 sessions are generated up front at version 0: with a staleness bound, whatever the
     # restarted trainer finds could all be dropped (how many depends on when the kill lands).
     # Dropping is tested on its own (test_loop.py); here every session must be trained.
-    config.write_text(
-        json.dumps(
-            trainer_config(proxy, tmp_path, batch_size=2, checkpoint_every=2, max_staleness=100)
-        )
-    )
+    settings = trainer_config(proxy, tmp_path, checkpoint_every=2, max_staleness=100)
+    del settings["batch_size"]  # the trainer takes the proxy's (--train-batch-size 2)
+    config.write_text(json.dumps(settings))
     log = tmp_path / "trainer.log"
     output_dir = tmp_path / "trainer"
 
