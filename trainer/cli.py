@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     """The config file (or defaults) with the flags applied; raises ``ValidationError``."""
     base = load_config(args.config) if args.config else TrainerConfig()
-    data: dict[str, Any] = base.model_dump()
-    connection = data["connection"]
+    # Only what the file sets: settings left unset stay unset (batch_size and max_staleness
+    # then come from the proxy, proxima.trainer.proxy_settings).
+    data: dict[str, Any] = base.model_dump(exclude_unset=True)
+    connection = data.setdefault("connection", {})
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if token:
         connection["admin_token"] = token
@@ -76,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
             connection[key] = value
     for key, value in (("trainer_id", args.trainer_id), ("max_steps", args.max_steps)):
         if value is not None:
-            data["loop"][key] = value
+            data.setdefault("loop", {})[key] = value
     if args.output_dir is not None:
         data["output_dir"] = args.output_dir
     return TrainerConfig.model_validate(data)

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from proxima.proxy.api import admin
+from proxima.proxy.config import Settings
+from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.store import ensure_schema
 from proxima.trainer.cli import build_parser, config_from_args, main
 from proxima.trainer.config import MegatronConfig, TrainerConfig
 from proxima.trainer.weights import TrainerState, save_checkpoint
 from pydantic import ValidationError
+
+ADMIN_TOKEN = "cli-admin-token"
 
 
 def test_flags_override_the_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,9 +64,34 @@ def test_a_checkpoint_ahead_of_the_store_is_refused_with_exit_1(
     asyncio.run(ensure_schema(db))
     out = tmp_path / "out"
     save_checkpoint(out, TrainerState("proxima-trainer", version=3, step=3), {})
-    argv = ["--proxy", "http://127.0.0.1:9", "--db", db, "--model", str(tiny_model_dir)]
-    assert main([*argv, "--output-dir", str(out), "--no-progress"]) == 1
+    with _admin_config_route(tiny_model_dir) as proxy_url:  # the trainer reads B and eta first
+        argv = ["--proxy", proxy_url, "--db", db, "--model", str(tiny_model_dir)]
+        argv += ["--admin-token", ADMIN_TOKEN]
+        assert main([*argv, "--output-dir", str(out), "--no-progress"]) == 1
     assert "another database" in capsys.readouterr().err
+
+
+def test_an_unreachable_proxy_is_refused_before_anything_loads(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    argv = ["--proxy", "http://127.0.0.1:9", "--db", db, "--model", str(tiny_model_dir)]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 1
+    assert "cannot read the proxy's settings at http://127.0.0.1:9/admin/config" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@contextlib.contextmanager
+def _admin_config_route(model_dir: Path) -> Iterator[str]:
+    """The proxy's real ``GET /admin/config`` route alone (no engine, no store), served locally."""
+    app = FastAPI()
+    app.include_router(admin.router)
+    app.state.settings = Settings(model=model_dir, admin_token=ADMIN_TOKEN)
+    app.state.store = app.state.cache = None  # the admin token never reaches them
+    with ThreadedServer(app) as server:
+        yield server.url
 
 
 def test_new_config_sections_validate() -> None:

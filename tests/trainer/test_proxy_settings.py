@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from proxima.proxy.testing.live import LiveProxy
+from proxima.trainer.cli import build_parser, config_from_args
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.proxy_settings import (
     ProxySettings,
@@ -52,6 +53,17 @@ def test_a_different_value_is_refused(config: dict[str, int], message: str) -> N
     cfg = TrainerConfig.model_validate(config)
     with pytest.raises(ProxySettingsError, match=message):
         adopt_proxy_settings(cfg, ProxySettings(8, 4), proxy_url=URL)
+
+
+def test_the_command_line_leaves_unset_settings_unset(tmp_path: Path) -> None:
+    config = tmp_path / "trainer.toml"
+    config.write_text('max_staleness = 3\n[loop]\ntrainer_id = "t"\n')
+    args = build_parser().parse_args(["--config", str(config), "--proxy", URL, "--max-steps", "2"])
+    cfg = config_from_args(args)
+    assert (cfg.loop.trainer_id, cfg.loop.max_steps, cfg.connection.proxy_url) == ("t", 2, URL)
+    assert "max_staleness" in cfg.model_fields_set and "batch_size" not in cfg.model_fields_set
+    adopted = adopt_proxy_settings(cfg, ProxySettings(5, None), proxy_url=URL)
+    assert (adopted.batch_size, adopted.max_staleness) == (5, 3)
 
 
 def test_without_a_proxy_gate_eta_is_the_trainers() -> None:
