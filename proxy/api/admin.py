@@ -9,6 +9,8 @@ from fastapi.responses import Response
 from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.deployments import TRAINING, Deployment, Deployments
 from proxima.proxy.errors import BadRequest, Conflict
 from proxima.proxy.store.records import SessionKind
 
@@ -63,16 +65,32 @@ async def trainer_settings(_: AdminDep, settings: SettingsDep) -> dict[str, Any]
     return {"train_batch_size": settings.train_batch_size, "max_staleness": settings.max_staleness}
 
 
+def _deployments(request: Request, pool: BackendPool) -> Deployments:
+    """The app's deployments; an app assembled without the lifespan has just ``pool``."""
+    deployments = getattr(request.app.state, "deployments", None)
+    return deployments if deployments is not None else Deployments(Deployment(TRAINING, pool))
+
+
 @router.get("/health")
-async def health(pool: PoolDep) -> dict[str, Any]:
+async def health(request: Request, pool: PoolDep) -> dict[str, Any]:
+    """The training pool's state (top level, as before deployments) and every deployment's."""
+    deployments = _deployments(request, pool).all()
     return {
-        "status": "ok" if pool.healthy_backends() else "degraded",
+        "status": "ok" if all(d.pool.healthy_backends() for d in deployments) else "degraded",
         "version": pool.version,
         "updating": pool.updating,
         "backends": [
             {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}
             for b in pool.backends
         ],
+        "deployments": {
+            d.name: {
+                "version": d.version,
+                "healthy_backends": len(d.pool.healthy_backends()),
+                "backends": len(d.pool.backends),
+            }
+            for d in deployments
+        },
     }
 
 
@@ -81,7 +99,7 @@ async def metrics(request: Request, _: ObserverDep, pool: PoolDep, store: StoreD
     """Prometheus exposition; gauges are read from the pool and the store at scrape time."""
     m = request.app.state.metrics
     m.policy_version.set(pool.version)
-    deployments = request.app.state.deployments
+    deployments = _deployments(request, pool)
     for deployment in deployments.all():
         m.deployment_version.labels(deployment.name).set(deployment.version)
     m.canary_fraction.set(deployments.split.fraction if deployments.split else 0.0)

@@ -137,6 +137,12 @@ def test_production_stays_pinned_until_a_promotion(env: Env) -> None:
     served = {v["version"]: v["served_by"] for v in registry["versions"]}
     assert served == {0: ["production"], 1: [], 2: ["training"]}
     assert registry["versions"][0]["path"] == str(env.proxy.model_dir)
+    health = httpx.get(env.proxy.url + "/health").json()
+    assert health["status"] == "ok" and health["version"] == 2
+    assert {name: d["version"] for name, d in health["deployments"].items()} == {
+        "training": 2,
+        "production": 0,
+    }
 
     _, versions = production_turns(env, "before-promotion")
     assert versions and set(versions) == {0}  # the trainer's pushes did not reach production
