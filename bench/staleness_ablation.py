@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (x group size)")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--digits", type=int, default=3, help="prompts a+b with a, b < digits")
     p.add_argument("--minibatches", type=int, default=1, help="ppo_minibatches")
     p.add_argument("--zero-signal", default="filter", choices=["filter", "skip", "keep"])
     p.add_argument("--threshold", type=float, default=0.8)
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         ppo_minibatches=args.minibatches,
         zero_signal=args.zero_signal,
+        digits=args.digits,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"

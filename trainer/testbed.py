@@ -1,15 +1,17 @@
 """A fast learning testbed through the real stack, with controlled staleness.
 
-Task: small addition. The prompt is the chat message ``"a+b="`` with
-``a, b`` in ``0..4``; the reward is 1 when the reply is exactly ``str(a + b)``,
-else 0 (unambiguous, no parsing slack). The policy is the tiny byte-level
-Qwen2 model (``proxima.proxy.testing.tiny_model``, hidden 64, 2 layers)
-fine-tuned once on *noisy* answers: the right sum with probability
-``p_correct`` (0.25), otherwise a uniform draw from ``0..8``. It starts at a
-sampled accuracy of about a third with the right answer as its mode, so RL
-raises the reward within tens of steps (a sharpening task, as RLVR on a
-pretrained model). The fine-tuned model is cached under ``.cache/testbed/``
-(keyed by its settings), built offline (a few minutes on 2 busy cores).
+Task: small addition. The prompt is the chat message ``"a+b="``; the
+reward is 1 when the reply is exactly ``str(a + b)``, else 0 (unambiguous, no
+parsing slack). The policy is the tiny byte-level Qwen2 model
+(``proxima.proxy.testing.tiny_model``, hidden 64, 2 layers) fine-tuned once
+on ``a, b`` in ``0..4`` with *noisy* answers (the right sum with probability
+``p_correct`` = 0.25, otherwise a uniform draw from ``0..8``), cached under
+``.cache/testbed/`` (keyed by its settings; built offline, 1,500 steps, about
+three minutes of one core). Measured: it learned the answer format (one digit,
+then the end-of-turn token) but not the sums (13% sampled, 16% greedy accuracy
+on the 25 pairs), so RL has to find the right digit per prompt. The RL
+prompts use ``a, b`` in ``0..digits-1`` (``Arm.digits``, default 3: 9
+pairs, about 15% reward at the start).
 
 Everything runs through the real stack: a ``proxima serve`` child process
 (embedded engine, SQLite store), sessions made over HTTP, agents calling
@@ -79,7 +81,12 @@ def reward_of(a: int, b: int, reply: str | None) -> float:
     return 1.0 if (reply or "") == str(a + b) else 0.0
 
 
-ALL_PAIRS = [(a, b) for a in range(DIGITS) for b in range(DIGITS)]
+def pairs(digits: int) -> list[tuple[int, int]]:
+    """Every ``(a, b)`` with ``a, b`` in ``0..digits-1``."""
+    return [(a, b) for a in range(digits) for b in range(digits)]
+
+
+ALL_PAIRS = pairs(DIGITS)
 
 
 def prepare_model(cache_dir: Path, settings: TaskSettings = TaskSettings()) -> Path:
@@ -181,10 +188,11 @@ class Arm:
     steps: int = 60
     prompts_per_step: int = 8
     group_size: int = 4
-    lr: float = 2e-3
+    lr: float = 1e-3
     ppo_minibatches: int = 1
     zero_signal: str = "filter"
-    eval_samples: int = 8  # samples per pair of the final evaluation (25 pairs)
+    digits: int = 3  # RL prompts: a, b in 0..digits-1 (the fine-tuning saw 0..DIGITS-1)
+    eval_samples: int = 8  # samples per pair of the final evaluation
 
     @property
     def name(self) -> str:
@@ -228,8 +236,10 @@ async def _agent(
     return reward
 
 
-async def _evaluate(proxy: ProxyProcess, http: httpx.AsyncClient, samples: int, seed: int) -> float:
-    """Mean reward over every pair, ``samples`` each, at T = 1 (admin token: unrecorded)."""
+async def _evaluate(
+    proxy: ProxyProcess, http: httpx.AsyncClient, prompts: list[tuple[int, int]], seed: int
+) -> float:
+    """Mean reward over ``prompts``, one sample each at T = 1 (admin token: unrecorded)."""
     client = AsyncOpenAI(
         base_url=proxy.base_url, api_key=proxy.admin_token, http_client=http, max_retries=0
     )
@@ -246,7 +256,7 @@ async def _evaluate(proxy: ProxyProcess, http: httpx.AsyncClient, samples: int, 
             )
         return reward_of(*pair, reply.choices[0].message.content)
 
-    jobs = [one(p, i) for i, p in enumerate(ALL_PAIRS * samples)]
+    jobs = [one(p, i) for i, p in enumerate(prompts)]
     rewards = await asyncio.gather(*jobs)
     return sum(rewards) / len(rewards)
 
@@ -282,16 +292,17 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
         }
     )
     rng = random.Random(arm.seed)
+    pairs_of_arm = pairs(arm.digits)
     store = await Store.open(db_url)
     sink = DelayedSink(ProxyWeightSink(proxy.url, admin_token=proxy.admin_token), arm.k)
     trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
     try:
         async with httpx.AsyncClient(timeout=120) as http:
             for step in range(arm.steps):
-                pairs = [rng.choice(ALL_PAIRS) for _ in range(arm.prompts_per_step)]
+                batch_pairs = [rng.choice(pairs_of_arm) for _ in range(arm.prompts_per_step)]
                 jobs = [
                     _agent(proxy, http, pair, f"s{step}-p{p}", arm.seed * 10**6 + step * 1000 + i)
-                    for p, pair in enumerate(pairs)
+                    for p, pair in enumerate(batch_pairs)
                     for i in range(p * arm.group_size, (p + 1) * arm.group_size)
                 ]
                 rewards = await asyncio.gather(*jobs)
@@ -301,7 +312,9 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
                 assert record is not None
                 result.pushed.append(record.pushed)
             await sink.flush()
-            result.final_reward = await _evaluate(proxy, http, arm.eval_samples, arm.seed)
+            result.final_reward = await _evaluate(
+                proxy, http, pairs_of_arm * arm.eval_samples, arm.seed
+            )
     finally:
         await trainer.close()
         await sink.aclose()
