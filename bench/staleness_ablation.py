@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.8)
     p.add_argument("--out", type=Path, default=Path("runs/staleness_ablation"))
     p.add_argument("--cache", type=Path, default=Path(".cache/testbed"))
+    p.add_argument(
+        "--only", nargs="+", default=None, help='arm names to run, e.g. "eta4 decoupled"'
+    )
     p.add_argument("--report-only", action="store_true", help="table and plot from results.jsonl")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         model = prepare_model(args.cache)
         done = {key(r["arm"]) for r in load(results)}
         arms = [a for a in grid(etas, args.seeds, **settings) if key(a.__dict__) not in done]
+        arms = [a for a in arms if args.only is None or a.name in args.only]
         print(f"{len(arms)} runs to do ({len(done)} already in {results})", flush=True)
         for i, arm in enumerate(arms, 1):
             t = time.monotonic()
