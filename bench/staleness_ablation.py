@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--steps", type=int, default=None, help="PPO steps per run (default 60; quick 30)"
     )
-    p.add_argument("--prompts", type=int, default=None, help="prompts per step (x group size)")
+    p.add_argument(
+        "--prompts", type=int, default=None, help="prompts per step (x group size; default 8)"
+    )
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--digits", type=int, default=3, help="prompts a+b with a, b < digits")
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     etas = args.etas or ([4] if args.quick else [1, 2, 4, 8])
     steps = args.steps or (30 if args.quick else 60)
-    prompts = args.prompts or (4 if args.quick else 8)
+    prompts = args.prompts or 8
     settings = dict(
         steps=steps,
         prompts_per_step=prompts,
