@@ -148,7 +148,9 @@ class Deployments:
         split = self.split
         if split is not None and self.canary is not None and split.fraction > 0:
             draw = canary_bucket(sticky_key) if sticky_key is not None else random.random()
-            if draw < split.fraction:
+            # A canary with no healthy backend sends its sessions to the stable version
+            # until the health checks put one back: a canary never fails production traffic.
+            if draw < split.fraction and self.canary.pool.healthy_backends():
                 return self.canary
         return self.production
 

@@ -82,6 +82,11 @@ async def test_production_keys_go_to_production_and_the_canary_by_hash() -> None
         want = canary if canary_bucket(key) < 0.3 else production
         assert d.route(production=True, sticky_key=key) is want
         assert d.route(production=True, sticky_key=key) is want  # every turn alike
+    for backend in canary.pool.backends:  # the canary is down: its sessions go to stable
+        canary.pool.mark_failed(backend, ConnectionError("gone"))
+    assert all(d.route(production=True, sticky_key=k) is production for k in keys)
+    for backend in canary.pool.backends:
+        backend.healthy = True
     d.split = CanarySplit(version=2, fraction=0.0)
     assert all(d.route(production=True, sticky_key=k) is production for k in keys)
     # An explicit version goes to whoever serves it; the canary counts while split.
