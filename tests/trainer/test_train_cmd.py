@@ -43,6 +43,11 @@ max_staleness = 1
 
 [trainer.optim]
 lr = 1e-4
+
+# The random tiny model earns no reward, so no batch carries signal: keep stepping anyway
+# (the default, filter, would take no step and push no version).
+[trainer.advantage]
+zero_signal = "keep"
 """)
     proc = subprocess.run(
         [
