@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.errors import NotFound
 from proxima.proxy.store.models import SessionRow
+from proxima.proxy.store.writer import SqliteWriter
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -24,6 +25,8 @@ class StoreBase:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._sessionmaker = async_sessionmaker(engine, expire_on_commit=False)
+        # SQLite files: completions are written on a dedicated thread (see writer.py).
+        self._sqlite_writer = SqliteWriter(engine.url) if SqliteWriter.usable(engine.url) else None
 
     @property
     def engine(self) -> AsyncEngine:

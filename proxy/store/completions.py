@@ -11,6 +11,7 @@ from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
 from sqlalchemy import insert, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 
@@ -33,29 +34,15 @@ class CompletionsMixin(StoreBase):
         those of ``record_completion``.
         """
         rows = [completion_row(c) for c in completions]
-        session_ids = list(dict.fromkeys(c.session_id for c in completions))
-        # One status query for every session of the batch, under a shared row lock
-        # that keeps a concurrent claim from taking a session before the insert
-        # (PostgreSQL; SQLite's write transaction already excludes it).
-        query = (
-            select(SessionRow.id, SessionRow.status)
-            .where(SessionRow.id.in_(session_ids))
-            .with_for_update(read=True)
-        )
+        writer = self._sqlite_writer
         try:
-            async with self._write() as db:
-                status = dict((await db.execute(query)).tuples().all())
-                for session_id in session_ids:
-                    if session_id not in status:
-                        raise NotFound(f"session {session_id} not found")
-                    if SessionStatus(status[session_id]) in CONSUMED_STATUSES:
-                        raise Conflict(
-                            f"session {session_id} was already taken by a trainer "
-                            f"({status[session_id]})"
-                        )
-                # A Core executemany, not the ORM unit of work: the rows are new and never
-                # read back, and this is the proxy's per-request hot path.
-                await db.execute(insert(CompletionRow), [_columns(row) for row in rows])
+            if writer is not None:
+                # SQLite: the whole transaction is one call on the writer thread.
+                await writer.run(insert_completions, completions, rows)
+            else:
+                async with self._write() as db:
+                    conn = await db.connection()
+                    await conn.run_sync(insert_completions, completions, rows)
         except IntegrityError as exc:
             ids = ", ".join(c.id for c in completions)
             raise Conflict(f"completion already recorded (one of: {ids})") from exc
@@ -75,6 +62,35 @@ class CompletionsMixin(StoreBase):
         )
         async with self._read() as db:
             return [completion_record(row) for row in (await db.execute(query)).scalars()]
+
+
+def insert_completions(
+    conn: Connection, completions: Sequence[CompletionRecord], rows: Sequence[CompletionRow]
+) -> None:
+    """Check the sessions of ``completions`` and insert ``rows``, inside ``conn``'s transaction.
+
+    Raises ``NotFound`` or ``Conflict`` (see ``record_completion``); the caller commits.
+    """
+    session_ids = list(dict.fromkeys(c.session_id for c in completions))
+    # One status query for every session of the batch, under a shared row lock
+    # that keeps a concurrent claim from taking a session before the insert
+    # (PostgreSQL; SQLite's write transaction already excludes it).
+    query = (
+        select(SessionRow.id, SessionRow.status)
+        .where(SessionRow.id.in_(session_ids))
+        .with_for_update(read=True)
+    )
+    status = dict(conn.execute(query).tuples().all())
+    for session_id in session_ids:
+        if session_id not in status:
+            raise NotFound(f"session {session_id} not found")
+        if SessionStatus(status[session_id]) in CONSUMED_STATUSES:
+            raise Conflict(
+                f"session {session_id} was already taken by a trainer ({status[session_id]})"
+            )
+    # A Core executemany, not the ORM unit of work: the rows are new and never
+    # read back, and this is the proxy's per-request hot path.
+    conn.execute(insert(CompletionRow), [_columns(row) for row in rows])
 
 
 _COMPLETION_COLUMNS = tuple(c.key for c in CompletionRow.__table__.columns)

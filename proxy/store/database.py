@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def create_engine(url: str | os.PathLike[str] | URL, **kwargs: Any) -> AsyncEngi
     """Create an async engine for ``url`` with Proxima's connection settings."""
     engine = create_async_engine(normalize_db_url(url), **kwargs)
     if engine.dialect.name == "sqlite":
-        _configure_sqlite(engine)
+        configure_sqlite(engine.sync_engine)
     return engine
 
 
@@ -78,8 +78,12 @@ async def begin_immediate(conn: AsyncConnection) -> AsyncConnection:
     return await conn.execution_options(**{BEGIN_MODE_OPTION: "IMMEDIATE"})
 
 
-def _configure_sqlite(engine: AsyncEngine) -> None:
-    sync_engine = engine.sync_engine
+def configure_sqlite(sync_engine: Engine, *, begin_mode: str = "DEFERRED") -> None:
+    """Proxima's SQLite settings on every connection of ``sync_engine``.
+
+    Transactions begin in ``begin_mode`` unless a connection's
+    ``BEGIN_MODE_OPTION`` execution option names another.
+    """
 
     @event.listens_for(sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -96,7 +100,7 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        mode = conn.get_execution_options().get(BEGIN_MODE_OPTION, "DEFERRED")
+        mode = conn.get_execution_options().get(BEGIN_MODE_OPTION, begin_mode)
         if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
             raise ValueError(f"invalid SQLite BEGIN mode {mode!r}")
         conn.exec_driver_sql(f"BEGIN {mode}")

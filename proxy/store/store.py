@@ -50,7 +50,9 @@ class Store(
         return cls(engine)
 
     async def close(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection (and SQLite's writer thread)."""
+        if self._sqlite_writer is not None:
+            await self._sqlite_writer.close()
         await self._engine.dispose()
 
 
