@@ -65,12 +65,14 @@ class Client:
                     self.open_session = OpenSession(
                         s["session_id"], s["api_key"], s["base_url"], list(messages), cid
                     )
+                # Not open any more as far as the check goes: a kill after the finish
+                # commits but before its answer arrives leaves the session finished.
+                self.open_session = None
                 httpx.post(
                     f"{self.proxy.url}/rl/sessions/{s['session_id']}/finish",
                     timeout=30,
                     headers={"Authorization": f"Bearer {s['api_key']}"},
                 ).raise_for_status()
-                self.open_session = None
         except Exception as exc:  # the proxy was killed under us: expected, kept for the report
             self.error = exc
 
