@@ -178,7 +178,9 @@ def test_a_non_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) 
 def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
     s = proxy.new_session()
     body = _chat_body(proxy, max_tokens=4)
-    body["messages"] = [{"role": "user", "content": "lorem ipsum dolor sit amet " * 56_000}]
+    # ~6.8 MB, under the 8 MiB body limit: several seconds of rendering and tokenizing here, so a
+    # stall of the loop would show even on a machine a few times faster.
+    body["messages"] = [{"role": "user", "content": "lorem ipsum dolor sit amet " * 250_000}]
     result: dict[str, Any] = {}
 
     def big() -> None:
