@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
-from proxima.proxy.store.models import ApiKeyRow, CompletionRow, PolicyVersionRow, SessionRow
+from proxima.proxy.store.models import (
+    ApiKeyRow,
+    CompletionRow,
+    PolicyVersionRow,
+    PromotionRow,
+    SessionRow,
+    VersionEvalRow,
+)
 from proxima.proxy.store.records import (
     ApiKeyRecord,
     CompletionRecord,
     PolicyVersionRecord,
+    PromotionRecord,
     SessionKind,
     SessionRecord,
     SessionStatus,
+    VersionEvalRecord,
 )
 
 
@@ -114,3 +123,26 @@ def api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
 def policy_version_record(row: PolicyVersionRow) -> PolicyVersionRecord:
     """Build the record of a policy version row."""
     return PolicyVersionRecord(version=row.version, path=row.path, created_at=row.created_at)
+
+
+def version_eval_record(row: VersionEvalRow) -> VersionEvalRecord:
+    """Build the record of a version's eval score row."""
+    return VersionEvalRecord(
+        version=row.version,
+        score=row.score,
+        items=row.items,
+        name=row.name,
+        created_at=row.created_at,
+    )
+
+
+def promotion_record(row: PromotionRow) -> PromotionRecord:
+    """Build the record of a production promotion (or rollback) row."""
+    return PromotionRecord(
+        id=row.id,
+        action=row.action,
+        version=row.version,
+        canary_version=row.canary_version,
+        canary_fraction=row.canary_fraction,
+        created_at=row.created_at,
+    )

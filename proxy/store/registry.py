@@ -9,30 +9,10 @@ served (each promotion or rollback is one row holding the state it set).
 from __future__ import annotations
 
 from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store.convert import promotion_record, version_eval_record
 from proxima.proxy.store.models import PromotionRow, VersionEvalRow, utcnow
 from proxima.proxy.store.records import PromotionRecord, VersionEvalRecord
 from sqlalchemy import select
-
-
-def _eval_record(row: VersionEvalRow) -> VersionEvalRecord:
-    return VersionEvalRecord(
-        version=row.version,
-        score=row.score,
-        items=row.items,
-        name=row.name,
-        created_at=row.created_at,
-    )
-
-
-def _promotion_record(row: PromotionRow) -> PromotionRecord:
-    return PromotionRecord(
-        id=row.id,
-        action=row.action,
-        version=row.version,
-        canary_version=row.canary_version,
-        canary_fraction=row.canary_fraction,
-        created_at=row.created_at,
-    )
 
 
 class RegistryMixin(StoreBase):
@@ -50,14 +30,14 @@ class RegistryMixin(StoreBase):
             )
             db.add(row)
             await db.flush()
-            return _eval_record(row)
+            return version_eval_record(row)
 
     async def latest_version_evals(self) -> dict[int, VersionEvalRecord]:
         """The newest evaluation of every evaluated version."""
         query = select(VersionEvalRow).order_by(VersionEvalRow.id)
         async with self._read() as db:
             rows = (await db.execute(query)).scalars()
-            return {row.version: _eval_record(row) for row in rows}
+            return {row.version: version_eval_record(row) for row in rows}
 
     async def record_promotion(
         self,
@@ -82,10 +62,10 @@ class RegistryMixin(StoreBase):
             )
             db.add(row)
             await db.flush()
-            return _promotion_record(row)
+            return promotion_record(row)
 
     async def list_promotions(self) -> list[PromotionRecord]:
         """Every production change, oldest first."""
         query = select(PromotionRow).order_by(PromotionRow.id)
         async with self._read() as db:
-            return [_promotion_record(row) for row in (await db.execute(query)).scalars()]
+            return [promotion_record(row) for row in (await db.execute(query)).scalars()]
