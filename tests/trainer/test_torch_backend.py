@@ -120,6 +120,8 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir: Path) -> None
     batch = _with_prox(one, _samples())
     a, b = one.train_step(batch), many.train_step(batch)
     assert a.micro_batches == 1 and b.micro_batches >= 3
+    # Same model and kernels, only the packing differs: the token-mean loss (a few hundred
+    # float32 terms) moves by ~1e-7 relative with the summation order; 1e-5 leaves 100x margin.
     assert a.ppo.loss.item() == pytest.approx(b.ppo.loss.item(), rel=1e-5, abs=1e-6)
     assert a.grad_norms[0] == pytest.approx(b.grad_norms[0], rel=1e-4)
     assert len(grads_one) == len(grads_many) == 1

@@ -61,6 +61,7 @@ def test_group_mean_std_hand_computed(
     adv = _adv(returns, baseline="group_mean", normalize_std=True)
     assert adv.keys() == expected.keys()
     for sid, values in expected.items():
+        # Python floats (float64) against hand-computed values: rounding is ~1e-15.
         assert adv[sid] == pytest.approx(values, rel=1e-6, abs=1e-9)
 
 
