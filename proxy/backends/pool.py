@@ -195,6 +195,8 @@ class BackendPool:
             self._health_task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._health_task
+        for backend in self.backends:
+            backend.client.close()
 
     # -- weights ---------------------------------------------------------------
     async def update_weights(self, *, version: int, path: str) -> WeightUpdate:

@@ -8,7 +8,6 @@ admin calls raise on ``success: false``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from proxima.proxy.backends.protocol import (
     UpdateWeightsFromDiskBody,
     UpdateWeightsResponse,
 )
+from proxima.proxy.backends.wire import WirePool
 
 # Generation may wait long for its first token (prefill, a paused server):
 # reads get a generous limit, connecting does not.
@@ -92,42 +92,59 @@ def _tail(values: list[Any], n: int) -> list[Any]:
 
 
 class SGLangClient:
-    """One backend server, addressed by its base URL (``http://host:port``)."""
+    """One backend server, addressed by its base URL (``http://host:port``).
+
+    Generation (``/generate``) goes through a lean keep-alive client
+    (:mod:`proxima.proxy.backends.wire`); admin calls go through ``http``.
+    """
 
     def __init__(self, base_url: str, *, http: httpx.AsyncClient):
         self.base_url = base_url.rstrip("/")
         self._http = http
+        self._wire = WirePool(
+            self.base_url,
+            connect_timeout=GENERATE_TIMEOUT.connect or 5.0,
+            read_timeout=GENERATE_TIMEOUT.read or 600.0,
+            write_timeout=GENERATE_TIMEOUT.write or 30.0,
+            pool_timeout=GENERATE_TIMEOUT.pool or 30.0,
+        )
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r})"
+
+    def close(self) -> None:
+        """Close the idle generation connections."""
+        self._wire.close()
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> Any:
         try:
             resp = await self._http.post(self.base_url + path, json=body, timeout=timeout)
         except httpx.HTTPError as exc:
             raise BackendConnectionError(f"{path} failed: {exc!r}", url=self.base_url) from exc
-        return self._check(resp, path)
+        return self._check(resp.status_code, resp.content, path)
 
-    def _check(self, resp: httpx.Response, path: str) -> Any:
-        if resp.status_code >= 500:
+    def _check(self, status: int, content: bytes, path: str) -> Any:
+        if status >= 500:
+            text = content.decode("utf-8", "replace")
             raise BackendOperationFailed(
-                f"{path} answered {resp.status_code}: {resp.text[:500]}", url=self.base_url
+                f"{path} answered {status}: {text[:500]}", url=self.base_url
             )
-        if resp.status_code >= 400:
+        if status >= 400:
             raise BackendRejected(
-                _error_message(resp), url=self.base_url, status_code=resp.status_code
+                _error_message(status, content), url=self.base_url, status_code=status
             )
-        if not resp.content:
+        if not content:
             return None
         try:
-            return resp.json()
-        except json.JSONDecodeError:
-            return resp.text
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:
+            return content.decode("utf-8", "replace")
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        body = request.wire(stream=False)
-        data = await self._post("/generate", body, GENERATE_TIMEOUT)
-        return GenerateResponse.model_validate(data)
+        body = orjson.dumps(request.wire(stream=False))
+        async with await self._wire.post("/generate", body) as resp:
+            content = await resp.read()
+        return GenerateResponse.model_validate(self._check(resp.status, content, "/generate"))
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream ``/generate``; yields only the tokens that are new in each chunk.
@@ -137,38 +154,31 @@ class SGLangClient:
         last token (``output_ids=[last]``) and all logprobs. Every chunk's
         ``completion_tokens`` is the running total, so the new tokens are the
         last ``completion_tokens - seen`` of its lists in every mode.
+
+        Leaving the iteration early (``aclose``, a cancelled task) closes the
+        connection, which tells the server the client went away.
         """
-        body = request.wire(stream=True)
+        body = orjson.dumps(request.wire(stream=True))
         seen = 0
-        try:
-            async with self._http.stream(
-                "POST", self.base_url + "/generate", json=body, timeout=GENERATE_TIMEOUT
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    self._check(resp, "/generate")
-                done = False
-                async for line in resp.aiter_lines():
-                    if done or not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        # Read the body to its end so the connection goes back to the pool.
-                        done = True
-                        continue
-                    chunk = orjson.loads(payload)
-                    meta = chunk.get("meta_info")
-                    if meta is None:
-                        raise BackendRejected(
-                            _error_text(chunk.get("error", chunk)), url=self.base_url
-                        )
-                    delta = self._delta(chunk, meta, seen)
-                    seen += len(delta.token_ids)
-                    yield delta
-        except httpx.HTTPError as exc:
-            raise BackendConnectionError(
-                f"/generate stream broke: {exc!r}", url=self.base_url
-            ) from exc
+        done = False
+        async with await self._wire.post("/generate", body) as resp:
+            if resp.status >= 400:
+                self._check(resp.status, await resp.read(), "/generate")
+            # Read the body to its end (past [DONE]) so the connection goes back to the pool.
+            async for line in resp.lines():
+                if done or not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                chunk = orjson.loads(payload)
+                meta = chunk.get("meta_info")
+                if meta is None:
+                    raise BackendRejected(_error_text(chunk.get("error", chunk)), url=self.base_url)
+                delta = self._delta(chunk, meta, seen)
+                seen += len(delta.token_ids)
+                yield delta
         if not done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)
@@ -252,7 +262,7 @@ class SGLangClient:
             resp = await self._http.get(self.base_url + "/model_info", timeout=ADMIN_TIMEOUT)
         except httpx.HTTPError as exc:
             raise BackendConnectionError(f"/model_info failed: {exc!r}", url=self.base_url) from exc
-        return ModelInfo.model_validate(self._check(resp, "/model_info"))
+        return ModelInfo.model_validate(self._check(resp.status_code, resp.content, "/model_info"))
 
 
 def _error_text(err: Any) -> str:
@@ -261,11 +271,11 @@ def _error_text(err: Any) -> str:
     return str(err)
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(status: int, content: bytes) -> str:
     try:
-        data = resp.json()
-    except json.JSONDecodeError:
-        return resp.text[:500] or f"HTTP {resp.status_code}"
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode("utf-8", "replace")[:500] or f"HTTP {status}"
     if isinstance(data, dict) and "error" in data:
         return _error_text(data["error"])
     if isinstance(data, dict) and "message" in data:

@@ -22,6 +22,8 @@ from proxima.proxy.generation import GenerationParams, GenerationResult, generat
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
+from tests.proxy.servers import served
+
 
 def _client(apps: dict[str, Any]) -> httpx.AsyncClient:
     return httpx.AsyncClient(
@@ -62,10 +64,11 @@ async def test_stream_accepts_cumulative_and_incremental_chunks() -> None:
         sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True),
         return_logprob=True,
     )
-    async with _client(
-        {"http://cum": create_fake_app(FakeBackend(seed=1)), "http://inc": _incremental_app()}
-    ) as http:
-        for url in ("http://cum", "http://inc"):
+    async with served({"cum": create_fake_app(FakeBackend(seed=1)), "inc": _incremental_app()}) as (
+        http,
+        urls,
+    ):
+        for url in urls.values():
             deltas = [d async for d in SGLangClient(url, http=http).generate_stream(req)]
             ids = [t for d in deltas for t in d.token_ids]
             assert len(ids) == 5 == sum(len(d.logprobs) for d in deltas)
@@ -89,8 +92,8 @@ async def test_client_errors_are_typed() -> None:
     async def refuse() -> dict[str, Any]:
         return {"success": False, "message": "no such dir"}
 
-    async with _client({"http://b": app}) as http:
-        client = SGLangClient("http://b", http=http)
+    async with served({"b": app}) as (http, urls):
+        client = SGLangClient(urls["b"], http=http)
         with pytest.raises(BackendRejected, match="prompt too long"):
             await client.generate(GenerateRequest(input_ids=[1]))
         with pytest.raises(BackendOperationFailed, match="no such dir"):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
-from proxima.proxy.detokenize import IncrementalDetokenizer
+from proxima.proxy.detokenize import IncrementalDetokenizer, text_decoder
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 
 
@@ -49,3 +50,30 @@ def test_stop_string_is_never_streamed(tokenizer) -> None:  # type: ignore[no-un
     assert " E" not in streamed  # a possible stop prefix is held back
     streamed += detok.finish(matched_stop=" END")
     assert streamed == "The answer is 42."
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_direct_rust_decoding_matches_transformers(tokenizer, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """The fast path skips transformers' layers, not its result (special tokens included)."""
+    rng = random.Random(seed)
+    special = tokenizer.all_special_ids
+    ids = [
+        rng.choice(special) if rng.random() < 0.2 else rng.randrange(len(tokenizer))
+        for _ in range(60)
+    ]
+    decode = text_decoder(tokenizer)
+    assert decode.func.__self__ is tokenizer._tokenizer  # the Rust call, no Python layers
+    for end in range(len(ids) + 1):
+        assert decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    class Shouting(type(tokenizer)):  # type: ignore[misc]
+        def _decode(self, token_ids, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer.encode("quiet words", add_special_tokens=False)
+    detok = IncrementalDetokenizer(shouting)
+    assert "".join(detok.add([i]) for i in ids) + detok.finish() == "QUIET WORDS"

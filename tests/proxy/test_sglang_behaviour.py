@@ -24,6 +24,8 @@ from proxima.proxy.generation import (
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
+from tests.proxy.servers import served
+
 LETTERS = string.ascii_lowercase
 
 
@@ -90,8 +92,8 @@ async def test_health_generates_and_a_paused_backend_answers_503_by_itself() -> 
 
 async def test_abort_with_status_is_an_error_at_once() -> None:
     fake = FakeBackend(max_input_tokens=4)
-    async with _client({"http://a": fake}) as http:
-        pool = BackendPool(["http://a"], http=http)
+    async with served({"a": create_fake_app(fake)}) as (http, urls):
+        pool = BackendPool([urls["a"]], http=http)
         with pytest.raises(ContextTooLong, match="exceeds the maximum allowed length"):
             await _run(pool, GenerationParams(max_new_tokens=5), prompt=[1, 2, 3, 4, 5])
         assert fake.requests == 1  # not resumed
@@ -140,18 +142,21 @@ async def test_dp_list_of_paused_requests_is_a_success() -> None:
 
 
 async def test_null_top_logprobs_are_floored_and_a_null_chosen_one_is_refused() -> None:
-    async with _client(
-        {"http://a": FakeBackend(), "http://b": FakeBackend(null_logprob_at=frozenset({3}))}
-    ) as http:
+    async with served(
+        {
+            "a": create_fake_app(FakeBackend()),
+            "b": create_fake_app(FakeBackend(null_logprob_at=frozenset({3}))),
+        }
+    ) as (http, urls):
         greedy = GenerationParams(
             max_new_tokens=6, temperature=0.0, top_logprobs=3, ignore_eos=True
         )
-        result = await _run(BackendPool(["http://a"], http=http), greedy)
+        result = await _run(BackendPool([urls["a"]], http=http), greedy)
         assert all(len(top) == 3 for top in result.top_logprobs)
         # Alternatives of a greedy request have logprob -inf: JSON null, shown as OpenAI's floor.
         assert {lp for top in result.top_logprobs for _, lp in top[1:]} == {-9999.0}
         with pytest.raises(BackendUnavailable, match="non-finite logprob"):
-            await _run(BackendPool(["http://b"], http=http), greedy)
+            await _run(BackendPool([urls["b"]], http=http), greedy)
 
 
 async def test_stop_string_split_by_an_interruption_still_stops() -> None:
@@ -159,8 +164,8 @@ async def test_stop_string_split_by_an_interruption_still_stops() -> None:
     script = _ids("xxabcdhelloqrstuvwxyz" * 3)
     # Sequence length 9 = prompt (2) + "abcdhel": the interruption splits "hello".
     fake = FakeBackend(script=script, abort_at=frozenset({9}), text_of=_text)
-    async with _client({"http://a": fake}) as http:
-        pool = BackendPool(["http://a"], http=http)
+    async with served({"a": create_fake_app(fake)}) as (http, urls):
+        pool = BackendPool([urls["a"]], http=http)
         params = GenerationParams(max_new_tokens=20, stop=["hello"], decode=_text)
         result = await _run(pool, params, prompt=script[:2])
         assert result.interruptions == 1

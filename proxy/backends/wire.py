@@ -1,0 +1,332 @@
+"""A lean HTTP/1.1 client for the generation hot path: keep-alive connections over asyncio streams.
+
+``/generate`` streams are the proxy's hottest I/O: every token crosses one
+chunk of one response. A general client (httpx) spends more CPU per chunk
+than the rest of the relay, so generation requests go through this one, and
+admin calls (weights, health) stay on httpx.
+
+What it does, and nothing more:
+
+- one pool of keep-alive connections per backend (``WirePool``), at most
+  ``max_connections`` open at once; idle ones the server has closed are
+  dropped before use;
+- a request is written in one write (``POST`` with a ``Content-Length``
+  body); the status line and headers are parsed; the body is read as
+  ``Transfer-Encoding: chunked``, ``Content-Length`` or up to EOF;
+- ``WireResponse.lines`` splits the body into lines as bytes, so a chunk
+  boundary inside a line or a UTF-8 character never matters;
+- timeouts: connecting, writing, and each read (a slow first token is
+  not a dead backend: the read timeout is long);
+- a connection goes back to the pool only when its response was read to
+  the end and the server keeps it alive; a response left early (a client
+  disconnect) closes its connection, which tells the server to stop;
+- retries: ``/generate`` is not idempotent, so a request is retried only
+  when it went out on a reused idle connection that failed before any
+  response byte (the server closed it while idle), and only once.
+
+Every failure is a ``BackendConnectionError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+from proxima.proxy.backends.errors import BackendConnectionError
+
+_MAX_HEAD = 64 * 1024
+_READ_SIZE = 64 * 1024
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "reused")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader = reader
+        self.writer = writer
+        self.reused = False
+
+    def usable(self) -> bool:
+        """Whether an idle connection may carry a request (the server has not closed it)."""
+        return not (self.writer.is_closing() or self.reader.at_eof())
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _NoResponse(Exception):
+    """A connection failed before any byte of the response arrived."""
+
+
+class WirePool:
+    """Keep-alive HTTP/1.1 connections to one server (``http://host:port`` or ``https``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 600.0,
+        write_timeout: float = 30.0,
+        pool_timeout: float = 30.0,
+        max_connections: int = 4096,
+        max_idle: int = 1024,
+    ):
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL must be http(s)://host[:port], got {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        netloc = self.host if parts.port is None else f"{self.host}:{parts.port}"
+        self._host_header = f"Host: {netloc}\r\n".encode()
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
+        self.pool_timeout = pool_timeout
+        self.max_idle = max_idle
+        self._slots = asyncio.Semaphore(max_connections)
+        self._idle: list[_Conn] = []
+
+    @property
+    def idle(self) -> int:
+        """Connections kept open for reuse."""
+        return len(self._idle)
+
+    async def post(self, path: str, body: bytes) -> WireResponse:
+        """Send ``POST path`` with a JSON body; returns once the response's head has arrived.
+
+        The caller must ``close()`` the response (``async with`` does).
+        """
+        head = (
+            f"POST {self._prefix}{path} HTTP/1.1\r\n".encode()
+            + self._host_header
+            + b"Content-Type: application/json\r\nAccept: */*\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        request = head + body
+        try:
+            async with asyncio.timeout(self.pool_timeout):
+                await self._slots.acquire()
+        except TimeoutError as exc:
+            raise BackendConnectionError(
+                f"POST {path}: no free connection within {self.pool_timeout}s",
+                url=self._url(),
+            ) from exc
+        try:
+            conn = self._take_idle() or await self._connect()
+            try:
+                return await self._send(conn, request)
+            except _NoResponse:
+                if not conn.reused:
+                    raise
+            # A reused connection the server had closed: once more on a new one.
+            return await self._send(await self._connect(), request)
+        except _NoResponse as exc:
+            self._slots.release()
+            raise BackendConnectionError(
+                f"POST {path} failed: {exc.__cause__!r}", url=self._url()
+            ) from exc
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def close(self) -> None:
+        """Close the idle connections (responses in flight close theirs when done)."""
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    # -- internals ----------------------------------------------------------------
+    def _url(self) -> str:
+        return f"{'https' if self._ssl else 'http'}://{self.host}:{self.port}"
+
+    def _take_idle(self) -> _Conn | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable():
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                reader, writer = await asyncio.open_connection(
+                    self.host, self.port, ssl=self._ssl, limit=_MAX_HEAD
+                )
+        except (OSError, TimeoutError) as exc:
+            raise BackendConnectionError(
+                f"cannot connect to {self._url()}: {exc!r}", url=self._url()
+            ) from exc
+        return _Conn(reader, writer)
+
+    async def _send(self, conn: _Conn, request: bytes) -> WireResponse:
+        """Write the request and read the response head; ``_NoResponse`` if nothing came."""
+        try:
+            conn.writer.write(request)
+            if conn.writer.transport.get_write_buffer_size():  # the socket did not take it all
+                async with asyncio.timeout(self.write_timeout):
+                    await conn.writer.drain()
+            async with asyncio.timeout(self.read_timeout):
+                head = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            conn.close()
+            if exc.partial:
+                raise BackendConnectionError(
+                    "the backend closed the connection inside a response head", url=self._url()
+                ) from exc
+            raise _NoResponse() from exc
+        except TimeoutError as exc:  # before OSError, its base class
+            conn.close()
+            raise BackendConnectionError(
+                f"the backend did not answer within {self.read_timeout}s", url=self._url()
+            ) from exc
+        except asyncio.LimitOverrunError as exc:
+            conn.close()
+            raise BackendConnectionError("response head too large", url=self._url()) from exc
+        except OSError as exc:
+            conn.close()
+            raise _NoResponse() from exc
+        except BaseException:
+            conn.close()
+            raise
+        return WireResponse(self, conn, head)
+
+    def _release(self, conn: _Conn | None) -> None:
+        if conn is not None:
+            if conn.usable() and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+            else:
+                conn.close()
+        self._slots.release()
+
+
+class WireResponse:
+    """A response whose head has arrived; read its body with ``read`` or ``lines``."""
+
+    def __init__(self, pool: WirePool, conn: _Conn, head: bytes):
+        self._pool = pool
+        self._conn: _Conn | None = conn
+        self._reader = conn.reader
+        self._complete = False
+        self._keep_alive = False
+        self._waiting_since: float | None = None
+        self._watch: asyncio.TimerHandle | None = None
+        lines = head[:-4].split(b"\r\n")
+        try:
+            version, code = lines[0].split(b" ", 2)[:2]
+            self.status = int(code)
+        except ValueError:
+            self.close()
+            raise BackendConnectionError(
+                f"malformed status line {lines[0][:80]!r}", url=pool._url()
+            ) from None
+        self.headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length")
+        self._length = int(length) if length is not None and not self._chunked else None
+        close = "close" in self.headers.get("connection", "").lower()
+        self._keep_alive = version == b"HTTP/1.1" and not close
+        if self.status in (204, 304) or self.status < 200:
+            self._length = 0
+
+    async def __aenter__(self) -> WireResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the connection back when the body was read to its end, else close it."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if not (self._complete and self._keep_alive):
+            conn.close()
+            conn = None
+        self._pool._release(conn)
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        return b"".join([piece async for piece in self.pieces()])
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's lines without their line ends (``\\n`` or ``\\r\\n``), as they arrive."""
+        rest = b""
+        async for piece in self.pieces():
+            if rest:
+                piece = rest + piece
+            *complete, rest = piece.split(b"\n")
+            for line in complete:
+                yield line[:-1] if line.endswith(b"\r") else line
+        if rest:
+            yield rest
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, framing removed."""
+        reader = self._reader
+        loop = asyncio.get_running_loop()
+        # One watchdog timer per response, not one per read (a timer per chunk costs more
+        # than parsing it): it fails the read that has waited longer than the read timeout.
+        self._watch = loop.call_later(self._pool.read_timeout, self._check_stalled)
+        try:
+            if self._chunked:
+                while True:
+                    self._waiting_since = loop.time()
+                    size_line = await reader.readuntil(b"\r\n")
+                    size = int(size_line.split(b";", 1)[0], 16)  # ValueError: not a size
+                    if size == 0:
+                        while await reader.readuntil(b"\r\n") != b"\r\n":
+                            pass  # trailers
+                        break
+                    data = await reader.readexactly(size + 2)
+                    self._waiting_since = None
+                    if data[-2:] != b"\r\n":
+                        raise ValueError("a chunk does not end with CRLF")
+                    yield data[:-2]
+            elif self._length:
+                self._waiting_since = loop.time()
+                yield await reader.readexactly(self._length)
+            elif self._length is None:
+                self._keep_alive = False  # the body ends when the server closes
+                self._waiting_since = loop.time()
+                while data := await reader.read(_READ_SIZE):
+                    self._waiting_since = None
+                    yield data
+                    self._waiting_since = loop.time()
+        except asyncio.IncompleteReadError as exc:
+            raise BackendConnectionError(
+                "the backend closed the connection mid-response", url=self._pool._url()
+            ) from exc
+        except TimeoutError as exc:  # before OSError, its base class
+            raise BackendConnectionError(
+                f"no data from the backend for {self._pool.read_timeout}s", url=self._pool._url()
+            ) from exc
+        except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
+            raise BackendConnectionError(
+                f"the response broke: {exc!r}", url=self._pool._url()
+            ) from exc
+        finally:
+            self._watch.cancel()
+            self._waiting_since = None
+        self._complete = True
+
+    def _check_stalled(self) -> None:
+        """The watchdog: fail a read that has waited ``read_timeout``, else look again later."""
+        timeout = self._pool.read_timeout
+        since = self._waiting_since
+        now = asyncio.get_running_loop().time()
+        if since is not None and now - since >= timeout:
+            self._reader.set_exception(TimeoutError())
+            return
+        self._watch = asyncio.get_running_loop().call_later(
+            timeout if since is None else since + timeout - now, self._check_stalled
+        )

@@ -1,0 +1,322 @@
+"""The lean HTTP/1.1 generation client against scripted servers on real loopback sockets.
+
+Each server here writes exact bytes (chunk sizes, split writes, early
+closes), so the client's framing, pooling and retry rules are checked on
+what crosses the socket, not on what a framework chooses to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendOperationFailed,
+    BackendRejected,
+)
+from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
+from proxima.proxy.backends.sglang import SGLangClient
+from proxima.proxy.backends.wire import WirePool
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+REQUEST = GenerateRequest(
+    input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=2), return_logprob=True
+)
+
+
+class Scripted:
+    """A loopback server whose every connection runs ``handler``; counts connections."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed_by_client = asyncio.Event()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bool:
+        """Read one request (head and body); False when the client closed the connection."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            self.closed_by_client.set()
+            return False
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        self.requests.append(head + await reader.readexactly(length))
+        return True
+
+
+@asynccontextmanager
+async def scripted(
+    handler_of: Callable[[Scripted], Handler],
+) -> AsyncIterator[tuple[Scripted, str]]:
+    srv = Scripted(lambda r, w: handler_of(srv)(r, w))
+    server = await asyncio.start_server(srv._serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield srv, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def _sse(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _token(i: int, n: int, text: str = "x") -> dict:
+    meta = {
+        "id": "r",
+        "completion_tokens": i + 1,
+        "prompt_tokens": 2,
+        "finish_reason": {"type": "length", "length": n} if i == n - 1 else None,
+        "output_token_logprobs": [[-0.5, 100 + i, text]],
+    }
+    return {"text": text, "output_ids": [100 + i], "meta_info": meta}
+
+
+def _chunked(pieces: list[bytes]) -> list[bytes]:
+    return [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces] + [b"0\r\n\r\n"]
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def _write_slowly(writer: asyncio.StreamWriter, parts: list[bytes]) -> None:
+    """One write per part, each flushed apart, so the client reads them separately."""
+    for part in parts:
+        writer.write(part)
+        await writer.drain()
+        await asyncio.sleep(0.01)
+
+
+async def test_chunks_that_split_a_line_and_a_utf8_character() -> None:
+    body = _sse(_token(0, 2, "é")) + _sse(_token(1, 2, "日本")) + b"data: [DONE]\n\n"
+    cuts = [
+        body.index("é".encode()) + 1,  # inside the two bytes of é
+        body.index(b"\n\n") - 7,  # inside the first line
+        body.index("日".encode()) + 2,  # inside the three bytes of 日
+    ]
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+    # Each chunk also crosses a TCP write: a size line alone, then its data.
+    wire = [HEAD]
+    for framed in _chunked(pieces):
+        size, _, rest = framed.partition(b"\r\n")
+        wire += [size + b"\r\n", rest]
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await srv.read_request(reader):
+                await _write_slowly(writer, wire)
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        for _ in range(2):
+            deltas = [d async for d in client.generate_stream(REQUEST)]
+            assert [d.token_ids for d in deltas] == [[100], [101]]
+            assert deltas[-1].finish_reason is not None
+        assert srv.connections == 1  # read to the end: the connection was reused
+        client.close()
+    sent = srv.requests[0]
+    assert sent.startswith(b"POST /generate HTTP/1.1\r\n")
+    assert json.loads(sent.split(b"\r\n\r\n", 1)[1])["stream"] is True
+
+
+async def test_lines_keep_multibyte_text_whole() -> None:
+    text = "añb日本c\r\nsecond line 🙂\nthird"
+    raw = text.encode()
+    pieces = [raw[i : i + 1] for i in range(len(raw))]  # one byte per chunk
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            await _write_slowly(writer, [HEAD, b"".join(_chunked(pieces))])
+
+        return h
+
+    async with scripted(handler) as (_, url):
+        pool = WirePool(url)
+        async with await pool.post("/x", b"{}") as resp:
+            lines = [line.decode() async for line in resp.lines()]
+        assert lines == ["añb日本c", "second line 🙂", "third"]
+        assert pool.idle == 1
+
+
+async def test_a_stale_pooled_connection_is_retried_once_on_a_new_one() -> None:
+    """The server drops an idle keep-alive connection as the request arrives on it."""
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            first_connection = srv.connections == 1
+            await srv.read_request(reader)
+            body = _sse(_token(0, 1)) + b"data: [DONE]\n\n"
+            writer.write(HEAD + b"".join(_chunked([body])))
+            await writer.drain()
+            if first_connection:
+                # Keep-alive promised, then closed without an answer to the next request.
+                await srv.read_request(reader)
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        assert len([d async for d in client.generate_stream(REQUEST)]) == 1
+        deltas = [d async for d in client.generate_stream(REQUEST)]
+        assert [d.token_ids for d in deltas] == [[100]]
+        # The second request went out twice: on the stale connection, then on a new one.
+        assert srv.connections == 2 and len(srv.requests) == 3
+
+
+async def test_a_new_connection_that_fails_is_not_retried() -> None:
+    """/generate is not idempotent: a fresh connection's failure is the caller's to handle."""
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)  # then close without answering
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        with pytest.raises(BackendConnectionError):
+            [d async for d in client.generate_stream(REQUEST)]
+        assert srv.connections == 1 and len(srv.requests) == 1
+
+
+async def test_a_backend_that_closes_mid_chunk() -> None:
+    body = _sse(_token(0, 3)) + _sse(_token(1, 3))
+    cut = len(_sse(_token(0, 3))) + 20  # the first event whole, the second begun
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            first, second = _chunked([body[:cut], body[cut:]])[:2]
+            await _write_slowly(writer, [HEAD, first, second[:-10]])  # then the process dies
+
+        return h
+
+    async with scripted(handler) as (_, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        got = []
+        with pytest.raises(BackendConnectionError, match="closed the connection mid-response"):
+            async for delta in client.generate_stream(REQUEST):
+                got.append(delta.token_ids)
+        assert got == [[100]]  # the complete event before the cut was delivered
+        assert client._wire.idle == 0
+
+
+async def test_leaving_a_stream_early_closes_its_connection() -> None:
+    """A client that disconnects: the backend sees its connection close (SGLang then aborts)."""
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD + _chunked([_sse(_token(0, 100))])[0])
+            await writer.drain()
+            await srv.read_request(reader)  # waits for the next request or the close
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        stream = client.generate_stream(REQUEST)
+        assert (await anext(stream)).token_ids == [100]
+        await stream.aclose()
+        await asyncio.wait_for(srv.closed_by_client.wait(), 5)
+        assert client._wire.idle == 0
+
+
+async def test_read_timeout_and_refused_connection() -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD)  # and then nothing
+            await asyncio.sleep(5)
+
+        return h
+
+    async with scripted(handler) as (_, url):
+        pool = WirePool(url, read_timeout=0.2)
+        async with await pool.post("/generate", b"{}") as resp:
+            with pytest.raises(BackendConnectionError, match="no data from the backend"):
+                await resp.read()
+    with pytest.raises(BackendConnectionError, match="cannot connect"):
+        await WirePool("http://127.0.0.1:1").post("/generate", b"{}")
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error", "match"),
+    [
+        (400, b'{"error": {"message": "prompt too long"}}', BackendRejected, "prompt too long"),
+        (400, b'{"error": "unknown field `seed`"}', BackendRejected, "unknown field"),
+        (503, b"overloaded", BackendOperationFailed, "answered 503: overloaded"),
+    ],
+)
+async def test_error_statuses_with_content_length_bodies(
+    status: int, body: bytes, error: type[Exception], match: str
+) -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await srv.read_request(reader):
+                writer.write(
+                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (status, len(body), body)
+                )
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        with pytest.raises(error, match=match):
+            [d async for d in client.generate_stream(REQUEST)]
+        with pytest.raises(error, match=match):
+            await client.generate(REQUEST)
+        assert srv.connections == 1  # an error body read to its end keeps the connection
+
+
+async def test_an_error_inside_the_stream_is_a_rejection() -> None:
+    """SGLang reports some failures as a ``data: {"error": ...}`` event in a 200 stream."""
+    body = _sse({"error": {"message": "input too long", "code": 400}}) + b"data: [DONE]\n\n"
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD + b"".join(_chunked([body])))
+
+        return h
+
+    async with scripted(handler) as (_, url), httpx.AsyncClient() as http:
+        with pytest.raises(BackendRejected, match="input too long"):
+            [d async for d in SGLangClient(url, http=http).generate_stream(REQUEST)]
+
+
+async def test_a_stream_without_done_is_a_lost_backend() -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            # A complete chunked body that never said [DONE], then the connection closes.
+            writer.write(HEAD + b"".join(_chunked([_sse(_token(0, 3))])))
+
+        return h
+
+    async with scripted(handler) as (_, url), httpx.AsyncClient() as http:
+        with pytest.raises(BackendConnectionError, match="ended early"):
+            [d async for d in SGLangClient(url, http=http).generate_stream(REQUEST)]
