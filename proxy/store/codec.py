@@ -8,14 +8,17 @@ int32) round-trips exactly.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
 
 _INT32 = np.dtype("<i4")
 _FLOAT32 = np.dtype("<f4")
-_INT32_MIN = int(np.iinfo(_INT32).min)
-_INT32_MAX = int(np.iinfo(_INT32).max)
+_BIG_ENDIAN = sys.byteorder == "big"
+if array("i").itemsize != 4 or array("f").itemsize != 4:
+    raise ImportError("the token codec needs a platform whose C int and float are 32 bits")
 
 
 def encode_int32(values: Sequence[int]) -> bytes:
@@ -26,12 +29,13 @@ def encode_int32(values: Sequence[int]) -> bytes:
     """
     if not values:
         return b""
-    array = np.asarray(values, dtype=np.int64)
-    if array.ndim != 1:
-        raise ValueError(f"expected a flat sequence of ints, got shape {array.shape}")
-    if int(array.min()) < _INT32_MIN or int(array.max()) > _INT32_MAX:
-        raise ValueError("value out of int32 range")
-    return array.astype(_INT32).tobytes()
+    try:
+        packed = array("i", values)  # C loop; a C int is 32 bits (checked at import)
+    except OverflowError as exc:
+        raise ValueError("value out of int32 range") from exc
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def decode_int32(data: bytes | None) -> list[int]:
@@ -45,10 +49,10 @@ def encode_float32(values: Sequence[float]) -> bytes:
     """Pack floats as little-endian float32 bytes (rounded to nearest float32)."""
     if not values:
         return b""
-    array = np.asarray(values, dtype=_FLOAT32)
-    if array.ndim != 1:
-        raise ValueError(f"expected a flat sequence of floats, got shape {array.shape}")
-    return array.tobytes()
+    packed = array("f", values)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def decode_float32(data: bytes | None) -> list[float]:

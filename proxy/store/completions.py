@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from proxima.proxy.store._base import StoreBase
-from proxima.proxy.store.convert import completion_record, completion_row
+from proxima.proxy.store.convert import completion_record, completion_values
 from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
-from sqlalchemy import insert, select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -33,7 +34,7 @@ class CompletionsMixin(StoreBase):
         The proxy's recorder uses this for group commit under load; errors are
         those of ``record_completion``.
         """
-        rows = [completion_row(c) for c in completions]
+        rows = [completion_values(c) for c in completions]
         writer = self._sqlite_writer
         try:
             if writer is not None:
@@ -64,23 +65,28 @@ class CompletionsMixin(StoreBase):
             return [completion_record(row) for row in (await db.execute(query)).scalars()]
 
 
+# Built once: a statement built per call costs more than the insert itself (construction,
+# coercion, cache key). One status query for every session of a batch, under a shared row
+# lock that keeps a concurrent claim from taking a session before the insert (PostgreSQL;
+# SQLite's write transaction already excludes it).
+_SESSION_STATUS = (
+    select(SessionRow.id, SessionRow.status)
+    .where(SessionRow.id.in_(bindparam("ids", expanding=True)))
+    .with_for_update(read=True)
+)
+# A Core executemany, not the ORM unit of work: the rows are new and never read back.
+_INSERT_COMPLETIONS = insert(CompletionRow)
+
+
 def insert_completions(
-    conn: Connection, completions: Sequence[CompletionRecord], rows: Sequence[CompletionRow]
+    conn: Connection, completions: Sequence[CompletionRecord], rows: Sequence[dict[str, Any]]
 ) -> None:
     """Check the sessions of ``completions`` and insert ``rows``, inside ``conn``'s transaction.
 
     Raises ``NotFound`` or ``Conflict`` (see ``record_completion``); the caller commits.
     """
     session_ids = list(dict.fromkeys(c.session_id for c in completions))
-    # One status query for every session of the batch, under a shared row lock
-    # that keeps a concurrent claim from taking a session before the insert
-    # (PostgreSQL; SQLite's write transaction already excludes it).
-    query = (
-        select(SessionRow.id, SessionRow.status)
-        .where(SessionRow.id.in_(session_ids))
-        .with_for_update(read=True)
-    )
-    status = dict(conn.execute(query).tuples().all())
+    status = dict(conn.execute(_SESSION_STATUS, {"ids": session_ids}).tuples().all())
     for session_id in session_ids:
         if session_id not in status:
             raise NotFound(f"session {session_id} not found")
@@ -88,13 +94,4 @@ def insert_completions(
             raise Conflict(
                 f"session {session_id} was already taken by a trainer ({status[session_id]})"
             )
-    # A Core executemany, not the ORM unit of work: the rows are new and never
-    # read back, and this is the proxy's per-request hot path.
-    conn.execute(insert(CompletionRow), [_columns(row) for row in rows])
-
-
-_COMPLETION_COLUMNS = tuple(c.key for c in CompletionRow.__table__.columns)
-
-
-def _columns(row: CompletionRow) -> dict[str, object]:
-    return {key: getattr(row, key) for key in _COMPLETION_COLUMNS}
+    conn.execute(_INSERT_COMPLETIONS, list(rows))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
 from proxima.proxy.store.models import (
     ApiKeyRow,
@@ -42,8 +44,11 @@ def session_record(row: SessionRow) -> SessionRecord:
     )
 
 
-def completion_row(record: CompletionRecord) -> CompletionRow:
-    """Build a new row from a completion record, packing its token arrays.
+def completion_values(record: CompletionRecord) -> dict[str, Any]:
+    """The column values of a new completion row, token arrays packed.
+
+    A plain dict for a Core insert: the recording hot path never builds an
+    ORM object for a row it will not read back.
 
     Raises:
         ValueError: the per-token arrays disagree in length, or a timestamp is naive.
@@ -57,29 +62,29 @@ def completion_row(record: CompletionRecord) -> CompletionRow:
     for name, value in (("created_at", record.created_at), ("finished_at", record.finished_at)):
         if value is not None and value.tzinfo is None:
             raise ValueError(f"completion {name} is a naive datetime; use an aware UTC time")
-    return CompletionRow(
-        id=record.id,
-        session_id=record.session_id,
-        parent_id=record.parent_id,
-        prompt_ids=encode_int32(record.prompt_ids),
-        output_ids=encode_int32(record.output_ids),
-        output_logprobs=encode_float32(record.output_logprobs),
-        output_versions=encode_int32(record.output_versions),
-        finish_reason=record.finish_reason,
-        created_at=record.created_at,
-        request_messages=record.request_messages,
-        request_tools=record.request_tools,
-        response_message=record.response_message,
-        response_text=record.response_text,
-        sampling=dict(record.sampling),
-        model=record.model,
-        reward=record.reward,
-        choice_index=record.choice_index,
-        finished_at=record.finished_at,
-        time_to_first_token=record.time_to_first_token,
-        duration=record.duration,
-        backend=record.backend,
-    )
+    return {
+        "id": record.id,
+        "session_id": record.session_id,
+        "parent_id": record.parent_id,
+        "prompt_ids": encode_int32(record.prompt_ids),
+        "output_ids": encode_int32(record.output_ids),
+        "output_logprobs": encode_float32(record.output_logprobs),
+        "output_versions": encode_int32(record.output_versions),
+        "finish_reason": record.finish_reason,
+        "created_at": record.created_at,
+        "request_messages": record.request_messages,
+        "request_tools": record.request_tools,
+        "response_message": record.response_message,
+        "response_text": record.response_text,
+        "sampling": dict(record.sampling),
+        "model": record.model,
+        "reward": record.reward,
+        "choice_index": record.choice_index,
+        "finished_at": record.finished_at,
+        "time_to_first_token": record.time_to_first_token,
+        "duration": record.duration,
+        "backend": record.backend,
+    }
 
 
 def completion_record(row: CompletionRow) -> CompletionRecord:
