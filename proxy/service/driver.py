@@ -30,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,14 @@ class GenerationDriver:
         self, prep: Prepared, runs: list[ChoiceRun]
     ) -> AsyncIterator[tuple[ChoiceRun, TokenChunk | None]]:
         """Run every choice; yield ``(run, tokens)`` as they arrive, ``(run, None)`` at its end."""
+        if len(runs) == 1:
+            # One choice (the common case): no task and no queue hop per token.
+            (run,) = runs
+            async with aclosing(self._tokens(prep, run)) as tokens:
+                async for chunk in tokens:
+                    yield run, chunk
+            yield run, None
+            return
         queue: asyncio.Queue[tuple[ChoiceRun, TokenChunk | BaseException | None]] = asyncio.Queue()
 
         async def produce(run: ChoiceRun) -> None:
