@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
+from proxima.proxy.store.writer import RawInsert
 from sqlalchemy import bindparam, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
@@ -39,12 +41,13 @@ class CompletionsMixin(StoreBase):
         try:
             if writer is not None:
                 # SQLite: the whole transaction is one call on the writer thread.
-                await writer.run(insert_completions, completions, rows)
+                insert = writer.insert(CompletionRow.__table__)  # type: ignore[arg-type]
+                await writer.run(insert_completions_sqlite, insert, completions, rows)
             else:
                 async with self._write() as db:
                     conn = await db.connection()
                     await conn.run_sync(insert_completions, completions, rows)
-        except IntegrityError as exc:
+        except (IntegrityError, sqlite3.IntegrityError) as exc:
             ids = ", ".join(c.id for c in completions)
             raise Conflict(f"completion already recorded (one of: {ids})") from exc
 
@@ -86,7 +89,25 @@ def insert_completions(
     Raises ``NotFound`` or ``Conflict`` (see ``record_completion``); the caller commits.
     """
     session_ids = list(dict.fromkeys(c.session_id for c in completions))
-    status = dict(conn.execute(_SESSION_STATUS, {"ids": session_ids}).tuples().all())
+    status = conn.execute(_SESSION_STATUS, {"ids": session_ids}).tuples().all()
+    _check_sessions(session_ids, dict(status))
+    conn.execute(_INSERT_COMPLETIONS, list(rows))
+
+
+def insert_completions_sqlite(
+    db: sqlite3.Connection,
+    insert: RawInsert,
+    completions: Sequence[CompletionRecord],
+    rows: Sequence[dict[str, Any]],
+) -> None:
+    """``insert_completions`` on the SQLite writer's driver connection (its transaction)."""
+    session_ids = list(dict.fromkeys(c.session_id for c in completions))
+    query = f"SELECT id, status FROM sessions WHERE id IN ({', '.join('?' * len(session_ids))})"
+    _check_sessions(session_ids, dict(db.execute(query, session_ids).fetchall()))
+    db.executemany(insert.sql, [insert.params(row) for row in rows])
+
+
+def _check_sessions(session_ids: list[str], status: dict[str, str]) -> None:
     for session_id in session_ids:
         if session_id not in status:
             raise NotFound(f"session {session_id} not found")
@@ -94,4 +115,3 @@ def insert_completions(
             raise Conflict(
                 f"session {session_id} was already taken by a trainer ({status[session_id]})"
             )
-    conn.execute(_INSERT_COMPLETIONS, list(rows))

@@ -1,14 +1,19 @@
-"""SQLite's completion writer thread: it queues behind other writers and stops with the store."""
+"""SQLite's completion writer thread: it queues behind other writers, stores what SQLAlchemy
+would, and stops with the store."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
 import threading
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from proxima.proxy.store import Conflict, Store, ensure_schema
+from proxima.proxy.store.completions import insert_completions
+from proxima.proxy.store.convert import completion_values
+from sqlalchemy import create_engine
 
 from tests.proxy.store.factories import completion, key_hash
 
@@ -66,3 +71,59 @@ async def test_close_stops_the_writer_thread(tmp_path: Path) -> None:
     assert set(_writer_threads()) - before
     await store.close()
     assert not set(_writer_threads()) - before
+
+
+async def test_driver_rows_equal_what_a_core_insert_stores(sqlite_store, tmp_path: Path) -> None:
+    """The writer's driver-level insert stores byte for byte what SQLAlchemy Core would."""
+    store, path = sqlite_store
+    session = await store.create_session(api_key_hash=key_hash())
+    # The same database before any completion, for the Core insert.
+    core_path = tmp_path / "core.db"
+    with sqlite3.connect(path) as src, sqlite3.connect(core_path) as dst:
+        src.backup(dst)
+    paris = timezone(timedelta(hours=2))
+    records = [
+        completion(session.id),  # the optional JSON and float columns left None
+        completion(
+            session.id,
+            seconds=1.5,
+            created_at=datetime(2025, 6, 1, 12, 0, 0, 123456, tzinfo=paris),
+            finished_at=datetime(2025, 6, 1, 12, 0, 1, tzinfo=paris),
+            request_messages=[{"role": "user", "content": "héllo \u0000 🙂"}],
+            request_tools=[{"type": "function", "function": {"name": "f"}}],
+            response_message={"role": "assistant", "content": None},
+            response_text="nul \u0000 and é",
+            sampling={"temperature": 0.7, "stop": ["\n"]},
+            model="m",
+            reward=0.5,
+            choice_index=1,
+            time_to_first_token=0.001,
+            duration=1.0 / 3.0,
+            backend="http://127.0.0.1:1",
+        ),
+    ]
+    await store.record_completions(completions=records)
+    engine = create_engine(f"sqlite:///{core_path}")
+    with engine.begin() as conn:
+        insert_completions(conn, records, [completion_values(r) for r in records])
+    engine.dispose()
+
+    def rows(db_path: Path) -> list[dict[str, tuple]]:
+        with sqlite3.connect(db_path) as db:
+            columns = [r[1] for r in db.execute("PRAGMA table_info(completions)")]
+            typed = ", ".join(f"{c}, typeof({c})" for c in columns)
+            return [
+                {c: (row[2 * i], row[2 * i + 1]) for i, c in enumerate(columns)}
+                for row in db.execute(f"SELECT {typed} FROM completions ORDER BY id")
+            ]
+
+    driver, core = rows(path), rows(core_path)
+    assert len(driver) == len(core) == 2
+    for ours, theirs in zip(driver, core, strict=True):
+        assert {k: v for k, v in ours.items() if theirs[k] != v} == {}, theirs
+    # And the ORM reads them back as they were recorded.
+    got = {c.id: c for c in await store.list_completions(session_id=session.id)}
+    for record in records:
+        assert got[record.id].created_at == record.created_at
+        assert got[record.id].request_messages == record.request_messages
+        assert got[record.id].response_text == record.response_text
