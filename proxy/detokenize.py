@@ -15,6 +15,7 @@ at a quarter of the cost per call. Any other tokenizer goes through its own
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -36,16 +37,29 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     cls = type(tokenizer)
     if (
         isinstance(rust, Tokenizer)
-        and getattr(cls, "_decode", None).__qualname__ == "PreTrainedTokenizerFast._decode"
-        and getattr(cls, "decode", None).__qualname__ == "PreTrainedTokenizerBase.decode"
+        and _qualname(cls, "_decode") == "PreTrainedTokenizerFast._decode"
+        and _qualname(cls, "decode") == "PreTrainedTokenizerBase.decode"
     ):
         return partial(rust.decode, skip_special_tokens=True)
     return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def _qualname(cls: type, name: str) -> str:
+    return getattr(getattr(cls, name, None), "__qualname__", "")
+
+
+# Each tokenizer's text of single tokens: streamed tokens arrive one at a time, so the
+# "prefix" window decoded before each new token is one token, the same ones again and again.
+_SINGLE_TOKENS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, *, stop: list[str] | None = None):
         self._decode = text_decoder(tokenizer)
+        try:
+            self._single = _SINGLE_TOKENS.setdefault(tokenizer, {})
+        except TypeError:  # not weakly referenceable: a cache of its own
+            self._single = {}
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -60,7 +74,7 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that became final."""
         self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix = self._window(self._prefix_offset, self._read_offset)
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) < len(prefix):
             return self._release(final=False)
@@ -69,6 +83,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(self._read_offset, len(self._ids) - _WINDOW)
         self._read_offset = len(self._ids)
         return self._release(final=False)
+
+    def _window(self, start: int, end: int) -> str:
+        """The text of ``ids[start:end]``; single tokens come from the tokenizer's cache."""
+        if end - start != 1:
+            return self._decode(self._ids[start:end])
+        token = self._ids[start]
+        text = self._single.get(token)
+        if text is None:
+            text = self._single[token] = self._decode([token])
+        return text
 
     def finish(self, matched_stop: str | None = None) -> str:
         """Flush everything (incomplete bytes included); cut at a matched stop string."""
