@@ -57,7 +57,10 @@ class CompletionRecorder:
             fut: asyncio.Future[None] = loop.create_future()
             self._queue.put_nowait((c, fut))
             futures.append(fut)
-        await asyncio.gather(*futures)
+        if len(futures) == 1:
+            await futures[0]  # one choice, the common case: no gathering future
+        else:
+            await asyncio.gather(*futures)
 
     async def _run(self) -> None:
         while True:

@@ -115,7 +115,9 @@ class GenerateRequest(BaseModel):
 
     def wire(self, *, stream: bool) -> dict[str, Any]:
         """The JSON body to send (unset optional fields left out, as SGLang's defaults)."""
-        return self.model_copy(update={"stream": stream}).model_dump(exclude_none=True)
+        body = self.model_dump(exclude_none=True)
+        body["stream"] = stream
+        return body
 
 
 class FinishReason(BaseModel):
