@@ -23,11 +23,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api import messages_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep
 from proxima.proxy.api.disconnect import unless_disconnected
+from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.messages_translate import CountTokensRequest, MessagesRequest
 from proxima.proxy.errors import ProximaError
 from proxima.proxy.service.builders.messages import (
@@ -37,7 +38,6 @@ from proxima.proxy.service.builders.messages import (
     message_events,
     message_from,
 )
-from proxima.proxy.service.builders.sse import SSE_HEADERS
 from proxima.proxy.store import errors as store_errors
 
 logger = logging.getLogger(__name__)
@@ -85,16 +85,15 @@ async def create_message(
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     service.check_model(body.model)
     prep = await service.prepare(translate.canonical_request(body), principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
     head = MessageHead(prep.response_id, service.settings.model_name)
     if body.stream:
-        return StreamingResponse(
+        return EventStreamResponse(
             message_events(head, len(prep.prompt_ids), service.stream(prep)),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
+            headers,
         )
     completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(message_from(head, completion), headers=headers)

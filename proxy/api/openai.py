@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from proxima.proxy.api import openai_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
 from proxima.proxy.api.disconnect import unless_disconnected
+from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.schemas import MAX_ID_LENGTH, ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.chat import chat_response, chat_stream
 from proxima.proxy.service.builders.completions import completion_response, completion_stream
-from proxima.proxy.service.builders.sse import SSE_HEADERS
 from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -40,14 +40,14 @@ async def chat_completions(
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: SessionHeader = None,
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     service.check_model(body.model)
     prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
     model = service.settings.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return EventStreamResponse(
             chat_stream(
                 prep,
                 service.stream(prep),
@@ -55,8 +55,7 @@ async def chat_completions(
                 policy_version=service.version_of(prep),
                 include_usage=include_usage,
             ),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
+            headers,
         )
     completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(chat_response(prep, completion, model=model), headers=headers)
@@ -69,17 +68,16 @@ async def completions(
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: SessionHeader = None,
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     service.check_model(body.model)
     prep = await service.prepare(translate.completion_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
     model = service.settings.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return EventStreamResponse(
             completion_stream(prep, service.stream(prep), model=model, include_usage=include_usage),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
+            headers,
         )
     completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(completion_response(prep, completion, model=model), headers=headers)

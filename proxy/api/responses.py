@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from proxima.proxy.api import responses_translate as translate
 from proxima.proxy.api.deps import PrincipalDep, ServiceDep
 from proxima.proxy.api.disconnect import unless_disconnected
+from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.responses_translate import ResponsesRequest
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.responses import ResponseHead, response_events, response_from
-from proxima.proxy.service.builders.sse import SSE_HEADERS
 
 router = APIRouter(prefix="/v1", tags=["responses"])
 
@@ -31,7 +31,7 @@ async def create_response(
     principal: PrincipalDep,
     service: ServiceDep,
     x_session_id: Annotated[str | None, Header()] = None,
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     service.check_model(body.model)
     previous = None
     if body.previous_response_id is not None:
@@ -52,10 +52,9 @@ async def create_response(
         prep.response_id, prep.created, service.settings.model_name, translate.echoed_settings(body)
     )
     if body.stream:
-        return StreamingResponse(
+        return EventStreamResponse(
             response_events(head, service.stream(prep)),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
+            headers,
         )
     completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(response_from(head, completion), headers=headers)

@@ -7,7 +7,6 @@ from typing import Any
 import orjson
 from proxima.proxy.service.events import Usage
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 
 

@@ -1,0 +1,113 @@
+"""``EventStreamResponse``: a lean ASGI response for server-sent events.
+
+Every streamed token costs the proxy one socket write, and on loopback a
+write is tens of microseconds of kernel time: the largest single cost of a
+streamed request. This response writes in one ``send`` every piece that is
+ready, and only what is ready:
+
+- the pieces are pulled from their iterator by a producer task, which runs
+  until the iterator has to wait (for the backend's next tokens), appending
+  to a buffer;
+- the writer sends the whole buffer as soon as it holds anything. The first
+  piece never waits for later ones; pieces that arrived together (a backend
+  read that held several tokens, the finish and ``[DONE]``) leave together;
+- the last pieces go out with the end of the body, in the same write.
+
+A client that disconnects cancels the producer, which cancels the stream's
+work (the driver aborts the backend request and records nothing), as with
+Starlette's ``StreamingResponse``. A failure of the iterator itself (a bug:
+the builders report errors as events) is raised after what was produced
+before it has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from starlette.background import BackgroundTask
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+_BASE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx and friends: do not buffer the stream
+]
+
+
+class EventStreamResponse(Response):
+    """``text/event-stream`` of encoded ``pieces``, in as few sends as streaming allows.
+
+    A ``Response`` for FastAPI's sake (it returns those as they are); only
+    ``__call__`` is its own.
+    """
+
+    def __init__(self, pieces: AsyncIterator[bytes], headers: Mapping[str, str] | None = None):
+        self.pieces = pieces
+        self.status_code = 200
+        self.background: BackgroundTask | None = None
+        self.raw_headers = _BASE_HEADERS + [
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in (headers or {}).items()
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        buffer = _Buffer()
+        producer = asyncio.ensure_future(buffer.fill(self.pieces))
+        producer.add_done_callback(buffer.end)  # also when cancelled before it ran
+        watcher = asyncio.ensure_future(_until_disconnected(receive))
+        watcher.add_done_callback(lambda _: producer.cancel())
+        try:
+            while True:
+                data, done = await buffer.take()
+                if done:
+                    break
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        finally:
+            watcher.cancel()
+            producer.cancel()  # only when this task was cancelled itself
+            await asyncio.gather(producer, watcher, return_exceptions=True)
+        if producer.cancelled():
+            return  # the client went away
+        failure = producer.exception()
+        if failure is not None:
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            raise failure
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        if self.background is not None:
+            await self.background()
+
+
+class _Buffer:
+    """Pieces produced but not yet sent; ``take`` waits for some, or for the end."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.done = False
+        self.ready = asyncio.Event()
+
+    async def fill(self, pieces: AsyncIterator[bytes]) -> None:
+        async for piece in pieces:
+            self.parts.append(piece)
+            self.ready.set()
+
+    def end(self, _: object = None) -> None:
+        self.done = True
+        self.ready.set()
+
+    async def take(self) -> tuple[bytes, bool]:
+        """Everything buffered, and whether the producer has ended (nothing more will come)."""
+        await self.ready.wait()
+        self.ready.clear()
+        data = b"".join(self.parts)
+        self.parts.clear()
+        return data, self.done
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    # The request body has been read: the next message is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
