@@ -218,15 +218,17 @@ class PromptPreparer:
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[str, float] | None:
         """``bias`` checked against the vocabulary (keys and ranges are checked per API)."""
-        vocab = len(self.tokenizer)
-        for key in bias or {}:
+        if not bias:
+            return None
+        vocab = len(self.tokenizer)  # tens of microseconds with a fast tokenizer
+        for key in bias:
             if not key.isdigit() or int(key) >= vocab:
                 raise BadRequest(
                     f"logit_bias names token {key!r}, not an id in this model's vocabulary "
                     f"[0, {vocab}).",
                     param="logit_bias",
                 )
-        return {key: float(value) for key, value in bias.items()} if bias else None
+        return {key: float(value) for key, value in bias.items()}
 
     def _prepared(
         self,
