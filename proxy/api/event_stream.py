@@ -93,6 +93,9 @@ class _Buffer:
         async for piece in pieces:
             self.parts.append(piece)
             self.ready.set()
+        # Now, not in the task's done callback (which runs a loop turn later, after the
+        # writer): the last pieces and the end of the body leave in one write.
+        self.end()
 
     def end(self, _: object = None) -> None:
         self.done = True

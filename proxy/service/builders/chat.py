@@ -70,9 +70,13 @@ async def chat_stream(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**head, "choices": [choice]})
 
-    for index in range(prep.n):
-        yield chunk(index, {"role": "assistant", "content": ""})
+    # The role chunks leave with the first event's chunks, in the same write, rather than
+    # in a write of their own while the backend computes the first token.
+    opening = [chunk(index, {"role": "assistant", "content": ""}) for index in range(prep.n)]
     async for event in events:
+        for piece in opening:
+            yield piece
+        opening = []
         if isinstance(event, Delta):
             lp = (
                 {"content": logprob_content(event.logprobs)} if event.logprobs is not None else None
