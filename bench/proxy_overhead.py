@@ -64,9 +64,13 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: d
     async with http.stream("POST", url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url} answered {resp.status_code}: {await resp.aread()!r}")
+        # Read to the end of the body, as the OpenAI SDK does after [DONE]: leaving it
+        # unread makes httpx close the connection, and every request would pay a new one.
+        done = False
         async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                break
+            done = done or line == "data: [DONE]"
+        if not done:
+            raise RuntimeError(f"{url}: the stream ended without [DONE]")
     return time.perf_counter() - t0
 
 
