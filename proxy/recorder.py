@@ -119,6 +119,11 @@ class SessionCache:
             if old_session is not None:
                 self._keys_of_session.pop(old_session.id, None)
 
+    def remember_new_session(self, key_hash: str, principal: Any) -> None:
+        """A session just created here: its key and its (empty) history need no read."""
+        self.remember_principal(key_hash, principal)
+        self.remember_history(principal.session.id, [])
+
     def forget_session(self, session_id: str) -> None:
         key_hash = self._keys_of_session.pop(session_id, None)
         if key_hash is not None:

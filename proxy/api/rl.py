@@ -15,7 +15,7 @@ from proxima.proxy.api.schemas import (
     FinishRequest,
     RewardRequest,
 )
-from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, hash_key, new_key
+from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, PrincipalKind, hash_key, new_key
 from proxima.proxy.errors import NotFound, PermissionDenied, RateLimited
 from proxima.proxy.staleness import admit
 from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
@@ -82,13 +82,18 @@ async def create_session(
                 code="staleness_capacity",
             )
         key = new_key(SESSION_KEY_PREFIX)
+        key_hash = hash_key(key)
         session = await store.create_session(
-            api_key_hash=hash_key(key),
+            api_key_hash=key_hash,
             kind=SessionKind.TRAIN,
             group_id=body.group_id,
             data_id=body.data_id,
             metadata=body.metadata or {},
         )
+    # Its first turn then reads neither its key nor its history from the store.
+    request.app.state.cache.remember_new_session(
+        key_hash, Principal(PrincipalKind.SESSION, session=session)
+    )
     base_url = settings.base_url(getattr(request.app.state, "bound_port", None))
     return CreateSessionResponse(session_id=session.id, api_key=key, base_url=base_url)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -343,6 +344,25 @@ def test_revoked_production_key_stops_within_the_cache_time(proxy: LiveProxy) ->
     _in_store(proxy, lambda s: s.revoke_api_key(key_id=key_id))
     time.sleep(KEY_CACHE_SECONDS + 0.2)
     _error(_post(proxy, "/v1/chat/completions", _chat(proxy), key), 401)
+
+
+def test_a_new_session_is_known_without_a_store_read(proxy: LiveProxy) -> None:
+    """Creating a session caches its key: the first turn reads nothing to authenticate.
+
+    Shown by changing the stored key hash behind the proxy's back: the first turn is
+    served from the cache; once the cache time has passed, the key is looked up and refused.
+    """
+    session = proxy.new_session()
+    db = sqlite3.connect(proxy.db_url.removeprefix("sqlite:///"))
+    db.execute(
+        "UPDATE sessions SET api_key_hash = ? WHERE id = ?",
+        (hash_key("sk-someone-else"), session["session_id"]),
+    )
+    db.commit()
+    db.close()
+    assert _post(proxy, "/v1/chat/completions", _chat(proxy), session["api_key"]).status_code == 200
+    time.sleep(KEY_CACHE_SECONDS + 0.2)
+    _error(_post(proxy, "/v1/chat/completions", _chat(proxy), session["api_key"]), 401)
 
 
 def test_private_observability_hides_docs_and_guards_metrics(proxy: LiveProxy) -> None:
