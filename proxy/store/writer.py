@@ -1,17 +1,26 @@
-"""SQLite's write path for completions: one dedicated thread, one plain connection.
+"""SQLite's write path for completions: committed on the event loop when the lock is free,
+else on one dedicated thread.
 
 Through aiosqlite every statement of a transaction (begin, status query,
 insert, commit) is a hop to its worker thread and back to the event loop;
 on the proxy's hot path those hops cost more CPU than the writes. Here a
-whole batch runs as one call on one thread with SQLAlchemy's synchronous
-driver (the stdlib ``sqlite3`` module): one hop per batch. The thread keeps
-one connection open, so a transaction costs no pool checkout or reset.
+whole batch is one call on the stdlib ``sqlite3`` driver:
 
-The connection is set up like the async engine's (``database.py``): WAL,
-``synchronous=NORMAL``, foreign keys, the busy timeout, and every
-transaction is ``BEGIN IMMEDIATE``, so it queues behind other writers (this
-process's async engine, a trainer in another process) instead of failing.
-A call returns after its commit. What that commit gives, in WAL mode:
+- first on the event loop's own connection, whose busy timeout is zero: a
+  transaction of a few completions takes a fraction of a millisecond and
+  no thread hop (two wake-ups, each a scheduler's delay on a loaded host);
+- when another writer holds the lock (this process's async engine, a trainer
+  in another process), ``BEGIN IMMEDIATE`` fails at once and the same call
+  goes to the writer thread, whose connection queues on the busy timeout.
+
+The event loop's connection never checkpoints (``wal_autocheckpoint=0``: a
+checkpoint fsyncs the database file, which must not stall the loop); the
+writer thread runs a passive checkpoint every ``CHECKPOINT_EVERY`` commits
+made on the loop.
+
+Both connections are set up like the async engine's (``database.py``): WAL,
+``synchronous=NORMAL``, foreign keys. A call returns after its commit. What
+that commit gives, in WAL mode:
 
 - ``synchronous=NORMAL`` (this writer, like the async engine): the commit is
   atomic and survives the proxy process crashing or being killed the moment
@@ -25,6 +34,7 @@ A call returns after its commit. What that commit gives, in WAL mode:
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +44,11 @@ from proxima.proxy.store.database import configure_sqlite
 from sqlalchemy import Table, create_engine
 from sqlalchemy.engine import URL, Connection, Dialect
 from sqlalchemy.pool import StaticPool
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_EVERY = 200
+"""Commits on the event loop between two passive checkpoints on the writer thread."""
 
 
 class SqliteWriter:
@@ -52,6 +67,13 @@ class SqliteWriter:
         configure_sqlite(self._engine, begin_mode="IMMEDIATE")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._inserts: dict[str, RawInsert] = {}
+        self._path = url.database
+        # A plain file path; URI filenames and options (``?mode=...``) stay with the engine.
+        self._loop_path = not url.query
+        self._loop_db: sqlite3.Connection | None = None  # the event loop's own connection
+        self._loop_commits = 0
+        self._checkpoint: asyncio.Future[tuple[int, int, int] | None] | None = None
+        self.thread_commits = 0  # transactions that had to wait for another writer
 
     @staticmethod
     def usable(url: URL) -> bool:
@@ -68,25 +90,55 @@ class SqliteWriter:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(db, *args)`` in a ``BEGIN IMMEDIATE`` transaction, committed before this
-        returns; ``db`` is the ``sqlite3.Connection`` (driver errors are ``sqlite3``'s)."""
+        returns; ``db`` is a ``sqlite3.Connection`` (driver errors are ``sqlite3``'s).
+
+        ``fn`` may run twice: on the loop's connection, rolled back because another
+        writer held the lock at its commit, then on the writer thread.
+        """
+        if self._loop_path:
+            try:
+                return self._on_loop(fn, args)
+            except _Busy:
+                pass
         loop = asyncio.get_running_loop()
+        self.thread_commits += 1
         return await loop.run_in_executor(self._executor, self._transaction, fn, args)
 
-    def _transaction(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if self._conn is None or self._conn.invalidated or self._conn.closed:
-            self._conn = self._engine.connect()
-        db: sqlite3.Connection = self._conn.connection.dbapi_connection  # type: ignore[assignment]
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(db, *args)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
+    def _on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self._loop_db is None:
+            self._loop_db = _connect(self._path)
+        result = _transact(self._loop_db, fn, args)
+        self._loop_commits += 1
+        if self._loop_commits % CHECKPOINT_EVERY == 0 and (
+            self._checkpoint is None or self._checkpoint.done()
+        ):
+            loop = asyncio.get_running_loop()
+            self._checkpoint = loop.run_in_executor(self._executor, self._passive_checkpoint)
         return result
 
+    def _thread_db(self) -> sqlite3.Connection:
+        if self._conn is None or self._conn.invalidated or self._conn.closed:
+            self._conn = self._engine.connect()
+        return self._conn.connection.dbapi_connection  # type: ignore[return-value]
+
+    def _transaction(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        try:
+            return _transact(self._thread_db(), fn, args)
+        except _Busy as exc:  # the busy timeout ran out: the driver's own error
+            raise exc.__cause__ from None  # type: ignore[misc]
+
+    def _passive_checkpoint(self) -> tuple[int, int, int] | None:
+        """``(busy, frames in the WAL, frames checkpointed)``, ``None`` if it failed."""
+        try:
+            return self._thread_db().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as exc:  # the next one tries again; other connections also do
+            logger.warning("SQLite checkpoint failed: %s", exc)
+            return None
+
     def _dispose(self) -> None:
+        if self._loop_db is not None:
+            self._loop_db.close()  # the loop waits in close(): nothing else uses it now
+            self._loop_db = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -97,6 +149,41 @@ class SqliteWriter:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._dispose)
         self._executor.shutdown(wait=True)
+
+
+class _Busy(Exception):
+    """Another connection holds the write lock."""
+
+
+def _connect(path: str | None) -> sqlite3.Connection:
+    """The event loop's connection: never waits for the lock, never checkpoints."""
+    assert path, "the writer serves SQLite files only (see SqliteWriter.usable)"
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    for pragma in (
+        "busy_timeout = 0",
+        "foreign_keys = ON",
+        "journal_mode = WAL",
+        "synchronous = NORMAL",
+        "wal_autocheckpoint = 0",
+    ):
+        db.execute(f"PRAGMA {pragma}")
+    return db
+
+
+def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``fn(db, *args)`` between ``BEGIN IMMEDIATE`` and ``COMMIT``; ``_Busy`` when the lock
+    is taken (only a connection without a busy timeout sees that: nothing was written)."""
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        result = fn(db, *args)
+        db.execute("COMMIT")
+    except BaseException as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode & 0xFF == 5:
+            raise _Busy() from exc  # SQLITE_BUSY and its extended codes
+        raise
+    return result
 
 
 class RawInsert:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from proxima.proxy.store import Conflict, Store, ensure_schema
+from proxima.proxy.store import writer as writer_module
 from proxima.proxy.store.completions import insert_completions
 from proxima.proxy.store.convert import completion_values
 from sqlalchemy import create_engine
@@ -42,6 +43,7 @@ async def test_record_waits_for_another_writer_then_commits(sqlite_store) -> Non
     other.execute("COMMIT")
     other.close()
     await asyncio.wait_for(record, 30)
+    assert store._sqlite_writer.thread_commits == 1  # it waited on the writer thread
     assert len(await store.list_completions(session_id=session.id)) == 1
     # Committed: a fresh connection (another process) sees the row.
     fresh = sqlite3.connect(path)
@@ -61,13 +63,38 @@ async def test_failed_batch_leaves_nothing_and_the_writer_goes_on(sqlite_store) 
     assert len(await store.list_completions(session_id=session.id)) == 2
 
 
+async def test_a_free_lock_commits_on_the_loop_and_checkpoints_on_the_thread(
+    sqlite_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, path = sqlite_store
+    monkeypatch.setattr(writer_module, "CHECKPOINT_EVERY", 3)
+    writer = store._sqlite_writer
+    session = await store.create_session(api_key_hash=key_hash())
+    for i in range(3):
+        await store.record_completion(completion=completion(session.id, seconds=i))
+        fresh = sqlite3.connect(path)  # committed when the call returned
+        assert fresh.execute("select count(*) from completions").fetchone()[0] == i + 1
+        fresh.close()
+    assert writer.thread_commits == 0  # no hop: the lock was free every time
+    # The loop's connection never checkpoints; every third commit the thread does.
+    busy, frames, done = await asyncio.wait_for(writer._checkpoint, 30)
+    assert busy == 0 and frames > 0 and done == frames
+
+
 async def test_close_stops_the_writer_thread(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'store.db'}"
     await ensure_schema(url)
     before = set(_writer_threads())  # other tests' stores, if any
     store = await Store.open(url)
     session = await store.create_session(api_key_hash=key_hash())
-    await store.record_completion(completion=completion(session.id))
+    path = tmp_path / "store.db"
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the lock is taken: the record goes to the thread
+    record = asyncio.create_task(store.record_completion(completion=completion(session.id)))
+    await asyncio.sleep(0.2)
+    other.execute("COMMIT")
+    other.close()
+    await asyncio.wait_for(record, 30)
     assert set(_writer_threads()) - before
     await store.close()
     assert not set(_writer_threads()) - before
