@@ -207,3 +207,23 @@ def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
     assert resp.json()["error"]["code"] == "context_length_exceeded"
     assert result["seconds"] > 1.0, "the message is too small to show a stall here"
     assert slowest < min(1.0, result["seconds"] / 3), (slowest, result["seconds"])
+
+
+def test_a_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) -> None:
+    s = proxy.new_session()
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        json=_chat_body(proxy, stream=True, **LONG),
+        headers={"Authorization": f"Bearer {s['api_key']}"},
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line and "content" in _data(line)["choices"][0]["delta"]:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while _in_flight(proxy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(proxy) == 0, "the backend request was not aborted"
+    time.sleep(1.0)  # a completion that was (wrongly) still committing would land now
+    assert proxy.trajectory(s["session_id"])["completions"] == []

@@ -1,0 +1,128 @@
+"""``EventStreamResponse`` against the ASGI contract: what it sends, and when.
+
+The response is driven as uvicorn drives it (``send`` records each message,
+``receive`` reports the disconnect); the pieces come from async generators
+whose pauses stand in for a backend computing the next tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from proxima.proxy.api.event_stream import EventStreamResponse
+
+
+class Client:
+    """Records what the response sends; ``leave()`` makes ``receive`` report a disconnect."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.sent = asyncio.Event()
+        self.gone = asyncio.Event()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.sent.set()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def until_sent(self, count: int) -> None:
+        """Wait until ``count`` messages have been sent."""
+        while len(self.messages) < count:
+            self.sent.clear()
+            await asyncio.wait_for(self.sent.wait(), 5)
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    def bodies(self) -> list[tuple[bytes, bool]]:
+        return [(m["body"], m["more_body"]) for m in self.messages[1:]]
+
+
+async def run(pieces: AsyncIterator[bytes], client: Client) -> None:
+    response = EventStreamResponse(pieces, {"X-Proxima-Session-Id": "s1"})
+    await response({"type": "http"}, client.receive, client.send)
+
+
+async def test_pieces_ready_together_leave_in_one_send_with_the_end() -> None:
+    async def pieces() -> AsyncIterator[bytes]:
+        for piece in (b"a", b"b", b"c"):
+            yield piece
+
+    client = Client()
+    await run(pieces(), client)
+    start = client.messages[0]
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"text/event-stream; charset=utf-8"
+    assert headers[b"x-proxima-session-id"] == b"s1"
+    assert client.bodies() == [(b"abc", False)]
+
+
+async def test_the_first_piece_does_not_wait_for_later_ones() -> None:
+    later = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"first"
+        await later.wait()  # the backend is still computing
+        yield b"second"
+        yield b"third"
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await client.until_sent(2)
+    assert client.bodies() == [(b"first", True)]  # sent while the stream waits
+    later.set()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies() == [(b"first", True), (b"secondthird", False)]
+
+
+async def test_a_client_that_leaves_cancels_the_stream_and_ends_nothing() -> None:
+    cleaned_up = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            yield b"first"
+            await asyncio.Event().wait()  # a generation that would run on
+        finally:
+            cleaned_up.set()  # the driver aborts its backend request here
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await client.until_sent(2)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    assert cleaned_up.is_set()
+    assert client.bodies() == [(b"first", True)]  # no end of body for a client that is gone
+
+
+async def test_a_client_that_leaves_before_the_first_piece_cancels_the_stream() -> None:
+    started = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        started.set()
+        await asyncio.Event().wait()
+        yield b"never"
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await asyncio.wait_for(started.wait(), 5)
+    client.leave()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies() == []
+
+
+async def test_a_failing_stream_sends_what_it_produced_then_raises() -> None:
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"first"
+        raise RuntimeError("a bug in a builder")
+
+    client = Client()
+    with pytest.raises(RuntimeError, match="a bug in a builder"):
+        await run(pieces(), client)
+    assert client.bodies() == [(b"first", True)]  # never a complete-looking body
