@@ -77,6 +77,9 @@ def main() -> None:
         port=args.port,
         log_level="warning",
         access_log=False,
+        # As `proxima serve`: clients keep connections between the arms, and uvicorn's 5 s
+        # default would close them under a client about to reuse one (a ReadError).
+        timeout_keep_alive=75,
     )
 
 
