@@ -11,6 +11,7 @@ from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet
 from proxima.proxy.store.models import ApiKeyRow, CompletionRow, SessionRow, utcnow
 from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.writer import SqliteBusy
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
@@ -70,7 +71,19 @@ class SessionsMixin(StoreBase):
             return None if row is None else session_record(row)
 
     async def get_session_by_key_hash(self, *, api_key_hash: str) -> SessionRecord | None:
-        """The session whose own API key hashes to ``api_key_hash``, or ``None``."""
+        """The session whose own API key hashes to ``api_key_hash``, or ``None``.
+
+        Every session's first request (and one every key-cache period) asks this: on
+        SQLite it is read on the event loop when that needs no wait (see ``SqliteWriter``).
+        """
+        writer = self._sqlite_writer
+        if writer is not None:
+            try:
+                found = writer.read_one(SessionRow, "api_key_hash", api_key_hash)  # type: ignore[arg-type]
+            except SqliteBusy:
+                pass
+            else:
+                return None if found is None else session_record(found)  # type: ignore[arg-type]
         async with self._read() as db:
             query = select(SessionRow).where(SessionRow.api_key_hash == api_key_hash)
             row = (await db.execute(query)).scalar_one_or_none()

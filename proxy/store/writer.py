@@ -1,5 +1,6 @@
 """SQLite's write path for completions: committed on the event loop when the lock is free,
-else on one dedicated thread.
+else on one dedicated thread. Also the key lookup of a session's first request, read on
+the event loop (``read_one``).
 
 Through aiosqlite every statement of a transaction (begin, status query,
 insert, commit) is a hop to its worker thread and back to the event loop;
@@ -38,10 +39,12 @@ import logging
 import sqlite3
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 from proxima.proxy.store.database import configure_sqlite
 from sqlalchemy import Table, create_engine
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import URL, Connection, Dialect
 from sqlalchemy.pool import StaticPool
 
@@ -67,6 +70,7 @@ class SqliteWriter:
         configure_sqlite(self._engine, begin_mode="IMMEDIATE")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._inserts: dict[str, RawInsert] = {}
+        self._selects: dict[tuple[str, str], RawSelect] = {}
         self._path = url.database
         # A plain file path; URI filenames and options (``?mode=...``) stay with the engine.
         self._loop_path = not url.query
@@ -80,6 +84,32 @@ class SqliteWriter:
         """Whether ``url`` is a SQLite file another connection can open (not ``:memory:``)."""
         database = url.database or ""
         return url.get_backend_name() == "sqlite" and database not in ("", ":memory:")
+
+    def read_one(self, model: type, attribute: str, value: Any) -> SimpleNamespace | None:
+        """The row of ``model`` whose ``attribute`` equals ``value``, on the event loop's
+        connection: a WAL reader never waits for writers, so a point lookup takes tens
+        of microseconds where aiosqlite's thread hops take a millisecond. Attributes are
+        the mapped column keys, values converted by SQLAlchemy's column types.
+
+        Raises ``SqliteBusy`` when the database cannot be read without waiting.
+        """
+        if not self._loop_path:
+            raise SqliteBusy()
+        raw = self._selects.get((model.__name__, attribute))
+        if raw is None:
+            raw = self._selects[(model.__name__, attribute)] = RawSelect(
+                model, attribute, self._engine.dialect
+            )
+        if self._loop_db is None:
+            self._loop_db = _connect(self._path)
+        try:
+            # fetchall: the statement runs to its end, so no read transaction stays open.
+            rows = self._loop_db.execute(raw.sql, (value,)).fetchall()
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF == 5:
+                raise SqliteBusy() from exc
+            raise
+        return raw.values(rows[0]) if rows else None
 
     def insert(self, table: Table) -> RawInsert:
         """``table``'s INSERT for this database (built once)."""
@@ -98,7 +128,7 @@ class SqliteWriter:
         if self._loop_path:
             try:
                 return self._on_loop(fn, args)
-            except _Busy:
+            except SqliteBusy:
                 pass
         loop = asyncio.get_running_loop()
         self.thread_commits += 1
@@ -124,7 +154,7 @@ class SqliteWriter:
     def _transaction(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         try:
             return _transact(self._thread_db(), fn, args)
-        except _Busy as exc:  # the busy timeout ran out: the driver's own error
+        except SqliteBusy as exc:  # the busy timeout ran out: the driver's own error
             raise exc.__cause__ from None  # type: ignore[misc]
 
     def _passive_checkpoint(self) -> tuple[int, int, int] | None:
@@ -151,8 +181,8 @@ class SqliteWriter:
         self._executor.shutdown(wait=True)
 
 
-class _Busy(Exception):
-    """Another connection holds the write lock."""
+class SqliteBusy(Exception):
+    """Another connection holds the lock (or the event loop's connection is not used)."""
 
 
 def _connect(path: str | None) -> sqlite3.Connection:
@@ -171,7 +201,7 @@ def _connect(path: str | None) -> sqlite3.Connection:
 
 
 def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """``fn(db, *args)`` between ``BEGIN IMMEDIATE`` and ``COMMIT``; ``_Busy`` when the lock
+    """``fn(db, *args)`` between ``BEGIN IMMEDIATE`` and ``COMMIT``; ``SqliteBusy`` when the lock
     is taken (only a connection without a busy timeout sees that: nothing was written)."""
     try:
         db.execute("BEGIN IMMEDIATE")
@@ -181,7 +211,7 @@ def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, .
         if db.in_transaction:
             db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode & 0xFF == 5:
-            raise _Busy() from exc  # SQLITE_BUSY and its extended codes
+            raise SqliteBusy() from exc  # SQLITE_BUSY and its extended codes
         raise
     return result
 
@@ -209,4 +239,32 @@ class RawInsert:
         return tuple(
             row[key] if process is None else process(row[key])
             for key, process in zip(self.keys, self._processors, strict=True)
+        )
+
+
+class RawSelect:
+    """``SELECT`` of a mapped class's rows by one attribute, as driver SQL; values converted
+    back by SQLAlchemy's own column types (the result processors a Core select would use)
+    and named as the class's attributes."""
+
+    def __init__(self, model: type, attribute: str, dialect: Dialect):
+        mapper = sa_inspect(model)
+        attrs = [(prop.key, prop.columns[0]) for prop in mapper.column_attrs]
+        quote = dialect.identifier_preparer.quote
+        self.keys = [key for key, _ in attrs]
+        self._processors = [
+            c.type.dialect_impl(dialect).result_processor(dialect, None) for _, c in attrs
+        ]
+        where = mapper.column_attrs[attribute].columns[0]
+        self.sql = (
+            f"SELECT {', '.join(quote(c.name) for _, c in attrs)} "
+            f"FROM {quote(mapper.local_table.name)} WHERE {quote(where.name)} = ?"
+        )
+
+    def values(self, row: tuple[Any, ...]) -> SimpleNamespace:
+        return SimpleNamespace(
+            **{
+                key: value if process is None else process(value)
+                for key, value, process in zip(self.keys, row, self._processors, strict=True)
+            }
         )

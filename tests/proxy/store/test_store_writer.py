@@ -154,3 +154,40 @@ async def test_driver_rows_equal_what_a_core_insert_stores(sqlite_store, tmp_pat
         assert got[record.id].created_at == record.created_at
         assert got[record.id].request_messages == record.request_messages
         assert got[record.id].response_text == record.response_text
+
+
+async def test_key_lookup_on_the_loop_reads_what_the_orm_reads(
+    sqlite_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session found by its key hash on the loop's connection equals the ORM's record."""
+    store, path = sqlite_store
+    plain = await store.create_session(api_key_hash=key_hash("plain"))
+    full = await store.create_session(
+        api_key_hash=key_hash("full"),
+        group_id="g-1",
+        data_id="d-é",
+        metadata={"task": "naïve 🙂", "n": 3, "nested": {"x": [1, None]}},
+    )
+    await store.set_session_reward(session_id=full.id, reward=0.25)
+    await store.finish_session(session_id=full.id)
+    expected = {s.id: await store.get_session(session_id=s.id) for s in (plain, full)}
+
+    def no_orm_read() -> None:
+        raise AssertionError("the key lookup went through the async engine")
+
+    monkeypatch.setattr(store, "_read", no_orm_read)
+    for session, raw in ((plain, "plain"), (full, "full")):
+        found = await store.get_session_by_key_hash(api_key_hash=key_hash(raw))
+        assert found == expected[session.id]
+        assert found is not None and found.created_at.tzinfo is not None
+    assert await store.get_session_by_key_hash(api_key_hash=key_hash("nobody")) is None
+    # Another connection's commit is seen at once: no read transaction is left open.
+    other = sqlite3.connect(path)
+    other.execute(
+        "UPDATE sessions SET api_key_hash = ? WHERE id = ?", (key_hash("moved"), plain.id)
+    )
+    other.commit()
+    other.close()
+    assert await store.get_session_by_key_hash(api_key_hash=key_hash("plain")) is None
+    moved = await store.get_session_by_key_hash(api_key_hash=key_hash("moved"))
+    assert moved is not None and moved.id == plain.id
