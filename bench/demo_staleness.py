@@ -59,7 +59,7 @@ def run_one(
         return summary
     config = json.loads(json.dumps(base))  # deep copy
     config.setdefault("trainer", {})["max_staleness"] = eta
-    config["seed"] = seed
+    config.setdefault("data", {})["seed"] = seed
     config["output_dir"] = str(run_dir)
     if steps is not None:
         config["steps"] = steps
