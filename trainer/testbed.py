@@ -58,8 +58,9 @@ MAX_SUM = 2 * (DIGITS - 1)
 class TaskSettings:
     """How the testbed's starting policy is built (part of its cache key)."""
 
-    p_correct: float = 0.25  # share of fine-tuning answers that are right
-    sft_steps: int = 1500
+    p_correct: float = 0.3  # share of fine-tuning answers that are right
+    noise: str = "near"  # wrong answers: "near" (sum +- 1 or 2) or "uniform" (any of 0..MAX_SUM)
+    sft_steps: int = 600
     sft_batch: int = 64
     sft_lr: float = 3e-3
     seed: int = 0
@@ -119,7 +120,7 @@ def prepare_model(cache_dir: Path, settings: TaskSettings = TaskSettings()) -> P
         rows = []
         for _ in range(settings.sft_batch):
             a, b = rng.choice(ALL_PAIRS)
-            answer = a + b if rng.random() < settings.p_correct else rng.randint(0, MAX_SUM)
+            answer = a + b if rng.random() < settings.p_correct else _wrong(a + b, settings, rng)
             reply = tokenizer.encode(str(answer), add_special_tokens=False)
             reply.append(tokenizer.eos_token_id)
             rows.append((prompts[a, b], reply))
@@ -142,6 +143,14 @@ def prepare_model(cache_dir: Path, settings: TaskSettings = TaskSettings()) -> P
     return out
 
 
+def _wrong(total: int, settings: TaskSettings, rng: random.Random) -> int:
+    """A wrong fine-tuning answer for the sum ``total``."""
+    if settings.noise == "uniform":
+        return rng.randint(0, MAX_SUM)
+    near = [total + d for d in (-2, -1, 1, 2) if 0 <= total + d <= MAX_SUM]
+    return rng.choice(near)
+
+
 class DelayedSink:
     """A weight sink that serves the policy exactly ``k`` versions behind the trainer.
 
@@ -150,11 +159,12 @@ class DelayedSink:
     Paths of the last ``k`` versions must still exist when their turn comes
     (the trainer's ``keep_versions`` must be at least ``k + 2``).
 
-    Known limit: a step that pushes nothing (``advantage.zero_signal =
-    "filter"`` on a batch without signal) does not advance the served version,
-    so a served policy that earns no reward at all is served for the rest of
-    the run, where an asynchronous system would serve the trainer's newer
-    versions.
+    A step that pushes nothing (``advantage.zero_signal = "filter"`` on a
+    batch without signal) makes no new version; the run then calls
+    :meth:`catch_up`, which serves the next held version, so the lag shrinks
+    by one as it would in an asynchronous system whose trainer idles while the
+    generator keeps going (without it a served policy that earns no reward
+    would be served for the rest of the run).
     """
 
     def __init__(self, inner: ProxyWeightSink, k: int) -> None:
@@ -166,11 +176,18 @@ class DelayedSink:
     async def push(self, *, version: int, path: Path) -> PushResult:
         self.paths[version] = path
         target = version - self.k
-        if target >= 1:
+        if target > self.served:  # not already served by catch_up()
             result = await self.inner.push(version=target, path=self.paths.pop(target))
             self.served = target
             return PushResult(version, str(path), result.proxy_seconds, result.http_seconds)
         return PushResult(version, str(path), 0.0, 0.0)
+
+    async def catch_up(self) -> None:
+        """Serve the oldest held version (the trainer made none this step)."""
+        if self.paths:
+            oldest = min(self.paths)
+            await self.inner.push(version=oldest, path=self.paths.pop(oldest))
+            self.served = oldest
 
     async def flush(self) -> None:
         """Serve the newest pushed version now."""
@@ -317,6 +334,8 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
                 record = await trainer.step()
                 assert record is not None
                 result.pushed.append(record.pushed)
+                if not record.pushed:
+                    await sink.catch_up()
             await sink.flush()
             result.final_reward = await _evaluate(
                 proxy, http, pairs_of_arm * arm.eval_samples, arm.seed

@@ -53,6 +53,23 @@ async def test_delayed_sink_serves_exactly_k_behind() -> None:
     assert sync.served == 1
 
 
+async def test_delayed_sink_catches_up_while_the_trainer_makes_no_version() -> None:
+    inner = _Inner()
+    sink = DelayedSink(inner, 2)  # type: ignore[arg-type]
+    for v in (1, 2, 3):
+        await sink.push(version=v, path=Path(f"w{v}"))
+    assert sink.served == 1
+    await sink.catch_up()  # a step without signal: no v4, the lag shrinks to 1
+    await sink.catch_up()  # and to 0
+    await sink.catch_up()  # nothing newer held: stays
+    assert sink.served == 3 and [v for v, _ in inner.pushed] == [1, 2, 3]
+    await sink.push(version=4, path=Path("w4"))  # 4 - 2 = 2 is older than what is served
+    assert sink.served == 3 and len(inner.pushed) == 3
+    await sink.push(version=5, path=Path("w5"))  # 5 - 2 = 3: already served
+    await sink.push(version=6, path=Path("w6"))  # back to exactly k behind
+    assert sink.served == 4 and inner.pushed[-1] == (4, Path("w4"))
+
+
 def test_summaries() -> None:
     assert summary([1.0, 2.0, 3.0]) == (2.0, 1.0)  # sample std
     assert summary([0.5]) == (0.5, 0.0)
