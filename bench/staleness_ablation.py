@@ -102,35 +102,77 @@ def table(rows: list[dict], threshold: float) -> tuple[list[str], dict[str, tupl
     return lines, finals
 
 
+SMOOTH = 5  # steps in the trailing mean of the plotted curves
+
+
+def _trailing_mean(t: torch.Tensor, window: int) -> torch.Tensor:
+    """Mean of the last ``window`` steps (fewer at the start) along the last dim of ``t``."""
+    c = torch.cumsum(t, dim=-1)
+    shifted = torch.nn.functional.pad(c, (window, 0))[..., : t.shape[-1]]
+    counts = torch.arange(1, t.shape[-1] + 1).clamp(max=window)
+    return (c - shifted) / counts
+
+
 def plot(rows: list[dict], path: Path) -> None:
+    """Three panels: learning curves of the decoupled arms, of the naive arms (each with
+    sync and a +-1 std band over seeds), and final reward against staleness."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_name: dict[str, list[list[float]]] = {}
+    by_name: dict[str, list[dict]] = {}
     for row in rows:
-        by_name.setdefault(Arm(**row["arm"]).name, []).append(row["rewards"])
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in sorted(by_name):
-        curves = by_name[name]
-        n = min(len(c) for c in curves)
-        t = torch.tensor([c[:n] for c in curves])  # (seeds, steps)
-        mean = t.mean(0)
-        std = t.std(0, unbiased=True) if len(curves) > 1 else torch.zeros(n)
-        steps = list(range(1, n + 1))
-        style = "-" if ("decoupled" in name or name == "sync") else "--"
-        (line,) = ax.plot(steps, mean.tolist(), style, label=f"{name} ({len(curves)} seeds)")
-        ax.fill_between(
-            steps, (mean - std).tolist(), (mean + std).tolist(), color=line.get_color(), alpha=0.15
-        )
-    ax.set_xlabel("PPO step (trainer version)")
-    ax.set_ylabel("training reward (batch generated k versions behind)")
-    ax.set_title("Staleness ablation: mean +- 1 std over seeds")
-    ax.legend(fontsize=8)
+        by_name.setdefault(Arm(**row["arm"]).name, []).append(row)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    colors = plt.get_cmap("viridis")
+    etas = sorted({Arm(**r["arm"]).k for r in rows})
+
+    def color(k: int) -> object:
+        return "black" if k == 0 else colors(etas.index(k) / max(1, len(etas) - 1) * 0.9)
+
+    for ax, objective in zip(axes[:2], ("decoupled", "naive"), strict=True):
+        for name in sorted(by_name, key=lambda n: Arm(**by_name[n][0]["arm"]).k):
+            if name != "sync" and not name.endswith(objective):
+                continue
+            curves = [r["rewards"] for r in by_name[name]]
+            n = min(len(c) for c in curves)
+            t = torch.tensor([c[:n] for c in curves])  # (seeds, steps)
+            t = _trailing_mean(t, SMOOTH)  # per-step rewards of 32 samples are noisy
+            mean = t.mean(0)
+            std = t.std(0, unbiased=True) if len(curves) > 1 else torch.zeros(n)
+            steps = list(range(1, n + 1))
+            k = Arm(**by_name[name][0]["arm"]).k
+            label = f"{name} ({len(curves)} seeds)"
+            ax.plot(steps, mean.tolist(), color=color(k), label=label, lw=1.4)
+            ax.fill_between(
+                steps, (mean - std).tolist(), (mean + std).tolist(), color=color(k), alpha=0.12
+            )
+        ax.set_xlabel("PPO step (trainer version)")
+        ax.set_ylabel("training reward (batch generated k versions behind)")
+        ax.set_title(f"{objective} vs sync: {SMOOTH}-step trailing mean, +-1 std over seeds")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[2]
+    for objective, marker in (("decoupled", "o"), ("naive", "s")):
+        xs, ys, es = [], [], []
+        for k in etas:
+            name = "sync" if k == 0 else f"eta{k} {objective}"
+            if name not in by_name:
+                continue
+            mean, std = summary([r["final_reward"] for r in by_name[name]])
+            xs.append(k)
+            ys.append(mean)
+            es.append(std)
+        ax.errorbar(xs, ys, yerr=es, marker=marker, capsize=4, label=objective)
+    ax.set_xlabel("staleness k (versions behind)")
+    ax.set_ylabel("final reward (final policy, T = 1)")
+    ax.set_title("final reward vs staleness: mean +- 1 std over seeds")
+    ax.set_xticks(etas)
+    ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
