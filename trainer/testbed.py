@@ -4,14 +4,20 @@ Task: small addition. The prompt is the chat message ``"a+b="``; the
 reward is 1 when the reply is exactly ``str(a + b)``, else 0 (unambiguous, no
 parsing slack). The policy is the tiny byte-level Qwen2 model
 (``proxima.proxy.testing.tiny_model``, hidden 64, 2 layers) fine-tuned once
-on ``a, b`` in ``0..4`` with *noisy* answers (the right sum with probability
-``p_correct`` = 0.25, otherwise a uniform draw from ``0..8``), cached under
-``.cache/testbed/`` (keyed by its settings; built offline in 1,500 steps: 13 minutes here on the
-busy shared cores). Measured: it learned the answer format (one digit,
-then the end-of-turn token) but not the sums (13% sampled, 16% greedy accuracy
-on the 25 pairs), so RL has to find the right digit per prompt. The RL
-prompts use ``a, b`` in ``0..digits-1`` (``Arm.digits``, default 3: 9
-pairs, 13% training reward over the first 10 steps, measured).
+on ``a, b`` in ``0..4`` with *noisy* answers: the right sum with probability
+``p_correct`` = 0.3, otherwise a near miss (the sum +- 1 or 2), cached under
+``.cache/testbed/`` (keyed by its settings; 600 steps, about 30 s of CPU).
+So the starting policy has the answer format (one digit, then the end-of-turn
+token) and knows roughly where each sum lies but hedges between neighbours,
+as a base model hedges on arithmetic: about 20% training reward at the
+start (measured), and RL has to sharpen it per prompt. The RL prompts use
+``a, b`` in ``0..digits-1`` (``Arm.digits``, default 3: 9 pairs).
+
+An earlier version fine-tuned on uniformly random wrong answers: that
+policy ignored the prompt (13% reward) and RL had to learn the sums
+themselves, which took hundreds of steps; and at lr 3e-3 even synchronous
+training lost the answer format within 4 steps (the tiny model's weights
+have a std of about 0.07, and Adam moves each by up to ~lr per step).
 
 Everything runs through the real stack: a ``proxima serve`` child process
 (embedded engine, SQLite store), sessions made over HTTP, agents calling
