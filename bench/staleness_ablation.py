@@ -179,14 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="sync and eta 4 only, fewer steps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="sync and eta 4 only (9 runs: a subset of the full grid)",
+    )
     p.add_argument(
         "--etas", type=int, nargs="+", default=None, help="staleness arms (default 1 2 4 8)"
     )
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument(
-        "--steps", type=int, default=None, help="PPO steps per run (default 60; quick 30)"
-    )
+    p.add_argument("--steps", type=int, default=60, help="PPO steps per run")
     p.add_argument(
         "--prompts", type=int, default=None, help="prompts per step (x group size; default 8)"
     )
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digits", type=int, default=3, help="prompts a+b with a, b < digits")
     p.add_argument("--minibatches", type=int, default=1, help="ppo_minibatches")
     p.add_argument("--zero-signal", default="filter", choices=["filter", "skip", "keep"])
-    p.add_argument("--threshold", type=float, default=0.8)
+    p.add_argument("--threshold", type=float, default=0.35)
     p.add_argument("--out", type=Path, default=Path("runs/staleness_ablation"))
     p.add_argument("--cache", type=Path, default=Path(".cache/testbed"))
     p.add_argument(
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     etas = args.etas or ([4] if args.quick else [1, 2, 4, 8])
-    steps = args.steps or (30 if args.quick else 60)
+    steps = args.steps
     prompts = args.prompts or 8
     settings = dict(
         steps=steps,
