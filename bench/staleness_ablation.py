@@ -80,13 +80,26 @@ def table(rows: list[dict], threshold: float) -> tuple[list[str], dict[str, tupl
     )
     lines = [
         f"{'arm':<16} {'seeds':>5} {'final reward':>16} {'last-10 train':>16} "
-        f"{f'steps to {threshold:.2f}':>16} {'s/run':>7}"
+        f"{'last-20 - sync':>16} {f'steps to {threshold:.2f}':>16} {'s/run':>7}"
     ]
     finals = {}
+
+    def tail(row: dict, n: int) -> float:
+        return sum(row["rewards"][-n:]) / len(row["rewards"][-n:])
+
+    sync_by_seed = {r["arm"]["seed"]: r for r in by_name.get("sync", [])}
     for name in order:
         runs = by_name[name]
         final = summary([r["final_reward"] for r in runs])
-        last = summary([sum(r["rewards"][-10:]) / len(r["rewards"][-10:]) for r in runs])
+        last = summary([tail(r, 10) for r in runs])
+        # paired with sync on the same seed: same prompts and sampling seeds, so most of
+        # the seed-to-seed noise cancels
+        diffs = [
+            tail(r, 20) - tail(sync_by_seed[r["arm"]["seed"]], 20)
+            for r in runs
+            if r["arm"]["seed"] in sync_by_seed
+        ]
+        paired = f"{summary(diffs)[0]:>+9.3f} +- {summary(diffs)[1]:.3f}" if diffs else f"{'-':>16}"
         reached = [s for s in (steps_to(r["rewards"], threshold) for r in runs) if s is not None]
         steps = (
             f"{summary([float(s) for s in reached])[0]:.0f} ({len(reached)}/{len(runs)})"
@@ -96,7 +109,7 @@ def table(rows: list[dict], threshold: float) -> tuple[list[str], dict[str, tupl
         secs = sum(r["seconds"] for r in runs) / len(runs)
         lines.append(
             f"{name:<16} {len(runs):>5} {final[0]:>9.3f} +- {final[1]:.3f} "
-            f"{last[0]:>9.3f} +- {last[1]:.3f} {steps:>16} {secs:>7.0f}"
+            f"{last[0]:>9.3f} +- {last[1]:.3f} {paired} {steps:>16} {secs:>7.0f}"
         )
         finals[name] = final
     return lines, finals
