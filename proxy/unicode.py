@@ -9,10 +9,7 @@ client or model JSON (tool-call arguments) are checked where they are decoded.
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 class InvalidString(ValueError):
@@ -23,6 +20,22 @@ class InvalidString(ValueError):
         self.param = param
 
 
+def _surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text``, or None.
+
+    Runs at C speed on the request's event loop: ``isascii`` is a flag on the
+    string, and a UTF-8 encode fails exactly at a surrogate (a 6.8 MB message
+    takes a few milliseconds, where a regex search took ~150 ms).
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
 def check_unicode(value: Any, param: str) -> None:
     """Raise ``InvalidString`` for the first lone surrogate in ``value``'s strings.
 
@@ -30,16 +43,16 @@ def check_unicode(value: Any, param: str) -> None:
     ``value``, extended OpenAI-style (``messages[0].tool_calls[1].function``).
     """
     if isinstance(value, str):
-        found = _SURROGATE.search(value)
-        if found is not None:
+        at = _surrogate_at(value)
+        if at is not None:
             raise InvalidString(
                 f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate "
-                f"({found.group()!a}) at index {found.start()}; send valid Unicode text.",
+                f"({value[at]!a}) at index {at}; send valid Unicode text.",
                 param=param,
             )
     elif isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and _SURROGATE.search(key):
+            if isinstance(key, str) and _surrogate_at(key) is not None:
                 # The key cannot be part of the path: the error itself must encode.
                 where = param or "body"
                 raise InvalidString(
