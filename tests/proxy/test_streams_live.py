@@ -46,17 +46,22 @@ def _data(line: str) -> Any:
     return payload if payload == "[DONE]" else json.loads(payload)
 
 
-def _stream_with(proxy: LiveProxy, key: str, act: Any) -> list[Any]:
-    """Stream a long chat completion; call ``act()`` after the first content; all events."""
-    events: list[Any] = []
-    acted = False
-    with httpx.stream(
+def _long_stream(proxy: LiveProxy, key: str, *, timeout: float) -> Any:
+    """A streamed long chat completion (a context manager giving the response)."""
+    return httpx.stream(
         "POST",
         proxy.base_url + "/chat/completions",
         json=_chat_body(proxy, stream=True, **LONG),
         headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    ) as resp:
+        timeout=timeout,
+    )
+
+
+def _stream_with(proxy: LiveProxy, key: str, act: Any) -> list[Any]:
+    """Stream a long chat completion; call ``act()`` after the first content; all events."""
+    events: list[Any] = []
+    acted = False
+    with _long_stream(proxy, key, timeout=120) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line:
@@ -211,13 +216,7 @@ def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
 
 def test_a_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) -> None:
     s = proxy.new_session()
-    with httpx.stream(
-        "POST",
-        proxy.base_url + "/chat/completions",
-        json=_chat_body(proxy, stream=True, **LONG),
-        headers={"Authorization": f"Bearer {s['api_key']}"},
-        timeout=60,
-    ) as resp:
+    with _long_stream(proxy, s["api_key"], timeout=60) as resp:
         for line in resp.iter_lines():
             if line and "content" in _data(line)["choices"][0]["delta"]:
                 break  # leaving the block closes the connection mid-stream
