@@ -46,6 +46,16 @@ def _data(line: str) -> Any:
     return payload if payload == "[DONE]" else json.loads(payload)
 
 
+def _assert_aborted_and_unrecorded(proxy: LiveProxy, session_id: str) -> None:
+    """The backend request ends within 10 s and the session records no completion."""
+    deadline = time.monotonic() + 10
+    while _in_flight(proxy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(proxy) == 0, "the backend request was not aborted"
+    time.sleep(1.0)  # a completion that was (wrongly) still committing would land now
+    assert proxy.trajectory(session_id)["completions"] == []
+
+
 def _long_stream(proxy: LiveProxy, key: str, *, timeout: float) -> Any:
     """A streamed long chat completion (a context manager giving the response)."""
     return httpx.stream(
@@ -172,12 +182,7 @@ def test_a_non_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) 
             headers={"Authorization": f"Bearer {s['api_key']}"},
             timeout=httpx.Timeout(10, read=1.5),
         )
-    deadline = time.monotonic() + 10
-    while _in_flight(proxy) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _in_flight(proxy) == 0, "the backend request was not aborted"
-    time.sleep(1.0)  # a completion that was (wrongly) still committing would land now
-    assert proxy.trajectory(s["session_id"])["completions"] == []
+    _assert_aborted_and_unrecorded(proxy, s["session_id"])
 
 
 def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
@@ -220,9 +225,4 @@ def test_a_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) -> N
         for line in resp.iter_lines():
             if line and "content" in _data(line)["choices"][0]["delta"]:
                 break  # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 10
-    while _in_flight(proxy) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _in_flight(proxy) == 0, "the backend request was not aborted"
-    time.sleep(1.0)  # a completion that was (wrongly) still committing would land now
-    assert proxy.trajectory(s["session_id"])["completions"] == []
+    _assert_aborted_and_unrecorded(proxy, s["session_id"])
