@@ -121,8 +121,9 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir: Path) -> None
     a, b = one.train_step(batch), many.train_step(batch)
     assert a.micro_batches == 1 and b.micro_batches >= 3
     # Same model and kernels, only the packing differs: the token-mean loss (a few hundred
-    # float32 terms) moves by ~1e-7 relative with the summation order; 1e-5 leaves 100x margin.
-    assert a.ppo.loss.item() == pytest.approx(b.ppo.loss.item(), rel=1e-5, abs=1e-6)
+    # float32 terms of size ~1) moves by ~1e-7 with the summation order, and the mean can sit
+    # near 0 (normalised advantages), so the bound is absolute too: 1e-5 leaves ~100x margin.
+    assert a.ppo.loss.item() == pytest.approx(b.ppo.loss.item(), rel=1e-5, abs=1e-5)
     assert a.grad_norms[0] == pytest.approx(b.grad_norms[0], rel=1e-4)
     assert len(grads_one) == len(grads_many) == 1
     assert len(grads_one[0]) == len(list(one.model.parameters()))
@@ -182,7 +183,8 @@ def test_one_minibatch_takes_prox_from_its_own_forward_pass(tiny_model_dir: Path
     samples = _samples()
     with_prox = recomputed.train_step(_with_prox(recomputed, samples))
     without = own_pass.train_step(samples)
-    assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), rel=1e-5, abs=1e-6)
+    # a separate no-grad pass vs the same pass detached: float32 noise only (see above)
+    assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), rel=1e-5, abs=1e-5)
     # ratio = exp(l - prox) is 1 exactly without prox; with the recomputed one it is 1 to a few
     # ulps (the no-grad pass may round differently), so their KL is ~1e-14.
     assert without.ppo.approx_kl.item() == pytest.approx(0.0, abs=1e-7)
