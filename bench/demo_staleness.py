@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from proxima.trainer.config import load_raw_config  # noqa: E402
+from proxima.trainer.testbed import summary  # noqa: E402  (mean and sample std)
 
 
 def run_one(
@@ -101,12 +102,6 @@ def step_rewards(run_dir: Path) -> list[float]:
     return [float(r["reward_mean"]) for r in rows if r.get("event") == "step"]
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    mean = statistics.fmean(values)
-    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def table(results: dict[int, list[dict[str, Any]]]) -> str:
     """One line per staleness bound, mean +- sample std over seeds, then the paired gap."""
     lines = [
@@ -114,9 +109,9 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
         f"{'after':>15} {'gain (pt)':>12}  per seed (before -> after)"
     ]
     for eta, runs in sorted(results.items()):
-        sps = mean_std([r["seconds_per_step"] for r in runs])
-        after = mean_std([r["after"] for r in runs])
-        gain = mean_std([100 * (r["after"] - r["before"]) for r in runs])
+        sps = summary([r["seconds_per_step"] for r in runs])
+        after = summary([r["after"] for r in runs])
+        gain = summary([100 * (r["after"] - r["before"]) for r in runs])
         before = statistics.fmean(r["before"] for r in runs)
         per_seed = ", ".join(f"{r['before']:.0%}->{r['after']:.0%}" for r in runs)
         lines.append(
@@ -126,7 +121,7 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
     bounds = sorted(results)
     for eta in bounds[1:]:
         pairs = list(zip(results[bounds[0]], results[eta], strict=False))
-        gap = mean_std([100 * (b["after"] - a["after"]) for a, b in pairs])
+        gap = summary([100 * (b["after"] - a["after"]) for a, b in pairs])
         lines.append(
             f"paired held-out gap, max_staleness {eta} - {bounds[0]} (same seeds): "
             f"{gap[0]:+.1f} +- {gap[1]:.1f} pt over {len(pairs)} seeds"
@@ -148,7 +143,7 @@ def plot(results: dict[int, list[dict[str, Any]]], path: Path) -> None:
             continue
         n = min(len(c) for c in curves)
         steps = list(range(1, n + 1))
-        stats = [mean_std([c[i] for c in curves]) for i in range(n)]
+        stats = [summary([c[i] for c in curves]) for i in range(n)]
         mean = [m for m, _ in stats]
         (line,) = ax.plot(steps, mean, label=f"max_staleness {eta} ({len(curves)} seeds)")
         ax.fill_between(
