@@ -42,7 +42,8 @@ HEALTH_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=5.0, pool=5.0)
 
 @dataclass(slots=True)
 class GenerateDelta:
-    """New tokens of one ``/generate`` stream chunk, whatever the server's stream mode."""
+    """New tokens of one ``/generate`` stream chunk (or of consecutive ones that arrived
+    together), whatever the server's stream mode."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -50,6 +51,14 @@ class GenerateDelta:
     weight_version: str | None = None
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
+
+    def merge(self, later: GenerateDelta) -> None:
+        """Append ``later`` (the next chunk of the same stream, same weight version)."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens = later.prompt_tokens
 
 
 # OpenAI's own floor for a logprob too small to show: SGLang sends top-k
@@ -155,6 +164,11 @@ class SGLangClient:
         ``completion_tokens`` is the running total, so the new tokens are the
         last ``completion_tokens - seen`` of its lists in every mode.
 
+        Chunks that arrived together (the proxy fell behind the backend) are
+        yielded as one delta, so everything downstream runs once for them, not
+        once per token; only chunks of the same weight version are merged, so
+        every token keeps the version that generated it.
+
         Leaving the iteration early (``aclose``, a cancelled task) closes the
         connection, which tells the server the client went away.
         """
@@ -165,20 +179,34 @@ class SGLangClient:
             if resp.status >= 400:
                 self._check(resp.status, await resp.read(), "/generate")
             # Read the body to its end (past [DONE]) so the connection goes back to the pool.
-            async for line in resp.lines():
-                if done or not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                chunk = orjson.loads(payload)
-                meta = chunk.get("meta_info")
-                if meta is None:
-                    raise BackendRejected(_error_text(chunk.get("error", chunk)), url=self.base_url)
-                delta = self._delta(chunk, meta, seen)
-                seen += len(delta.token_ids)
-                yield delta
+            async for lines in resp.line_batches():
+                pending: GenerateDelta | None = None
+                for line in lines:
+                    if done or not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        continue
+                    chunk = orjson.loads(payload)
+                    meta = chunk.get("meta_info")
+                    if meta is None:
+                        if pending is not None:
+                            yield pending  # what came before the error was generated
+                        raise BackendRejected(
+                            _error_text(chunk.get("error", chunk)), url=self.base_url
+                        )
+                    delta = self._delta(chunk, meta, seen)
+                    seen += len(delta.token_ids)
+                    if pending is None:
+                        pending = delta
+                    elif pending.weight_version == delta.weight_version:
+                        pending.merge(delta)
+                    else:
+                        yield pending
+                        pending = delta
+                if pending is not None:
+                    yield pending
         if not done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)

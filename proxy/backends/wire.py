@@ -260,18 +260,33 @@ class WireResponse:
 
     async def lines(self) -> AsyncIterator[bytes]:
         """The body's lines without their line ends (``\\n`` or ``\\r\\n``), as they arrive."""
+        async for batch in self.line_batches():
+            for line in batch:
+                yield line
+
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """The body's lines as they arrive, grouped: each batch holds every line one read completed.
+
+        A consumer that keeps up gets one line per batch; one that falls behind gets
+        what piled up meanwhile in one batch, and can handle it in one go.
+        """
         rest = b""
         async for piece in self.pieces():
             if rest:
                 piece = rest + piece
             *complete, rest = piece.split(b"\n")
-            for line in complete:
-                yield line[:-1] if line.endswith(b"\r") else line
+            if complete:
+                yield [line[:-1] if line.endswith(b"\r") else line for line in complete]
         if rest:
-            yield rest
+            yield [rest]
 
     async def pieces(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, framing removed."""
+        """The body as it arrives, framing removed: one piece per read, whatever it completed.
+
+        A chunked body is decoded from whole reads, not one ``readuntil`` and one
+        ``readexactly`` per chunk: when the backend's chunks pile up (the proxy is busy),
+        one read takes them all and they leave as one piece.
+        """
         reader = self._reader
         loop = asyncio.get_running_loop()
         # One watchdog timer per response, not one per read (a timer per chunk costs more
@@ -279,19 +294,22 @@ class WireResponse:
         self._watch = loop.call_later(self._pool.read_timeout, self._check_stalled)
         try:
             if self._chunked:
+                buf = bytearray()
                 while True:
-                    self._waiting_since = loop.time()
-                    size_line = await reader.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0], 16)  # ValueError: not a size
-                    if size == 0:
-                        while await reader.readuntil(b"\r\n") != b"\r\n":
-                            pass  # trailers
+                    payloads, used, ended = _dechunk(buf)
+                    if payloads:
+                        yield b"".join(payloads)
+                    del buf[:used]
+                    if ended:
+                        if buf:  # bytes past the end of the response: the stream is broken
+                            self._keep_alive = False
                         break
-                    data = await reader.readexactly(size + 2)
+                    self._waiting_since = loop.time()
+                    data = await reader.read(_READ_SIZE)
                     self._waiting_since = None
-                    if data[-2:] != b"\r\n":
-                        raise ValueError("a chunk does not end with CRLF")
-                    yield data[:-2]
+                    if not data:
+                        raise asyncio.IncompleteReadError(bytes(buf), None)
+                    buf += data
             elif self._length:
                 self._waiting_since = loop.time()
                 yield await reader.readexactly(self._length)
@@ -330,3 +348,38 @@ class WireResponse:
         self._watch = asyncio.get_running_loop().call_later(
             timeout if since is None else since + timeout - now, self._check_stalled
         )
+
+
+def _dechunk(buf: bytearray) -> tuple[list[bytearray], int, bool]:
+    """The complete chunks at the start of ``buf``: their payloads, bytes used, and whether
+    the last chunk (size 0, then any trailers and an empty line) was among them.
+
+    ``ValueError`` for a size that is not hexadecimal, a chunk that does not end with
+    CRLF, or a size line or trailer longer than a response head may be.
+    """
+    payloads: list[bytearray] = []
+    pos = 0
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            if len(buf) - pos > _MAX_HEAD:
+                raise ValueError("a chunk size line is too long")
+            return payloads, pos, False
+        size = int(buf[pos:eol].split(b";", 1)[0], 16)
+        if size == 0:
+            end = buf.find(b"\r\n\r\n", eol)  # the size line's CRLF, trailers, empty line
+            if end < 0:
+                if len(buf) - eol > _MAX_HEAD:
+                    raise ValueError("the trailers are too long")
+                return payloads, pos, False
+            return payloads, end + 4, True
+        if size < 0:
+            raise ValueError(f"negative chunk size {size}")
+        start = eol + 2
+        stop = start + size
+        if len(buf) < stop + 2:
+            return payloads, pos, False
+        if buf[stop : stop + 2] != b"\r\n":
+            raise ValueError("a chunk does not end with CRLF")
+        payloads.append(buf[start:stop])
+        pos = stop + 2

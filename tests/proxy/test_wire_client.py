@@ -320,3 +320,97 @@ async def test_a_stream_without_done_is_a_lost_backend() -> None:
     async with scripted(handler) as (_, url), httpx.AsyncClient() as http:
         with pytest.raises(BackendConnectionError, match="ended early"):
             [d async for d in SGLangClient(url, http=http).generate_stream(REQUEST)]
+
+
+def _versioned(i: int, n: int, version: str) -> dict:
+    chunk = _token(i, n)
+    chunk["meta_info"]["weight_version"] = version
+    return chunk
+
+
+async def test_chunks_that_arrive_together_are_one_delta_per_weight_version() -> None:
+    """A consumer that fell behind gets what piled up as one delta; versions never mix."""
+    versions = ["3", "3", "3", "4", "4"]
+    body = b"".join(_sse(_versioned(i, 5, v)) for i, v in enumerate(versions))
+    # One chunk per event, all in one write: the client reads them in one go.
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e] + [b"data: [DONE]\n\n"]
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await srv.read_request(reader):
+                writer.write(HEAD + b"".join(_chunked(events)))
+                await writer.drain()
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        for _ in range(2):
+            deltas = [d async for d in client.generate_stream(REQUEST)]
+            assert [d.token_ids for d in deltas] == [[100, 101, 102], [103, 104]]
+            assert [d.weight_version for d in deltas] == ["3", "4"]
+            assert [d.logprobs for d in deltas] == [[-0.5] * 3, [-0.5] * 2]
+            assert deltas[0].finish_reason is None and deltas[1].finish_reason is not None
+        assert srv.connections == 1
+        client.close()
+
+
+async def test_tokens_before_an_error_in_the_same_read_are_still_yielded() -> None:
+    body = _sse(_token(0, 3)) + _sse({"error": {"message": "out of memory"}})
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD + b"".join(_chunked([body, b"data: [DONE]\n\n"])))
+
+        return h
+
+    async with scripted(handler) as (_, url), httpx.AsyncClient() as http:
+        seen: list[list[int]] = []
+        with pytest.raises(BackendRejected, match="out of memory"):
+            async for d in SGLangClient(url, http=http).generate_stream(REQUEST):
+                seen.append(d.token_ids)
+        assert seen == [[100]]
+
+
+@pytest.mark.parametrize(
+    ("framing", "error"),
+    [
+        (b"zz\r\nabc\r\n0\r\n\r\n", "invalid literal"),  # a size that is not hexadecimal
+        (b"3\r\nabcXY0\r\n\r\n", "does not end with CRLF"),
+    ],
+)
+async def test_broken_chunk_framing_is_a_lost_backend(framing: bytes, error: str) -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD + framing)
+            await writer.drain()
+            await asyncio.sleep(5)
+
+        return h
+
+    async with scripted(handler) as (_, url):
+        pool = WirePool(url)
+        async with await pool.post("/x", b"{}") as resp:
+            with pytest.raises(BackendConnectionError, match=error):
+                [p async for p in resp.pieces()]
+        assert pool.idle == 0
+
+
+async def test_bytes_past_the_end_of_a_response_retire_the_connection() -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await srv.read_request(reader):
+                writer.write(HEAD + b"".join(_chunked([b"ok\n"])) + b"junk")
+                await writer.drain()
+
+        return h
+
+    async with scripted(handler) as (srv, url):
+        pool = WirePool(url)
+        for _ in range(2):
+            async with await pool.post("/x", b"{}") as resp:
+                assert [line async for line in resp.lines()] == [b"ok"]
+            assert pool.idle == 0  # what came after the end cannot be a next response
+        assert srv.connections == 2
