@@ -38,11 +38,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+from proxima.proxy.backends.wire import WirePool  # noqa: E402
 from proxima.proxy.serving import free_port  # noqa: E402
 from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
@@ -57,6 +60,50 @@ Request = Callable[[int], Awaitable[float]]
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+class Client:
+    """The load generator: one keep-alive HTTP/1.1 connection per stream in flight.
+
+    ``wire`` (the default) is the proxy's own lean client (``WirePool``): on 2 cores
+    the load generator shares the CPU with what it measures, and httpx spends
+    more per streamed request than the proxy does, so with it the client is what
+    saturates first and every arm's throughput is the client's. ``httpx`` reads
+    as the OpenAI SDK does (line by line), for comparison.
+    """
+
+    def __init__(self, kind: str, concurrency: int):
+        self.kind = kind
+        self.concurrency = concurrency
+        self.pools: dict[str, WirePool] = {}
+        limits = httpx.Limits(
+            max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10
+        )
+        self.http = httpx.AsyncClient(timeout=300, limits=limits)
+
+    async def stream(self, url: str, body: dict, headers: dict) -> float:
+        """One streamed request read to its end (past ``[DONE]``); its latency in seconds."""
+        if self.kind == "httpx":
+            return await _read_stream(self.http, url, body, headers)
+        parts = urlsplit(url)
+        base, path = f"{parts.scheme}://{parts.netloc}", parts.path
+        pool = self.pools.get(base)
+        if pool is None:
+            pool = self.pools[base] = WirePool(base, max_connections=self.concurrency + 10)
+        payload = orjson.dumps(body)
+        t0 = time.perf_counter()
+        async with await pool.post(path, payload, headers) as resp:
+            data = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {data[:200]!r}")
+        if b"data: [DONE]" not in data:
+            raise RuntimeError(f"{url}: the stream ended without [DONE]")
+        return time.perf_counter() - t0
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        for pool in self.pools.values():
+            pool.close()
 
 
 async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> float:
@@ -74,19 +121,17 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: d
     return time.perf_counter() - t0
 
 
-def generate_arm(http: httpx.AsyncClient, url: str, tokens: int) -> Request:
+def generate_arm(client: Client, url: str, tokens: int) -> Request:
     body = {
         "input_ids": PROMPT_IDS,
         "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
         "return_logprob": True,
         "stream": True,
     }
-    return lambda i: _read_stream(http, url + "/generate", body, {})
+    return lambda i: client.stream(url + "/generate", body, {})
 
 
-def chat_arm(
-    http: httpx.AsyncClient, base: str, keys: list[str], model: str, tokens: int
-) -> Request:
+def chat_arm(client: Client, base: str, keys: list[str], model: str, tokens: int) -> Request:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Count to ten."}],
@@ -94,8 +139,8 @@ def chat_arm(
         "ignore_eos": True,
         "stream": True,
     }
-    return lambda i: _read_stream(
-        http, base + "/chat/completions", body, {"Authorization": f"Bearer {keys[i % len(keys)]}"}
+    return lambda i: client.stream(
+        base + "/chat/completions", body, {"Authorization": f"Bearer {keys[i % len(keys)]}"}
     )
 
 
@@ -119,27 +164,35 @@ class ArmResult:
     sequential: list[float]
     concurrent: list[float]
     throughput: float
-    cpu_ms_per_request: float | None
+    # CPU ms per request in the concurrent run: client, backend, middle process (if any)
+    cpu: dict[str, float]
+    host_busy: float  # share of the host's CPU time busy in the concurrent run
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    return sum(proc.cpu_times()[:2])
 
 
 async def measure(
     name: str,
     fn: Request,
     args: argparse.Namespace,
-    proc: psutil.Process | None,
+    procs: dict[str, psutil.Process],
     baseline: str | None,
 ) -> ArmResult:
     await run_load(fn, 20, 4)  # warm-up: connections, caches
-    cpu0 = sum(proc.cpu_times()[:2]) if proc else 0.0
     seq, _ = await run_load(fn, args.sequential, 1)
+    before = {role: _cpu_seconds(p) for role, p in procs.items()}
+    host0 = psutil.cpu_times()
     con, wall = await run_load(fn, args.requests, args.concurrency)
-    cpu = (
-        (sum(proc.cpu_times()[:2]) - cpu0) * 1000 / (args.sequential + args.requests)
-        if proc
-        else None
-    )
+    host1 = psutil.cpu_times()
+    cpu = {
+        role: (_cpu_seconds(p) - before[role]) * 1000 / args.requests for role, p in procs.items()
+    }
+    idle = (host1.idle + host1.iowait) - (host0.idle + host0.iowait)
+    total = sum(host1) - sum(host0)
     print(f"  {name}: done ({args.requests / wall:.0f} req/s)", file=sys.stderr, flush=True)
-    return ArmResult(name, baseline, seq, con, args.requests / wall, cpu)
+    return ArmResult(name, baseline, seq, con, args.requests / wall, cpu, 1 - idle / total)
 
 
 def ensure_litellm() -> Path | None:
@@ -219,7 +272,8 @@ def report(results: list[ArmResult], args: argparse.Namespace, recorded: int) ->
     print(f"\nproxy overhead: {args.tokens} streamed tokens per request, one fake backend")
     print(
         f"{'arm':<15}{'seq p50':>9}{'added':>8}{'seq p95':>9}{'added':>8}"
-        f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}{'CPU ms/req':>12}"
+        f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}"
+        f"{'CPU ms/req: client':>20}{'backend':>9}{'middle':>8}{'host busy':>11}"
     )
     for r in results:
         base = by_name.get(r.baseline) if r.baseline else None
@@ -228,13 +282,15 @@ def report(results: list[ArmResult], args: argparse.Namespace, recorded: int) ->
             f"{pct(r.sequential, 0.95) - pct(base.sequential, 0.95):8.2f}" if base else f"{'':>8}"
         )
         ratio = f"{r.throughput / base.throughput:10.2f}" if base else f"{'':>10}"
-        cpu = f"{r.cpu_ms_per_request:12.2f}" if r.cpu_ms_per_request is not None else f"{'':>12}"
+        middle = f"{r.cpu['middle']:8.2f}" if "middle" in r.cpu else f"{'':>8}"
         print(
             f"{r.name:<15}{pct(r.sequential, 0.5):9.2f}{add50}{pct(r.sequential, 0.95):9.2f}{add95}"
-            f"{r.throughput:12.0f}{ratio}{cpu}"
+            f"{r.throughput:12.0f}{ratio}{r.cpu['client']:20.2f}{r.cpu['backend']:9.2f}{middle}"
+            f"{r.host_busy:10.0%}"
         )
     print("(ms; 'added' is against the arm's direct baseline: direct for relay and proxima,")
-    print(" direct-openai for litellm; CPU is the middle process's user+system time per request)")
+    print(" direct-openai for litellm; CPU is each process's user+system time per request in the")
+    print(f" concurrent run, host busy the share of all {os.cpu_count()} cores busy in it)")
     expected = args.sequential + args.requests + 20
     print(f"proxima recorded {recorded} completions in SQLite (expected {expected})")
     proxima, direct = by_name["proxima"], by_name["direct"]
@@ -283,13 +339,11 @@ async def main_async(args: argparse.Namespace) -> None:
             lite, litellm_url = start_litellm(exe, work, backend_url)
             procs.append(lite)
             wait_http(litellm_url + "/health/liveliness", lite, 180)
-        limits = httpx.Limits(
-            max_connections=args.concurrency + 10, max_keepalive_connections=args.concurrency + 10
-        )
-        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        client = Client(args.client, args.concurrency)
+        try:
             keys = []
             for _ in range(args.sessions):
-                r = await http.post(
+                r = await client.http.post(
                     proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers()
                 )
                 keys.append(r.json()["api_key"])
@@ -297,21 +351,27 @@ async def main_async(args: argparse.Namespace) -> None:
                 sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
             )
             ps = psutil.Process
+            ends = {"client": ps(), "backend": ps(backend.pid)}
             arms = [
-                ("direct", generate_arm(http, backend_url, args.tokens), None, None),
-                ("relay", generate_arm(http, f"http://127.0.0.1:{relay_port}", args.tokens),
+                ("direct", generate_arm(client, backend_url, args.tokens), None, None),
+                ("relay", generate_arm(client, f"http://127.0.0.1:{relay_port}", args.tokens),
                  ps(relay.pid), "direct"),
-                ("proxima", chat_arm(http, proxy.base_url, keys, proxy.model_name, args.tokens),
+                ("proxima", chat_arm(client, proxy.base_url, keys, proxy.model_name, args.tokens),
                  ps(proxy.proc.pid), "direct"),
             ]  # fmt: skip
             if litellm_url:
                 arms += [
-                    ("direct-openai", chat_arm(http, backend_url + "/v1", ["x"], "fake", args.tokens),
+                    ("direct-openai", chat_arm(client, backend_url + "/v1", ["x"], "fake", args.tokens),
                      None, None),
-                    ("litellm", chat_arm(http, litellm_url + "/v1", [LITELLM_KEY], "fake", args.tokens),
+                    ("litellm", chat_arm(client, litellm_url + "/v1", [LITELLM_KEY], "fake", args.tokens),
                      ps(procs[-1].pid), "direct-openai"),
                 ]  # fmt: skip
-            results = [await measure(n, fn, args, p, b) for n, fn, p, b in arms]
+            results = [
+                await measure(n, fn, args, {**ends, **({"middle": p} if p else {})}, b)
+                for n, fn, p, b in arms
+            ]
+        finally:
+            await client.aclose()
         recorded = sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
     finally:
         proxy.stop()
@@ -330,7 +390,15 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=200)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
-    asyncio.run(main_async(p.parse_args()))
+    p.add_argument(
+        "--client",
+        choices=["wire", "httpx"],
+        default="wire",
+        help="the load generator's HTTP client (see Client)",
+    )
+    import uvloop  # the client's loop is the proxy's (uvloop), so neither is handicapped
+
+    uvloop.run(main_async(p.parse_args()))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 from proxima.proxy.backends.errors import BackendConnectionError
@@ -96,15 +96,24 @@ class WirePool:
         """Connections kept open for reuse."""
         return len(self._idle)
 
-    async def post(self, path: str, body: bytes) -> WireResponse:
+    async def post(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> WireResponse:
         """Send ``POST path`` with a JSON body; returns once the response's head has arrived.
 
-        The caller must ``close()`` the response (``async with`` does).
+        ``headers`` are added to the request's own (``Authorization``, for a server
+        that wants a key). The caller must ``close()`` the response (``async with`` does).
         """
+        extra = b""
+        for name, value in (headers or {}).items():
+            if ":" in name or "\r" in name + value or "\n" in name + value:
+                raise ValueError(f"header {name!r}: a colon in its name or a line break")
+            extra += f"{name}: {value}\r\n".encode("latin-1")
         head = (
             f"POST {self._prefix}{path} HTTP/1.1\r\n".encode()
             + self._host_header
             + b"Content-Type: application/json\r\nAccept: */*\r\n"
+            + extra
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
         )
         request = head + body

@@ -414,3 +414,23 @@ async def test_bytes_past_the_end_of_a_response_retire_the_connection() -> None:
                 assert [line async for line in resp.lines()] == [b"ok"]
             assert pool.idle == 0  # what came after the end cannot be a next response
         assert srv.connections == 2
+
+
+async def test_extra_request_headers_are_sent_and_checked() -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(HEAD + b"".join(_chunked([b"ok\n"])))
+            await writer.drain()
+
+        return h
+
+    async with scripted(handler) as (srv, url):
+        pool = WirePool(url)
+        async with await pool.post("/x", b"{}", {"Authorization": "Bearer k"}) as resp:
+            assert await resp.read() == b"ok\n"
+        assert b"\r\nAuthorization: Bearer k\r\n" in srv.requests[0]
+        for bad in ({"X-A": "v\r\nX-Injected: 1"}, {"X:A": "v"}):
+            with pytest.raises(ValueError, match="line break"):
+                await pool.post("/x", b"{}", bad)
+        assert len(srv.requests) == 1
