@@ -11,7 +11,8 @@ ready, and only what is ready:
 - the writer sends the whole buffer as soon as it holds anything. The first
   piece never waits for later ones; pieces that arrived together (a backend
   read that held several tokens, the finish and ``[DONE]``) leave together;
-- the last pieces go out with the end of the body, in the same write.
+- the last pieces go out with the end of the body, in the same write;
+- the head (status and headers) waits for the first pieces, up to ``HEAD_WAIT``.
 
 A client that disconnects cancels the producer, which cancels the stream's
 work (the driver aborts the backend request and records nothing), as with
@@ -28,6 +29,11 @@ from collections.abc import AsyncIterator, Mapping
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+# How long the response head waits for the first pieces, to leave in their write
+# (the client wakes once, not twice); past it the head goes alone, so a client or
+# a load balancer sees the response begin while a long prompt is prefilled.
+HEAD_WAIT = 0.1
 
 _BASE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -53,19 +59,29 @@ class EventStreamResponse(Response):
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         buffer = _Buffer()
         producer = asyncio.ensure_future(buffer.fill(self.pieces))
         producer.add_done_callback(buffer.end)  # also when cancelled before it ran
         watcher = asyncio.ensure_future(_until_disconnected(receive))
         watcher.add_done_callback(lambda _: producer.cancel())
+        # The head leaves with the first pieces, or alone once HEAD_WAIT has passed.
+        timer = asyncio.get_running_loop().call_later(HEAD_WAIT, buffer.ready.set)
+        started = False
         try:
             while True:
                 data, done = await buffer.take()
+                if not started:
+                    timer.cancel()
+                    started = True
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                    )
                 if done:
                     break
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                if data:  # empty when the timer ended the wait for the head
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
         finally:
+            timer.cancel()
             watcher.cancel()
             producer.cancel()  # only when this task was cancelled itself
             await asyncio.gather(producer, watcher, return_exceptions=True)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from proxima.proxy.api import event_stream
 from proxima.proxy.api.event_stream import EventStreamResponse
 
 
@@ -126,3 +127,41 @@ async def test_a_failing_stream_sends_what_it_produced_then_raises() -> None:
     with pytest.raises(RuntimeError, match="a bug in a builder"):
         await run(pieces(), client)
     assert client.bodies() == [(b"first", True)]  # never a complete-looking body
+
+
+async def test_the_head_waits_for_the_first_piece_and_leaves_before_it() -> None:
+    later = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        await later.wait()  # the backend computes the first token
+        yield b"first"
+        yield b"second"
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await asyncio.sleep(0.02)  # well within HEAD_WAIT
+    assert client.messages == []  # no head alone while the first token is near
+    later.set()
+    await asyncio.wait_for(task, 5)
+    assert client.messages[0]["type"] == "http.response.start"
+    assert client.bodies() == [(b"firstsecond", False)]
+
+
+async def test_the_head_leaves_alone_when_the_first_piece_is_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(event_stream, "HEAD_WAIT", 0.01)
+    later = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        await later.wait()  # a long prefill
+        yield b"first"
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await client.until_sent(1)
+    assert client.messages[0]["type"] == "http.response.start"
+    assert client.bodies() == []  # the head went alone, and no empty body with it
+    later.set()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies() == [(b"first", False)]
