@@ -95,6 +95,16 @@ class Metrics:
         self.canary_fraction = Gauge(
             "proxima_canary_fraction", "Share of production sessions on the canary", registry=r
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once per label values: prometheus_client
+        validates and locks on every ``labels`` call, several times per request."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def observe_generation(
         self,
@@ -108,10 +118,10 @@ class Metrics:
     ) -> None:
         """One request served by ``deployment`` at ``version`` (its last token's version)."""
         v = str(version)
-        self.deployment_requests.labels(deployment, v, outcome).inc()
-        self.deployment_latency.labels(deployment, v).observe(seconds)
-        self.deployment_tokens.labels(deployment, v, "prompt").inc(prompt_tokens)
-        self.deployment_tokens.labels(deployment, v, "completion").inc(completion_tokens)
+        self.child(self.deployment_requests, deployment, v, outcome).inc()
+        self.child(self.deployment_latency, deployment, v).observe(seconds)
+        self.child(self.deployment_tokens, deployment, v, "prompt").inc(prompt_tokens)
+        self.child(self.deployment_tokens, deployment, v, "completion").inc(completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -143,5 +153,6 @@ class MetricsMiddleware:
             route: Any = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
             method = scope.get("method", "")
-            self.metrics.requests.labels(path, method, str(status)).inc()
-            self.metrics.latency.labels(path, method).observe(time.perf_counter() - started)
+            m = self.metrics
+            m.child(m.requests, path, method, str(status)).inc()
+            m.child(m.latency, path, method).observe(time.perf_counter() - started)

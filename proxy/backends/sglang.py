@@ -66,20 +66,26 @@ class GenerateDelta:
 LOGPROB_FLOOR = -9999.0
 
 
-def _chosen_logprob(entry: list[Any], url: str) -> float:
-    """The sampled token's logprob; a null or non-finite one is the backend's fault.
+def _chosen_logprobs(entries: list[list[Any]], url: str) -> list[float]:
+    """The sampled tokens' logprobs; a null or non-finite one is the backend's fault.
 
     A sampled token cannot have probability zero, so null (orjson's -inf or
     NaN) or NaN means broken weights or numerics: refused, never recorded.
     """
-    value = entry[0]
-    if value is None or not math.isfinite(value):
-        raise BackendOperationFailed(
-            f"the backend returned a non-finite logprob ({value!r}) for token {entry[1]}; "
-            "its weights or numerics are broken (NaN weights?)",
-            url=url,
-        )
-    return float(value)
+    values = [entry[0] for entry in entries]
+    try:
+        if all(map(math.isfinite, values)):  # one C pass: the hot path
+            return values
+    except TypeError:  # a null
+        pass
+    for value, entry in zip(values, entries, strict=True):
+        if value is None or not math.isfinite(value):
+            raise BackendOperationFailed(
+                f"the backend returned a non-finite logprob ({value!r}) for token {entry[1]}; "
+                "its weights or numerics are broken (NaN weights?)",
+                url=url,
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _top_pairs(entry: list[list[Any]] | None, url: str) -> list[tuple[int, float]]:
@@ -223,18 +229,25 @@ class SGLangClient:
                 f"{total}, {seen} tokens seen before",
                 url=self.base_url,
             )
-        new_ids = _tail(ids, new)
-        lps = _tail(meta.get("output_token_logprobs") or [], new)
-        if lps and len(lps) != new:
-            raise BackendOperationFailed(
-                f"/generate chunk has {len(lps)} logprobs for {new} new tokens", url=self.base_url
-            )
-        tops = _tail(meta.get("output_top_logprobs") or [], new)
+        new_ids = ids if new == len(ids) else _tail(ids, new)  # incremental: all of them
+        lps = meta.get("output_token_logprobs")
+        if lps:
+            if len(lps) != new:
+                lps = _tail(lps, new)
+                if lps and len(lps) != new:
+                    raise BackendOperationFailed(
+                        f"/generate chunk has {len(lps)} logprobs for {new} new tokens",
+                        url=self.base_url,
+                    )
+            logprobs = _chosen_logprobs(lps, self.base_url) if lps else []
+        else:
+            logprobs = []
+        tops = meta.get("output_top_logprobs")
         finish = meta.get("finish_reason")
         return GenerateDelta(
             token_ids=new_ids,
-            logprobs=[_chosen_logprob(e, self.base_url) for e in lps],
-            top_logprobs=[_top_pairs(e, self.base_url) for e in tops],
+            logprobs=logprobs,
+            top_logprobs=[_top_pairs(e, self.base_url) for e in _tail(tops, new)] if tops else [],
             weight_version=meta.get("weight_version"),
             finish_reason=FinishReason.model_validate(finish) if finish else None,
             prompt_tokens=meta.get("prompt_tokens", 0),

@@ -118,7 +118,10 @@ class WirePool:
         )
         request = head + body
         try:
-            async with asyncio.timeout(self.pool_timeout):
+            if self._slots.locked():  # a free slot is taken at once, without a timer
+                async with asyncio.timeout(self.pool_timeout):
+                    await self._slots.acquire()
+            else:
                 await self._slots.acquire()
         except TimeoutError as exc:
             raise BackendConnectionError(
@@ -181,8 +184,15 @@ class WirePool:
             if conn.writer.transport.get_write_buffer_size():  # the socket did not take it all
                 async with asyncio.timeout(self.write_timeout):
                     await conn.writer.drain()
-            async with asyncio.timeout(self.read_timeout):
+            # A plain timer, not asyncio.timeout (which costs more than the read): when it
+            # fires, the waiting read fails with TimeoutError.
+            timer = asyncio.get_running_loop().call_later(
+                self.read_timeout, conn.reader.set_exception, TimeoutError()
+            )
+            try:
                 head = await conn.reader.readuntil(b"\r\n\r\n")
+            finally:
+                timer.cancel()
         except asyncio.IncompleteReadError as exc:
             conn.close()
             if exc.partial:

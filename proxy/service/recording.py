@@ -50,9 +50,8 @@ class CompletionCommitter:
         self.cache.add_completions(records)
         current = self.pool.version
         for r in records:
-            self.metrics.completions.labels(
-                "chat" if r.request_messages is not None else "text"
-            ).inc()
+            m = self.metrics
+            m.child(m.completions, "chat" if r.request_messages is not None else "text").inc()
             if r.output_versions:
                 self.metrics.staleness.observe(current - min(r.output_versions))
 
@@ -86,8 +85,9 @@ class CompletionCommitter:
         )
 
     def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:
-        self.metrics.tokens.labels("prompt").inc(prompt_len)
-        self.metrics.tokens.labels("completion").inc(sum(len(r.result.output_ids) for r in runs))
+        m = self.metrics
+        m.child(m.tokens, "prompt").inc(prompt_len)
+        m.child(m.tokens, "completion").inc(sum(len(r.result.output_ids) for r in runs))
         interruptions = sum(r.result.interruptions for r in runs)
         if interruptions:
             self.metrics.interruptions.inc(interruptions)
