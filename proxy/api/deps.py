@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
+from proxima.proxy.api.schemas import MAX_ID_LENGTH
 from proxima.proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
-from proxima.proxy.errors import AuthenticationFailed
+from proxima.proxy.errors import AuthenticationFailed, BadRequest
 from proxima.proxy.recorder import SessionCache
 from proxima.proxy.service import CompletionService
 from proxima.proxy.store.store import Store
@@ -34,6 +35,38 @@ async def get_pool(request: Request) -> BackendPool:
 async def get_service(request: Request) -> CompletionService:
     return request.app.state.service
 
+
+def service_of(request: Request) -> CompletionService:
+    """The completion service, for the generation routes: read here, not through
+    ``ServiceDep``, because every dependency and parameter FastAPI solves per request
+    costs it tens of microseconds, and these routes serve every agent turn."""
+    return request.app.state.service
+
+
+def session_id_of(request: Request) -> str | None:
+    """The ``X-Session-Id`` header of a generation request (see ``service_of``)."""
+    value = request.headers.get("x-session-id")
+    if value is not None and len(value) > MAX_ID_LENGTH:
+        raise BadRequest(
+            f"Invalid value for 'x-session-id': String should have at most {MAX_ID_LENGTH} "
+            "characters.",
+            param="x-session-id",
+        )
+    return value
+
+
+# The header read by ``session_id_of``, as the OpenAPI schema shows it.
+SESSION_HEADER_DOC: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "x-session-id",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "maxLength": MAX_ID_LENGTH},
+            "description": "The production session this request belongs to (recorded keys).",
+        }
+    ]
+}
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]

@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api import messages_translate as translate
-from proxima.proxy.api.deps import PrincipalDep, ServiceDep
+from proxima.proxy.api.deps import (
+    SESSION_HEADER_DOC,
+    PrincipalDep,
+    ServiceDep,
+    service_of,
+    session_id_of,
+)
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.messages_translate import CountTokensRequest, MessagesRequest
@@ -78,14 +84,11 @@ class AnthropicErrorRoute(APIRoute):
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicErrorRoute)
 
 
-@router.post("/messages", response_model=None)
+@router.post("/messages", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def create_message(
-    body: MessagesRequest,
-    request: Request,
-    principal: PrincipalDep,
-    service: ServiceDep,
-    x_session_id: Annotated[str | None, Header()] = None,
+    body: MessagesRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:
+    service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
     prep = await service.prepare(translate.canonical_request(body), principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}

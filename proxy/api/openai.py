@@ -7,15 +7,21 @@ result to its response builder (``proxima.proxy.service.builders``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from proxima.proxy.api import openai_translate as translate
-from proxima.proxy.api.deps import PrincipalDep, ServiceDep, SettingsDep
+from proxima.proxy.api.deps import (
+    SESSION_HEADER_DOC,
+    PrincipalDep,
+    SettingsDep,
+    service_of,
+    session_id_of,
+)
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
-from proxima.proxy.api.schemas import MAX_ID_LENGTH, ChatCompletionRequest, CompletionRequest
+from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.chat import chat_response, chat_stream
@@ -24,23 +30,17 @@ from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-# The production session a recorded request belongs to (``user`` in the body works too).
-SessionHeader = Annotated[str | None, Header(max_length=MAX_ID_LENGTH)]
-
 
 def _session_header(session: SessionRecord | None) -> dict[str, str]:
     """Recorded requests name their session, so production traffic can be rewarded later."""
     return {"X-Proxima-Session-Id": session.id} if session is not None else {}
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def chat_completions(
-    body: ChatCompletionRequest,
-    request: Request,
-    principal: PrincipalDep,
-    service: ServiceDep,
-    x_session_id: SessionHeader = None,
+    body: ChatCompletionRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:
+    service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
     prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
@@ -61,14 +61,11 @@ async def chat_completions(
     return JSONResponse(chat_response(prep, completion, model=model), headers=headers)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def completions(
-    body: CompletionRequest,
-    request: Request,
-    principal: PrincipalDep,
-    service: ServiceDep,
-    x_session_id: SessionHeader = None,
+    body: CompletionRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:
+    service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
     prep = await service.prepare(translate.completion_request(body), principal, x_session_id)
     headers = _session_header(prep.session)

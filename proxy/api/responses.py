@@ -9,12 +9,10 @@ The body is translated into the canonical chat request
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from proxima.proxy.api import responses_translate as translate
-from proxima.proxy.api.deps import PrincipalDep, ServiceDep
+from proxima.proxy.api.deps import SESSION_HEADER_DOC, PrincipalDep, service_of, session_id_of
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.responses_translate import ResponsesRequest
@@ -24,14 +22,11 @@ from proxima.proxy.service.builders.responses import ResponseHead, response_even
 router = APIRouter(prefix="/v1", tags=["responses"])
 
 
-@router.post("/responses", response_model=None)
+@router.post("/responses", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def create_response(
-    body: ResponsesRequest,
-    request: Request,
-    principal: PrincipalDep,
-    service: ServiceDep,
-    x_session_id: Annotated[str | None, Header()] = None,
+    body: ResponsesRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:
+    service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
     previous = None
     if body.previous_response_id is not None:

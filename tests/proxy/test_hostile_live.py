@@ -248,6 +248,12 @@ def test_session_ids_longer_than_their_column_are_400s(proxy: LiveProxy) -> None
         _post(proxy, "/v1/chat/completions", _chat(proxy), key, {"X-Session-Id": "x" * 201}), 400
     )
     assert err["param"] == "x-session-id"
+    for path, body in [
+        ("/v1/completions", {"model": proxy.model_name, "prompt": "hi"}),
+        ("/v1/responses", {"model": proxy.model_name, "input": "hi"}),
+    ]:
+        err = _error(_post(proxy, path, body, key, {"X-Session-Id": "x" * 201}), 400)
+        assert err["param"] == "x-session-id", path
     err = _error(_post(proxy, "/v1/chat/completions", _chat(proxy, user="u" * 201), key), 400)
     assert err["param"] == "user"
     r = _post(proxy, "/v1/chat/completions", _chat(proxy), key, {"X-Session-Id": "x" * 200})
