@@ -16,7 +16,9 @@ ready, and only what is ready:
 
 A client that disconnects cancels the producer, which cancels the stream's
 work (the driver aborts the backend request and records nothing), as with
-Starlette's ``StreamingResponse``. A failure of the iterator itself (a bug:
+Starlette's ``StreamingResponse``; the disconnect is watched from the first
+write on (or from ``HEAD_WAIT``), so a response that ends in its first write
+costs no watcher task. A failure of the iterator itself (a bug:
 the builders report errors as events) is raised after what was produced
 before it has been sent.
 """
@@ -62,8 +64,7 @@ class EventStreamResponse(Response):
         buffer = _Buffer()
         producer = asyncio.ensure_future(buffer.fill(self.pieces))
         producer.add_done_callback(buffer.end)  # also when cancelled before it ran
-        watcher = asyncio.ensure_future(_until_disconnected(receive))
-        watcher.add_done_callback(lambda _: producer.cancel())
+        watcher: asyncio.Future[None] | None = None
         # The head leaves with the first pieces, or alone once HEAD_WAIT has passed.
         timer = asyncio.get_running_loop().call_later(HEAD_WAIT, buffer.ready.set)
         started = False
@@ -80,11 +81,19 @@ class EventStreamResponse(Response):
                     break
                 if data:  # empty when the timer ended the wait for the head
                     await send({"type": "http.response.body", "body": data, "more_body": True})
+                if watcher is None:
+                    # The stream goes on: from now on a client that leaves cancels it. Not
+                    # before (a task per request, for the many that end in their first
+                    # write): a client gone during the first HEAD_WAIT is seen at its end.
+                    watcher = asyncio.ensure_future(_until_disconnected(receive))
+                    watcher.add_done_callback(lambda _: producer.cancel())
         finally:
             timer.cancel()
-            watcher.cancel()
-            producer.cancel()  # only when this task was cancelled itself
-            await asyncio.gather(producer, watcher, return_exceptions=True)
+            if watcher is not None:
+                watcher.cancel()  # not awaited: it only ever waits on ``receive``
+            if not producer.done():  # this task was cancelled itself
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
         if producer.cancelled():
             return  # the client went away
         failure = producer.exception()

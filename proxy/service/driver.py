@@ -73,6 +73,8 @@ class ChoiceRun:
 
 # Called with every finished choice once all are done; returns when they are durable.
 Commit = Callable[[Prepared, list[tuple[ChoiceRun, Finish]]], Awaitable[None]]
+# Called once when a stream ends: its outcome and how many tokens it generated.
+Observe = Callable[[str, int], None]
 
 
 class GenerationDriver:
@@ -94,31 +96,60 @@ class GenerationDriver:
             policy_version=self._pool(prep).version,
         )
 
-    async def stream(self, prep: Prepared, commit: Commit) -> AsyncIterator[Event]:
-        """Events as tokens arrive; ``Finish`` and ``Done`` only after ``commit``."""
+    async def stream(
+        self, prep: Prepared, commit: Commit, observe: Observe | None = None
+    ) -> AsyncIterator[Event]:
+        """Events as tokens arrive; ``Finish`` and ``Done`` only after ``commit``.
+
+        ``observe(outcome, completion_tokens)`` is called once when the stream ends
+        (``ok``, ``error``, or ``cancelled``: the client left).
+        """
         runs = self._runs(prep)
+        outcome, tokens = "cancelled", 0
         try:
             states = {run.index: _StreamState(self.tokenizer, prep) for run in runs}
             finished: list[tuple[ChoiceRun, Finish]] = []
-            async for run, chunk in self._multiplex(prep, runs):
+            if len(runs) == 1:
+                # One choice (the common case): its tokens straight from ``generate``,
+                # without the layers (and their cost per token) that merge several.
+                (run,) = runs
                 state = states[run.index]
-                if chunk is not None:
-                    parts = state.feed(chunk.token_ids)
-                    logprobs = self._logprobs(chunk) if prep.logprobs else None
-                    yield Delta(run.index, parts, logprobs)
-                else:
-                    finished.append((run, state.finish(prep, run)))
+                async with aclosing(self._generate(prep, run)) as chunks:
+                    async for chunk in chunks:
+                        if run.first_token_at is None:
+                            run.first_token_at = time.monotonic()
+                        yield self._delta(prep, run, state, chunk)
+                finished.append((run, state.finish(prep, run)))
+            else:
+                async for run, chunk in self._multiplex(prep, runs):
+                    state = states[run.index]
+                    if chunk is not None:
+                        yield self._delta(prep, run, state, chunk)
+                    else:
+                        finished.append((run, state.finish(prep, run)))
             await asyncio.shield(commit(prep, finished))
             for _, finish in finished:
                 yield finish
-            yield Done(self._usage(prep, runs), self._pool(prep).version)
+            usage = self._usage(prep, runs)
+            outcome, tokens = "ok", usage.completion_tokens
+            yield Done(usage, self._pool(prep).version)
         except Exception as exc:  # the response has started: it ends with an error event
+            outcome = "error"
             error = as_proxima_error(exc)
             if error is exc:
                 logger.warning("stream %s failed: %s", prep.response_id, error.message)
             else:
                 logger.exception("stream %s failed", prep.response_id)
             yield Failed(error)
+        finally:
+            if observe is not None:
+                observe(outcome, tokens)
+
+    def _delta(
+        self, prep: Prepared, run: ChoiceRun, state: _StreamState, chunk: TokenChunk
+    ) -> Delta:
+        parts = state.feed(chunk.token_ids)
+        return Delta(run.index, parts, self._logprobs(chunk) if prep.logprobs else None)
 
     # --------------------------------------------------------------------- choices
     def _pool(self, prep: Prepared) -> BackendPool:
@@ -128,16 +159,20 @@ class GenerationDriver:
     def _runs(self, prep: Prepared) -> list[ChoiceRun]:
         return [ChoiceRun(i, cid) for i, cid in enumerate(prep.completion_ids)]
 
-    async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
-        """One choice's tokens as they arrive (its result accumulates them)."""
-        async for tokens in generate(
+    def _generate(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
+        """One choice's generation (its result accumulates the tokens)."""
+        return generate(
             self._pool(prep),
             prompt_ids=prep.prompt_ids,
             params=prep.params,
             result=run.result,
             sticky_key=prep.session.id if prep.session else None,
             request_id=run.completion_id,
-        ):
+        )
+
+    async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
+        """One choice's tokens as they arrive, the time of its first one noted."""
+        async for tokens in self._generate(prep, run):
             if run.first_token_at is None:
                 run.first_token_at = time.monotonic()
             yield tokens
@@ -150,14 +185,6 @@ class GenerationDriver:
         self, prep: Prepared, runs: list[ChoiceRun]
     ) -> AsyncIterator[tuple[ChoiceRun, TokenChunk | None]]:
         """Run every choice; yield ``(run, tokens)`` as they arrive, ``(run, None)`` at its end."""
-        if len(runs) == 1:
-            # One choice (the common case): no task and no queue hop per token.
-            (run,) = runs
-            async with aclosing(self._tokens(prep, run)) as tokens:
-                async for chunk in tokens:
-                    yield run, chunk
-            yield run, None
-            return
         queue: asyncio.Queue[tuple[ChoiceRun, TokenChunk | BaseException | None]] = asyncio.Queue()
 
         async def produce(run: ChoiceRun) -> None:

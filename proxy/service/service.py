@@ -26,7 +26,7 @@ from proxima.proxy.metrics import Metrics
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
-from proxima.proxy.service.events import Completion, Done, Event, Failed
+from proxima.proxy.service.events import Completion, Event
 from proxima.proxy.service.prepare import Prepared, PromptPreparer
 from proxima.proxy.service.recording import CompletionCommitter
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
@@ -148,18 +148,14 @@ class CompletionService:
         finally:
             self._observe(prep, started, outcome, tokens)
 
-    async def stream(self, prep: Prepared) -> AsyncIterator[Event]:
+    def stream(self, prep: Prepared) -> AsyncIterator[Event]:
         """The generation's events; every choice is committed before its ``Finish``."""
-        started, outcome, tokens = time.monotonic(), "cancelled", 0
-        try:
-            async for event in self.driver.stream(prep, self.commit):
-                if isinstance(event, Failed):
-                    outcome = "error"
-                elif isinstance(event, Done):
-                    outcome, tokens = "ok", event.usage.completion_tokens
-                yield event
-        finally:
-            self._observe(prep, started, outcome, tokens)
+        started = time.monotonic()
+        return self.driver.stream(
+            prep,
+            self.commit,
+            lambda outcome, tokens: self._observe(prep, started, outcome, tokens),
+        )
 
     def _observe(self, prep: Prepared, started: float, outcome: str, tokens: int) -> None:
         deployment = prep.deployment or self.deployments.training
