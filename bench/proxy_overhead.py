@@ -15,13 +15,14 @@ plus an OpenAI chat route for gateways that speak only OpenAI):
   first use; master key, no database, nothing recorded).
 
 For each arm: sequential latency p50/p95 and what it adds to its direct baseline,
-throughput at ``--concurrency`` streams and its ratio to direct, and the CPU time the
-middle process spends per request. Client, backend and each proxy are separate
+throughput at ``--concurrency`` streams and its ratio to direct, and the CPU time
+client, backend and middle process spend per request. The arms run in interleaved
+rounds, so a slow spell of the machine falls on all of them. Client, backend and each proxy are separate
 processes; the host's CPU and load are printed so the reader sees what limited it.
 Ends with ``proxy overhead: sequential added p50 X ms; throughput ratio Y`` (Proxima vs
 direct).
 
-    .venv/bin/python bench/proxy_overhead.py --concurrency 200 --requests 1000
+    .venv/bin/python bench/proxy_overhead.py            # 3 rounds of 100 sequential + 600 at 200
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import asyncio
 import os
 import platform
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -161,12 +163,19 @@ async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float
 class ArmResult:
     name: str
     baseline: str | None
-    sequential: list[float]
-    concurrent: list[float]
-    throughput: float
-    # CPU ms per request in the concurrent run: client, backend, middle process (if any)
-    cpu: dict[str, float]
-    host_busy: float  # share of the host's CPU time busy in the concurrent run
+    sequential: list[float] = field(default_factory=list)  # every round's, pooled
+    throughputs: list[float] = field(default_factory=list)  # one per round
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # concurrent runs, summed
+    requests: int = 0  # concurrent requests, all rounds
+    host_busy: list[float] = field(default_factory=list)  # one per round
+
+    @property
+    def throughput(self) -> float:
+        return statistics.median(self.throughputs)
+
+    def cpu_ms(self, role: str) -> float:
+        """CPU milliseconds per request of ``role`` (client, backend, middle) under load."""
+        return self.cpu_seconds[role] * 1000 / self.requests
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -174,25 +183,24 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 
 
 async def measure(
-    name: str,
-    fn: Request,
-    args: argparse.Namespace,
-    procs: dict[str, psutil.Process],
-    baseline: str | None,
-) -> ArmResult:
-    await run_load(fn, 20, 4)  # warm-up: connections, caches
+    result: ArmResult, fn: Request, args: argparse.Namespace, procs: dict[str, psutil.Process]
+) -> None:
+    """One round of an arm: sequential requests, then ``--requests`` at ``--concurrency``."""
     seq, _ = await run_load(fn, args.sequential, 1)
     before = {role: _cpu_seconds(p) for role, p in procs.items()}
     host0 = psutil.cpu_times()
-    con, wall = await run_load(fn, args.requests, args.concurrency)
+    _, wall = await run_load(fn, args.requests, args.concurrency)
     host1 = psutil.cpu_times()
-    cpu = {
-        role: (_cpu_seconds(p) - before[role]) * 1000 / args.requests for role, p in procs.items()
-    }
+    for role, p in procs.items():
+        result.cpu_seconds[role] = (
+            result.cpu_seconds.get(role, 0.0) + _cpu_seconds(p) - before[role]
+        )
     idle = (host1.idle + host1.iowait) - (host0.idle + host0.iowait)
-    total = sum(host1) - sum(host0)
-    print(f"  {name}: done ({args.requests / wall:.0f} req/s)", file=sys.stderr, flush=True)
-    return ArmResult(name, baseline, seq, con, args.requests / wall, cpu, 1 - idle / total)
+    result.sequential += seq
+    result.throughputs.append(args.requests / wall)
+    result.requests += args.requests
+    result.host_busy.append(1 - idle / (sum(host1) - sum(host0)))
+    print(f"  {result.name}: {args.requests / wall:.0f} req/s", file=sys.stderr, flush=True)
 
 
 def ensure_litellm() -> Path | None:
@@ -282,16 +290,17 @@ def report(results: list[ArmResult], args: argparse.Namespace, recorded: int) ->
             f"{pct(r.sequential, 0.95) - pct(base.sequential, 0.95):8.2f}" if base else f"{'':>8}"
         )
         ratio = f"{r.throughput / base.throughput:10.2f}" if base else f"{'':>10}"
-        middle = f"{r.cpu['middle']:8.2f}" if "middle" in r.cpu else f"{'':>8}"
+        middle = f"{r.cpu_ms('middle'):8.2f}" if "middle" in r.cpu_seconds else f"{'':>8}"
         print(
             f"{r.name:<15}{pct(r.sequential, 0.5):9.2f}{add50}{pct(r.sequential, 0.95):9.2f}{add95}"
-            f"{r.throughput:12.0f}{ratio}{r.cpu['client']:20.2f}{r.cpu['backend']:9.2f}{middle}"
-            f"{r.host_busy:10.0%}"
+            f"{r.throughput:12.0f}{ratio}{r.cpu_ms('client'):20.2f}{r.cpu_ms('backend'):9.2f}"
+            f"{middle}{statistics.median(r.host_busy):10.0%}"
         )
     print("(ms; 'added' is against the arm's direct baseline: direct for relay and proxima,")
-    print(" direct-openai for litellm; CPU is each process's user+system time per request in the")
-    print(f" concurrent run, host busy the share of all {os.cpu_count()} cores busy in it)")
-    expected = args.sequential + args.requests + 20
+    print(" direct-openai for litellm; req/s is the median of the rounds; CPU is each process's")
+    print(" user+system time per request in the concurrent runs, host busy the median share of")
+    print(f" all {os.cpu_count()} cores busy in them; {args.rounds} rounds, arms interleaved)")
+    expected = (args.sequential + args.requests) * args.rounds + 20
     print(f"proxima recorded {recorded} completions in SQLite (expected {expected})")
     proxima, direct = by_name["proxima"], by_name["direct"]
     if "litellm" in by_name:
@@ -366,10 +375,15 @@ async def main_async(args: argparse.Namespace) -> None:
                     ("litellm", chat_arm(client, litellm_url + "/v1", [LITELLM_KEY], "fake", args.tokens),
                      ps(procs[-1].pid), "direct-openai"),
                 ]  # fmt: skip
-            results = [
-                await measure(n, fn, args, {**ends, **({"middle": p} if p else {})}, b)
-                for n, fn, p, b in arms
-            ]
+            results = [ArmResult(name, base) for name, _, _, base in arms]
+            for _, fn, _, _ in arms:
+                await run_load(fn, 20, 4)  # warm-up: connections, caches
+            # Rounds interleave the arms, so a slow spell of the machine (this is a VM)
+            # falls on every arm alike instead of on whichever ran at the time.
+            for r in range(args.rounds):
+                print(f"round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
+                for result, (_, fn, p, _) in zip(results, arms, strict=True):
+                    await measure(result, fn, args, {**ends, **({"middle": p} if p else {})})
         finally:
             await client.aclose()
         recorded = sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
@@ -385,8 +399,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--concurrency", type=int, default=200)
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--sequential", type=int, default=200)
+    p.add_argument("--requests", type=int, default=600, help="concurrent requests per round")
+    p.add_argument("--sequential", type=int, default=100, help="sequential requests per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every arm once")
     p.add_argument("--sessions", type=int, default=200)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
