@@ -254,8 +254,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(RequestIdMiddleware)
+    app.include_router(openai.generation)  # the generation routes: see api.routing
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(messages.generation)
     app.include_router(messages.router)
     app.include_router(rl.router)
     app.include_router(admin.router)

@@ -36,6 +36,7 @@ from proxima.proxy.api.deps import (
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.messages_translate import CountTokensRequest, MessagesRequest
+from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.errors import ProximaError
 from proxima.proxy.service.builders.messages import (
     MessageHead,
@@ -81,10 +82,15 @@ class AnthropicErrorRoute(APIRoute):
         return handler
 
 
+class AnthropicGenerationRoute(AnthropicErrorRoute, GenerationRoute):
+    """``/v1/messages``: the lean per-request handler, its errors in Anthropic's envelope."""
+
+
 router = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicErrorRoute)
+generation = APIRouter(prefix="/v1", tags=["anthropic"], route_class=AnthropicGenerationRoute)
 
 
-@router.post("/messages", response_model=None, openapi_extra=SESSION_HEADER_DOC)
+@generation.post("/messages", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def create_message(
     body: MessagesRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:

@@ -21,6 +21,7 @@ from proxima.proxy.api.deps import (
 )
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
+from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import NotFound
@@ -29,6 +30,7 @@ from proxima.proxy.service.builders.completions import completion_response, comp
 from proxima.proxy.store.records import SessionRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+generation = APIRouter(prefix="/v1", tags=["openai"], route_class=GenerationRoute)
 
 
 def _session_header(session: SessionRecord | None) -> dict[str, str]:
@@ -36,7 +38,7 @@ def _session_header(session: SessionRecord | None) -> dict[str, str]:
     return {"X-Proxima-Session-Id": session.id} if session is not None else {}
 
 
-@router.post("/chat/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
+@generation.post("/chat/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:
@@ -61,7 +63,7 @@ async def chat_completions(
     return JSONResponse(chat_response(prep, completion, model=model), headers=headers)
 
 
-@router.post("/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
+@generation.post("/completions", response_model=None, openapi_extra=SESSION_HEADER_DOC)
 async def completions(
     body: CompletionRequest, request: Request, principal: PrincipalDep
 ) -> JSONResponse | EventStreamResponse:

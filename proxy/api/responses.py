@@ -16,10 +16,11 @@ from proxima.proxy.api.deps import SESSION_HEADER_DOC, PrincipalDep, service_of,
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.responses_translate import ResponsesRequest
+from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.errors import NotFound
 from proxima.proxy.service.builders.responses import ResponseHead, response_events, response_from
 
-router = APIRouter(prefix="/v1", tags=["responses"])
+router = APIRouter(prefix="/v1", tags=["responses"], route_class=GenerationRoute)
 
 
 @router.post("/responses", response_model=None, openapi_extra=SESSION_HEADER_DOC)

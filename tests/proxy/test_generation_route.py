@@ -1,0 +1,116 @@
+"""``GenerationRoute`` answers every request exactly as FastAPI's own handler would.
+
+One endpoint is mounted twice in one app, through ``GenerationRoute`` and
+through a plain ``APIRoute``, with the proxy's real error handlers and
+principal dependency; each request below (good, malformed, unauthenticated)
+must get the same status and the same body from both.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from proxima.proxy.api.deps import PrincipalDep
+from proxima.proxy.api.routing import GenerationRoute
+from proxima.proxy.api.schemas import ChatCompletionRequest
+from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.recorder import SessionCache
+
+ADMIN = "admin-token"
+
+
+class NoKeys:
+    """A store that knows no key: every other token is refused (401)."""
+
+    async def get_session_by_key_hash(self, *, api_key_hash: str) -> None:
+        return None
+
+    async def get_api_key_by_hash(self, *, key_hash: str) -> None:
+        return None
+
+
+async def endpoint(
+    body: ChatCompletionRequest, request: Request, principal: PrincipalDep
+) -> JSONResponse:
+    return JSONResponse(
+        {"model": body.model, "messages": len(body.messages), "who": principal.kind.value}
+    )
+
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    lean = APIRouter(route_class=GenerationRoute)
+    lean.post("/lean")(endpoint)
+    plain = APIRouter(route_class=APIRoute)
+    plain.post("/plain")(endpoint)
+    app.include_router(lean)
+    app.include_router(plain)
+    app.state.settings = SimpleNamespace(
+        admin_token=SimpleNamespace(get_secret_value=lambda: ADMIN)
+    )
+    app.state.cache = SessionCache()
+    app.state.store = NoKeys()
+    return app
+
+
+GOOD = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+JSON = {"content-type": "application/json"}
+
+CASES = {
+    "good": (GOOD, JSON, ADMIN),
+    "good, +json content type": (GOOD, {"content-type": "application/vnd.x+json"}, ADMIN),
+    "good, charset": (GOOD, {"content-type": "application/json; charset=utf-8"}, ADMIN),
+    "no content type": (GOOD, {}, ADMIN),
+    "text/plain": (GOOD, {"content-type": "text/plain"}, ADMIN),
+    "empty body": (b"", JSON, ADMIN),
+    "not JSON": (b'{"model": "m", "messages": [', JSON, ADMIN),
+    "not UTF-8": (b'{"model": "\xff\xfe"}', JSON, ADMIN),
+    "a JSON list": (b"[1, 2]", JSON, ADMIN),
+    "missing field": (b'{"model": "m"}', JSON, ADMIN),
+    "messages not a list": (b'{"model": "m", "messages": 5}', JSON, ADMIN),
+    "wrong type": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+        JSON,
+        ADMIN,
+    ),
+    "lone surrogate": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        JSON,
+        ADMIN,
+    ),
+    "bad key, good body": (GOOD, JSON, "sk-wrong"),
+    "bad key, invalid body": (b'{"model": "m"}', JSON, "sk-wrong"),
+    "bad key, not JSON": (b"{", JSON, "sk-wrong"),
+    "no key": (GOOD, JSON, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_lean_handler_answers_as_fastapi_does(case: str) -> None:
+    body, headers, token = CASES[case]
+    if token is not None:
+        headers = {**headers, "authorization": f"Bearer {token}"}
+    transport = httpx.ASGITransport(app=make_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        lean = await client.post("/lean", content=body, headers=headers)
+        plain = await client.post("/plain", content=body, headers=headers)
+    assert (lean.status_code, lean.json()) == (plain.status_code, plain.json())
+    if case.startswith("good"):
+        assert lean.status_code == 200
+    else:
+        assert lean.status_code >= 400
+
+
+def test_an_endpoint_of_another_shape_is_refused() -> None:
+    async def other(request: Request, body: ChatCompletionRequest) -> JSONResponse:
+        raise AssertionError("never called")
+
+    router = APIRouter(route_class=GenerationRoute)
+    with pytest.raises(TypeError, match=r"takes \(body, request, principal\)"):
+        router.post("/x")(other)
