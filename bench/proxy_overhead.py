@@ -22,7 +22,7 @@ processes; the host's CPU and load are printed so the reader sees what limited i
 Ends with ``proxy overhead: sequential added p50 X ms; throughput ratio Y`` (Proxima vs
 direct).
 
-    .venv/bin/python bench/proxy_overhead.py            # 3 rounds of 100 sequential + 600 at 200
+    .venv/bin/python bench/proxy_overhead.py            # 3 rounds of 100 sequential + 1000 at 200
 """
 
 from __future__ import annotations
@@ -399,7 +399,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--concurrency", type=int, default=200)
-    p.add_argument("--requests", type=int, default=600, help="concurrent requests per round")
+    p.add_argument("--requests", type=int, default=1000, help="concurrent requests per round")
     p.add_argument("--sequential", type=int, default=100, help="sequential requests per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every arm once")
     p.add_argument("--sessions", type=int, default=200)
