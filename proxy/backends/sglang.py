@@ -52,14 +52,6 @@ class GenerateDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
 
-    def merge(self, later: GenerateDelta) -> None:
-        """Append ``later`` (the next chunk of the same stream, same weight version)."""
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.top_logprobs += later.top_logprobs
-        self.finish_reason = later.finish_reason
-        self.prompt_tokens = later.prompt_tokens
-
 
 # OpenAI's own floor for a logprob too small to show: SGLang sends top-k
 # alternatives of probability zero as JSON null (orjson writes -inf as null).
@@ -186,71 +178,73 @@ class SGLangClient:
                 self._check(resp.status, await resp.read(), "/generate")
             # Read the body to its end (past [DONE]) so the connection goes back to the pool.
             async for lines in resp.line_batches():
-                pending: GenerateDelta | None = None
+                group: list[tuple[list[int], dict[str, Any], int]] = []  # one weight version
                 for line in lines:
                     if done or not line.startswith(b"data:"):
                         continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
+                    payload = line[5:]
+                    if payload.strip() == b"[DONE]":
                         done = True
                         continue
                     chunk = orjson.loads(payload)
                     meta = chunk.get("meta_info")
                     if meta is None:
-                        if pending is not None:
-                            yield pending  # what came before the error was generated
+                        if group:
+                            yield self._delta(group)  # what came before the error was generated
                         raise BackendRejected(
                             _error_text(chunk.get("error", chunk)), url=self.base_url
                         )
-                    delta = self._delta(chunk, meta, seen)
-                    seen += len(delta.token_ids)
-                    if pending is None:
-                        pending = delta
-                    elif pending.weight_version == delta.weight_version:
-                        pending.merge(delta)
-                    else:
-                        yield pending
-                        pending = delta
-                if pending is not None:
-                    yield pending
+                    if group and meta.get("weight_version") != group[0][1].get("weight_version"):
+                        yield self._delta(group)
+                        group = []
+                    ids = chunk.get("output_ids") or []
+                    total = meta.get("completion_tokens")
+                    new = len(ids) if total is None else total - seen
+                    if not 0 <= new <= len(ids):
+                        raise BackendOperationFailed(
+                            f"inconsistent /generate chunk: {len(ids)} output ids, "
+                            f"completion_tokens {total}, {seen} tokens seen before",
+                            url=self.base_url,
+                        )
+                    group.append((ids, meta, new))
+                    seen += new
+                if group:
+                    yield self._delta(group)
         if not done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)
 
-    def _delta(self, chunk: dict[str, Any], meta: dict[str, Any], seen: int) -> GenerateDelta:
-        # Plain dict access, not pydantic: default SGLang chunks are cumulative,
-        # so validating each one would cost O(n^2) over a generation.
-        ids = chunk.get("output_ids") or []
-        total = meta.get("completion_tokens")
-        new = len(ids) if total is None else total - seen
-        if not 0 <= new <= len(ids):
-            raise BackendOperationFailed(
-                f"inconsistent /generate chunk: {len(ids)} output ids, completion_tokens "
-                f"{total}, {seen} tokens seen before",
-                url=self.base_url,
-            )
-        new_ids = ids if new == len(ids) else _tail(ids, new)  # incremental: all of them
-        lps = meta.get("output_token_logprobs")
-        if lps:
-            if len(lps) != new:
-                lps = _tail(lps, new)
-                if lps and len(lps) != new:
-                    raise BackendOperationFailed(
-                        f"/generate chunk has {len(lps)} logprobs for {new} new tokens",
-                        url=self.base_url,
-                    )
-            logprobs = _chosen_logprobs(lps, self.base_url) if lps else []
-        else:
-            logprobs = []
-        tops = meta.get("output_top_logprobs")
-        finish = meta.get("finish_reason")
+    def _delta(self, group: list[tuple[list[int], dict[str, Any], int]]) -> GenerateDelta:
+        """One delta for consecutive chunks of one weight version: ``(output_ids, meta_info,
+        new token count)`` each. Plain dict access, not pydantic: default SGLang chunks are
+        cumulative, so validating each one would cost O(n^2) over a generation."""
+        token_ids: list[int] = []
+        entries: list[list[Any]] = []
+        tops: list[list[tuple[int, float]]] = []
+        for ids, meta, new in group:
+            token_ids += ids if new == len(ids) else _tail(ids, new)  # incremental: all
+            lps = meta.get("output_token_logprobs")
+            if lps:
+                if len(lps) != new:
+                    lps = _tail(lps, new)
+                    if lps and len(lps) != new:
+                        raise BackendOperationFailed(
+                            f"/generate chunk has {len(lps)} logprobs for {new} new tokens",
+                            url=self.base_url,
+                        )
+                entries += lps
+            top = meta.get("output_top_logprobs")
+            if top:
+                tops += [_top_pairs(e, self.base_url) for e in _tail(top, new)]
+        last = group[-1][1]
+        finish = last.get("finish_reason")
         return GenerateDelta(
-            token_ids=new_ids,
-            logprobs=logprobs,
-            top_logprobs=[_top_pairs(e, self.base_url) for e in _tail(tops, new)] if tops else [],
-            weight_version=meta.get("weight_version"),
+            token_ids=token_ids,
+            logprobs=_chosen_logprobs(entries, self.base_url) if entries else [],
+            top_logprobs=tops,
+            weight_version=last.get("weight_version"),
             finish_reason=FinishReason.model_validate(finish) if finish else None,
-            prompt_tokens=meta.get("prompt_tokens", 0),
+            prompt_tokens=last.get("prompt_tokens", 0),
         )
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:

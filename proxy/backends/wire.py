@@ -384,7 +384,8 @@ def _dechunk(buf: bytearray) -> tuple[list[bytearray], int, bool]:
             if len(buf) - pos > _MAX_HEAD:
                 raise ValueError("a chunk size line is too long")
             return payloads, pos, False
-        size = int(buf[pos:eol].split(b";", 1)[0], 16)
+        head = buf[pos:eol]
+        size = int(head if b";" not in head else head[: head.index(b";")], 16)  # extensions
         if size == 0:
             end = buf.find(b"\r\n\r\n", eol)  # the size line's CRLF, trailers, empty line
             if end < 0:
