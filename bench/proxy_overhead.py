@@ -78,17 +78,25 @@ class Client:
         self.kind = kind
         self.concurrency = concurrency
         self.pools: dict[str, WirePool] = {}
-        limits = httpx.Limits(
-            max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10
-        )
-        self.http = httpx.AsyncClient(timeout=300, limits=limits)
+        self.clients: dict[str, httpx.AsyncClient] = {}  # one per server: its own connections
+        self.http = self._httpx()  # set-up calls
+
+    def _httpx(self) -> httpx.AsyncClient:
+        n = self.concurrency + 10
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        return httpx.AsyncClient(timeout=300, limits=limits)
 
     async def stream(self, url: str, body: dict, headers: dict) -> float:
         """One streamed request read to its end (past ``[DONE]``); its latency in seconds."""
-        if self.kind == "httpx":
-            return await _read_stream(self.http, url, body, headers)
         parts = urlsplit(url)
         base, path = f"{parts.scheme}://{parts.netloc}", parts.path
+        if self.kind == "httpx":
+            # A client per server, as for the wire pools: one shared pool's limit would make
+            # each round close the other arms' connections and open its own again.
+            http = self.clients.get(base)
+            if http is None:
+                http = self.clients[base] = self._httpx()
+            return await _read_stream(http, url, body, headers)
         pool = self.pools.get(base)
         if pool is None:
             pool = self.pools[base] = WirePool(base, max_connections=self.concurrency + 10)
@@ -103,7 +111,8 @@ class Client:
         return time.perf_counter() - t0
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        for http in [self.http, *self.clients.values()]:
+            await http.aclose()
         for pool in self.pools.values():
             pool.close()
 
