@@ -32,9 +32,10 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-# How long the response head waits for the first pieces, to leave in their write
-# (the client wakes once, not twice); past it the head goes alone, so a client or
-# a load balancer sees the response begin while a long prompt is prefilled.
+# How long the response head waits for the first pieces, to be written right before
+# them (the client reads both together rather than waking for the head alone); past
+# it the head goes alone, so a client or a load balancer sees the response begin
+# while a long prompt is prefilled.
 HEAD_WAIT = 0.1
 
 _BASE_HEADERS = [
