@@ -45,7 +45,9 @@ from tests.trainer.closeness import adamw_replay, assert_adamw_applied, assert_g
 
 LR = 1e-3
 LOGPROB_ATOL = 1e-5
-LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
+# Losses of other packings: a token mean of float32 terms of size ~1 moves by ~1e-7 with the
+# summation order and can sit near 0 (normalised advantages), so the bound is absolute too.
+LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-5
 GRAD_NORM_RTOL = 1e-4
 STAT_ATOL = 1e-5
 # (prompt, generated) tokens: sequences of 7 to 120 tokens, 271 in all.

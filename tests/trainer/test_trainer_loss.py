@@ -1,7 +1,10 @@
 """Decoupled PPO loss: hand-computed values, reduction to standard PPO, the cap.
 
-The ``1e-6`` tolerances are float32 rounding of a handful of operations on O(1)
-values (about ten ulps), the same on any CPU: no long sums are involved.
+The tolerances cover float32 rounding of a handful of operations on O(1) values:
+the hand batch's logs and sums round to ~1e-7, and ``exp``'s last ulp may differ
+between CPUs' vector paths, so a loss is within a few 1e-7 of its hand value. The
+bounds are 1e-5 (over 10x that), while any error in the rule (a clip side, the cap,
+the normaliser) moves these values by 1e-2 or more.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def test_hand_computed_loss_clips_both_sides_and_handles_negative_advantages() -
     # c: pg1 = -1.0, pg2 = -1.6  -> -1.0  (r < 0.8 but A > 0: kept); w=0.5 -> -0.5
     # d: pg1 =  3.0, pg2 =  2.56 ->  3.0  (r > 1.28 but A < 0: kept); w=1  ->  3.0
     # sum = -2.56 + 0.8 - 0.5 + 3.0 = 0.74; / 4 tokens = 0.185
-    assert loss.item() == pytest.approx(0.185, abs=1e-6)
+    assert loss.item() == pytest.approx(0.185, abs=1e-5)
     assert stats.clip_fraction.item() == pytest.approx(0.5)  # a and b
     assert stats.loss_tokens.item() == 4
     assert stats.masked_tokens.item() == 0
@@ -63,14 +66,14 @@ def test_hand_computed_loss_clips_both_sides_and_handles_negative_advantages() -
     # d loss_tok / d l = -w * A * r on unclipped tokens, 0 on clipped ones; / 4 tokens:
     # a, b: 0;  c: -0.5 * 2 * 0.5 / 4 = -0.125;  d: -1 * -2 * 1.5 / 4 = 0.75;  e: masked, 0
     expected = torch.tensor([0.0, 0.0, -0.125, 0.75, 0.0])
-    torch.testing.assert_close(batch["logprobs"].grad, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(batch["logprobs"].grad, expected, atol=1e-5, rtol=0)
 
 
 def test_global_normaliser_scales_the_loss() -> None:
     loss, _ = decoupled_ppo_loss(
         **_hand_batch(), eps_clip=0.2, eps_clip_high=0.28, total_loss_tokens=8
     )
-    assert loss.item() == pytest.approx(0.74 / 8, abs=1e-6)
+    assert loss.item() == pytest.approx(0.74 / 8, abs=1e-5)
 
 
 def test_capped_tokens_contribute_nothing_and_get_zero_gradient() -> None:
@@ -79,15 +82,15 @@ def test_capped_tokens_contribute_nothing_and_get_zero_gradient() -> None:
     # a would contribute w * 1.5 = 3.0 to the sum and -w * A * r / 4 = 0.75 to its gradient.
     batch["advantages"][0] = -1.0
     uncapped, _ = decoupled_ppo_loss(**batch, eps_clip=0.2, eps_clip_high=0.28, total_loss_tokens=4)
-    assert uncapped.item() == pytest.approx((3.0 + 3.3) / 4, abs=1e-6)
+    assert uncapped.item() == pytest.approx((3.0 + 3.3) / 4, abs=1e-5)
     (grad_uncapped,) = torch.autograd.grad(uncapped, batch["logprobs"])
-    assert grad_uncapped[0].item() == pytest.approx(0.75)
+    assert grad_uncapped[0].item() == pytest.approx(0.75, abs=1e-5)
 
     loss, stats = decoupled_ppo_loss(
         **batch, eps_clip=0.2, eps_clip_high=0.28, importance_weight_cap=1.5, total_loss_tokens=4
     )
     # token a has w = 2 > 1.5: masked. Remaining 0.8 - 0.5 + 3.0 = 3.3, still over 4 tokens.
-    assert loss.item() == pytest.approx(3.3 / 4, abs=1e-6)
+    assert loss.item() == pytest.approx(3.3 / 4, abs=1e-5)
     assert stats.masked_tokens.item() == 1
     assert stats.masked_fraction.item() == pytest.approx(0.25)
     assert stats.clip_fraction.item() == pytest.approx(1 / 3)  # b among the kept b, c, d
@@ -168,7 +171,7 @@ def test_missing_prox_is_the_current_policy_detached() -> None:
     assert stats.as_dict() == pytest.approx(given_stats.as_dict())
     # ratio 1 everywhere; w = exp(l - b) = 3.0, 0.5, 0.25, 1.5 on a-d (none above the cap 4):
     # loss = -(3*1 + 0.5*(-1) + 0.25*2 + 1.5*(-2)) / 4 = -0.0
-    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert loss.item() == pytest.approx(0.0, abs=1e-5)
     assert stats.approx_kl.item() == 0.0
 
 
@@ -182,7 +185,7 @@ def test_stats_merge_is_token_weighted() -> None:
     ]
     merged = PPOStats.merge(parts)
     for key, value in full.as_dict().items():
-        assert merged.as_dict()[key] == pytest.approx(value, abs=1e-6), key
+        assert merged.as_dict()[key] == pytest.approx(value, abs=1e-5), key
 
 
 def test_shape_mismatch_and_empty_normaliser_are_rejected() -> None:
