@@ -100,13 +100,11 @@ class SqliteWriter:
             raw = self._selects[(model.__name__, attribute)] = RawSelect(
                 model, attribute, self._engine.dialect
             )
-        if self._loop_db is None:
-            self._loop_db = _connect(self._path)
         try:
             # fetchall: the statement runs to its end, so no read transaction stays open.
-            rows = self._loop_db.execute(raw.sql, (value,)).fetchall()
+            rows = self._loop_connection().execute(raw.sql, (value,)).fetchall()
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF == 5:
+            if _is_busy(exc):
                 raise SqliteBusy() from exc
             raise
         return raw.values(rows[0]) if rows else None
@@ -135,9 +133,7 @@ class SqliteWriter:
         return await loop.run_in_executor(self._executor, self._transaction, fn, args)
 
     def _on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if self._loop_db is None:
-            self._loop_db = _connect(self._path)
-        result = _transact(self._loop_db, fn, args)
+        result = _transact(self._loop_connection(), fn, args)
         self._loop_commits += 1
         if self._loop_commits % CHECKPOINT_EVERY == 0 and (
             self._checkpoint is None or self._checkpoint.done()
@@ -145,6 +141,11 @@ class SqliteWriter:
             loop = asyncio.get_running_loop()
             self._checkpoint = loop.run_in_executor(self._executor, self._passive_checkpoint)
         return result
+
+    def _loop_connection(self) -> sqlite3.Connection:
+        if self._loop_db is None:
+            self._loop_db = _connect(self._path)
+        return self._loop_db
 
     def _thread_db(self) -> sqlite3.Connection:
         if self._conn is None or self._conn.invalidated or self._conn.closed:
@@ -200,6 +201,11 @@ def _connect(path: str | None) -> sqlite3.Connection:
     return db
 
 
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY, or one of its extended codes."""
+    return exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+
+
 def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """``fn(db, *args)`` between ``BEGIN IMMEDIATE`` and ``COMMIT``; ``SqliteBusy`` when the lock
     is taken (only a connection without a busy timeout sees that: nothing was written)."""
@@ -210,8 +216,8 @@ def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, .
     except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode & 0xFF == 5:
-            raise SqliteBusy() from exc  # SQLITE_BUSY and its extended codes
+        if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+            raise SqliteBusy() from exc
         raise
     return result
 
