@@ -9,12 +9,22 @@ Concurrent migrators (several proxy replicas starting at once) are serialized:
 on PostgreSQL by a transaction-scoped advisory lock, on SQLite by running the
 migration in a ``BEGIN IMMEDIATE`` transaction. All DDL of one run is one
 transaction on both, so a failed migration leaves no half-built schema.
+
+A new SQLite file is switched to WAL before any of that, by one connection that
+retries while another holds the lock: SQLite does not wait on its busy timeout
+for that switch (it upgrades a read lock to an exclusive one), so concurrent
+first connections to a fresh file would otherwise fail with "database is
+locked". Migrations in one process run one at a time, since Alembic's
+``context`` is a module global that two interleaved runs would share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
+import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +34,12 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from proxima.migrations import SCRIPT_LOCATION
-from proxima.proxy.store.database import begin_immediate, create_engine, normalize_db_url
+from proxima.proxy.store.database import (
+    SQLITE_BUSY_TIMEOUT_MS,
+    begin_immediate,
+    create_engine,
+    normalize_db_url,
+)
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.pool import NullPool
@@ -48,32 +63,71 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
-def ensure_sqlite_parent_dir(url: str) -> None:
-    """Create the directory of a SQLite database file if it does not exist yet."""
+def _sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite ``url``; ``None`` for other databases, memory and ``file:`` URIs."""
     parsed = make_url(normalize_db_url(url))
     database = parsed.database
     if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
-        return
+        return None
     if database.startswith("file:"):
+        return None
+    return Path(database).expanduser()
+
+
+def prepare_sqlite_file(url: str, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> None:
+    """Create a SQLite database's directory and switch the file to WAL, waiting out other
+    connections for up to ``timeout_s`` (a no-op for other databases)."""
+    path = _sqlite_file(url)
+    if path is None:
         return
-    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        finally:
+            db.close()
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+_in_process: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _migration_lock() -> asyncio.Lock:
+    """This event loop's lock around migration runs."""
+    loop = asyncio.get_running_loop()
+    lock = _in_process.get(loop)
+    if lock is None:
+        lock = _in_process[loop] = asyncio.Lock()
+    return lock
 
 
 async def run_on_new_connection(url: str, fn: Callable[[Connection], Any]) -> Any:
     """Open a locked migration transaction on ``url``, run sync ``fn`` in it, commit."""
-    ensure_sqlite_parent_dir(url)
-    engine = create_engine(url, poolclass=NullPool)
-    try:
-        async with engine.connect() as conn:
-            conn = await begin_immediate(conn)
-            async with conn.begin():
-                if conn.dialect.name == "postgresql":
-                    await conn.execute(
-                        text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK_ID}
-                    )
-                return await conn.run_sync(fn)
-    finally:
-        await engine.dispose()
+    async with _migration_lock():
+        await asyncio.to_thread(prepare_sqlite_file, url)
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            async with engine.connect() as conn:
+                conn = await begin_immediate(conn)
+                async with conn.begin():
+                    if conn.dialect.name == "postgresql":
+                        await conn.execute(
+                            text("SELECT pg_advisory_xact_lock(:key)"),
+                            {"key": _PG_MIGRATION_LOCK_ID},
+                        )
+                    return await conn.run_sync(fn)
+        finally:
+            await engine.dispose()
 
 
 def _current(connection: Connection) -> str | None:

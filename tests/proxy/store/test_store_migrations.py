@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,6 +77,55 @@ async def test_concurrent_ensure_schema_calls_serialize(db_url: str) -> None:
     await asyncio.gather(*(migrate.ensure_schema(db_url) for _ in range(3)))
     assert await _tables(db_url) == TABLES
     assert await migrate.current_revision_async(db_url) == migrate.head_revision()
+
+
+def _first_connections_at_once(url: str, count: int) -> list[BaseException]:
+    """``count`` threads call ``prepare_sqlite_file(url)`` together; the errors they raised."""
+    start = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def first_connection() -> None:
+        start.wait()
+        try:
+            migrate.prepare_sqlite_file(url, timeout_s=10)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_connection) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_fresh_sqlite_file_switches_to_wal_under_concurrent_first_connections(
+    tmp_path: Path,
+) -> None:
+    # SQLite does not wait on its busy timeout when two connections switch a new file to WAL
+    # at once (bare PRAGMAs fail "database is locked" about a third of the time here).
+    for trial in range(20):
+        path = tmp_path / f"t{trial}" / "store.db"
+        assert _first_connections_at_once(f"sqlite:///{path}", 4) == []
+        db = sqlite3.connect(path)
+        try:
+            assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        finally:
+            db.close()
+
+
+def test_proxy_replicas_migrate_a_fresh_sqlite_file_at_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/store.db"
+    code = "import asyncio, sys; from proxima.proxy.store import migrate; "
+    code += "asyncio.run(migrate.ensure_schema(sys.argv[1]))"
+    replicas = [
+        subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    for replica in replicas:
+        _, stderr = replica.communicate(timeout=120)
+        assert replica.returncode == 0, stderr
+    assert asyncio.run(_tables(url)) == TABLES
 
 
 async def test_lookup_indexes_exist(db_url: str) -> None:
