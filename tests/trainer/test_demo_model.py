@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from proxima.proxy.chat import ChatRenderer
@@ -68,6 +67,5 @@ def test_prepare_smollm2_converts_once_and_answers(tmp_path: Path) -> None:
 
     weights = model_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    started = time.monotonic()
     assert prepare_smollm2(tmp_path) == model_dir  # cached: no second conversion
-    assert time.monotonic() - started < 2.0 and weights.stat().st_mtime_ns == mtime
+    assert weights.stat().st_mtime_ns == mtime
