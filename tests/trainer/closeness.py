@@ -68,7 +68,12 @@ def adamw_replay(
 def assert_adamw_applied(
     updated: Mapping[str, Tensor], expected: Mapping[str, Tensor], optim: OptimConfig
 ) -> None:
-    """``updated`` weights equal :func:`adamw_replay`'s to a few ulps (of the weight, of lr)."""
+    """``updated`` weights equal :func:`adamw_replay`'s to within float32 rounding.
+
+    The bound is 1e-5 of the weight plus 1e-5 of ``lr``: some 80 ulps, room for another CPU's
+    fused multiply-adds and vector paths over several steps, and still 100x smaller than one
+    step's move (about ``lr`` per element), so a step not taken or taken twice fails.
+    """
     assert expected
     for key, want in expected.items():
-        torch.testing.assert_close(updated[key], want, atol=1e-6 * optim.lr, rtol=1e-6, msg=key)
+        torch.testing.assert_close(updated[key], want, atol=1e-5 * optim.lr, rtol=1e-5, msg=key)

@@ -186,8 +186,10 @@ def test_one_minibatch_takes_prox_from_its_own_forward_pass(tiny_model_dir: Path
     # a separate no-grad pass vs the same pass detached: float32 noise only (see above)
     assert without.ppo.loss.item() == pytest.approx(with_prox.ppo.loss.item(), rel=1e-5, abs=1e-5)
     # ratio = exp(l - prox) is 1 exactly without prox; with the recomputed one it is 1 to a few
-    # ulps (the no-grad pass may round differently), so their KL is ~1e-14.
-    assert without.ppo.approx_kl.item() == pytest.approx(0.0, abs=1e-7)
+    # ulps (the no-grad pass may round differently). Their KL is ~1e-14 in exact arithmetic, but
+    # the float32 k3 term (ratio - 1) - log(ratio) keeps exp's rounding near 1 (an ulp of 1 is
+    # 1.2e-7, and exp's last ulps differ by CPU): bounded at 1e-6.
+    assert without.ppo.approx_kl.item() == pytest.approx(0.0, abs=1e-6)
     assert_grads_close(grads_own[0], grads_recomputed[0])
 
 

@@ -219,7 +219,7 @@ async def test_constrained_logprobs_are_those_of_the_masked_distribution(
     assert first_lp == pytest.approx(float(masked), abs=1e-4)
     assert first_lp > float(unmasked) + 1.0  # the mask removed most of the mass
     assert second == reference.encode("z")[0]
-    assert second_lp == pytest.approx(0.0, abs=1e-6)  # forced: the only allowed token
+    assert second_lp == pytest.approx(0.0, abs=1e-5)  # forced: the only allowed token
 
 
 async def test_batch_mixing_constrained_and_plain_rows(
@@ -329,5 +329,5 @@ async def test_top_logprobs_of_forbidden_tokens_stay_finite(client: httpx.AsyncC
     )
     assert "Infinity" not in response.text and "NaN" not in response.text
     tops = response.json()["meta_info"]["output_top_logprobs"][1]
-    assert tops[0][0] == pytest.approx(0.0, abs=1e-6)
+    assert tops[0][0] == pytest.approx(0.0, abs=1e-5)  # the only allowed token
     assert all(math.isfinite(lp) and lp < -1e37 for lp, *_ in tops[1:])
