@@ -5,12 +5,17 @@
 engine; for SQLite it turns on WAL, a busy timeout and foreign keys on every
 connection, and lets SQLAlchemy emit ``BEGIN`` itself so that a write
 transaction can ask for ``BEGIN IMMEDIATE`` (see ``begin_immediate``).
+``prepare_sqlite_file`` creates a new SQLite file's directory and switches it
+to WAL once, before its first concurrent connections.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sqlite3
+import time
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
@@ -104,3 +109,48 @@ def configure_sqlite(sync_engine: Engine, *, begin_mode: str = "DEFERRED") -> No
         if mode not in ("DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
             raise ValueError(f"invalid SQLite BEGIN mode {mode!r}")
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def is_sqlite_busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY, or one of its extended codes."""
+    return exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite ``url``; ``None`` for other databases, memory and ``file:`` URIs."""
+    parsed = make_url(normalize_db_url(url))
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    if database.startswith("file:"):
+        return None
+    return Path(database).expanduser()
+
+
+def prepare_sqlite_file(url: str, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> None:
+    """Create a SQLite database's directory and switch the file to WAL, waiting out other
+    connections for up to ``timeout_s`` (a no-op for other databases).
+
+    SQLite does not wait on its busy timeout for the switch (it upgrades a read lock to an
+    exclusive one), so concurrent first connections to a new file fail "database is locked"
+    with ``configure_sqlite``'s PRAGMA alone; once the file is in WAL, that PRAGMA is a no-op
+    under a read lock, which does wait. ``ensure_schema`` calls this before migrating.
+    """
+    path = _sqlite_file(url)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if not is_sqlite_busy(exc) or time.monotonic() > deadline:
+                raise
+        finally:
+            db.close()
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)

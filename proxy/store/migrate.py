@@ -10,23 +10,18 @@ on PostgreSQL by a transaction-scoped advisory lock, on SQLite by running the
 migration in a ``BEGIN IMMEDIATE`` transaction. All DDL of one run is one
 transaction on both, so a failed migration leaves no half-built schema.
 
-A new SQLite file is switched to WAL before any of that, by one connection that
-retries while another holds the lock: SQLite does not wait on its busy timeout
-for that switch (it upgrades a read lock to an exclusive one), so concurrent
-first connections to a fresh file would otherwise fail with "database is
-locked". Migrations in one process run one at a time, since Alembic's
-``context`` is a module global that two interleaved runs would share.
+A new SQLite file is switched to WAL before any of that (``prepare_sqlite_file``:
+concurrent first connections would otherwise fail "database is locked").
+Migrations in one process run one at a time, since Alembic's ``context`` is a
+module global that two interleaved runs would share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
-import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from alembic import command
@@ -35,13 +30,13 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from proxima.migrations import SCRIPT_LOCATION
 from proxima.proxy.store.database import (
-    SQLITE_BUSY_TIMEOUT_MS,
     begin_immediate,
     create_engine,
     normalize_db_url,
+    prepare_sqlite_file,
 )
 from sqlalchemy import text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
 logger = logging.getLogger(__name__)
@@ -61,40 +56,6 @@ def alembic_config(url: str | None = None) -> Config:
 def head_revision() -> str | None:
     """The newest revision among the packaged migration scripts."""
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
-
-
-def _sqlite_file(url: str) -> Path | None:
-    """The file of a SQLite ``url``; ``None`` for other databases, memory and ``file:`` URIs."""
-    parsed = make_url(normalize_db_url(url))
-    database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
-        return None
-    if database.startswith("file:"):
-        return None
-    return Path(database).expanduser()
-
-
-def prepare_sqlite_file(url: str, timeout_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> None:
-    """Create a SQLite database's directory and switch the file to WAL, waiting out other
-    connections for up to ``timeout_s`` (a no-op for other databases)."""
-    path = _sqlite_file(url)
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
-                raise
-        finally:
-            db.close()
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
 
 
 _in_process: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
-from proxima.proxy.store.database import configure_sqlite
+from proxima.proxy.store.database import configure_sqlite, is_sqlite_busy
 from sqlalchemy import Table, create_engine
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import URL, Connection, Dialect
@@ -104,7 +104,7 @@ class SqliteWriter:
             # fetchall: the statement runs to its end, so no read transaction stays open.
             rows = self._loop_connection().execute(raw.sql, (value,)).fetchall()
         except sqlite3.OperationalError as exc:
-            if _is_busy(exc):
+            if is_sqlite_busy(exc):
                 raise SqliteBusy() from exc
             raise
         return raw.values(rows[0]) if rows else None
@@ -201,11 +201,6 @@ def _connect(path: str | None) -> sqlite3.Connection:
     return db
 
 
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    """SQLITE_BUSY, or one of its extended codes."""
-    return exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
-
-
 def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """``fn(db, *args)`` between ``BEGIN IMMEDIATE`` and ``COMMIT``; ``SqliteBusy`` when the lock
     is taken (only a connection without a busy timeout sees that: nothing was written)."""
@@ -216,7 +211,7 @@ def _transact(db: sqlite3.Connection, fn: Callable[..., Any], args: tuple[Any, .
     except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+        if isinstance(exc, sqlite3.OperationalError) and is_sqlite_busy(exc):
             raise SqliteBusy() from exc
         raise
     return result

@@ -13,7 +13,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from proxima.proxy.store import migrate
-from proxima.proxy.store.database import create_engine
+from proxima.proxy.store.database import create_engine, prepare_sqlite_file
 from proxima.proxy.store.errors import StoreError
 from proxima.proxy.store.models import Base
 from proxima.proxy.store.store import Store
@@ -87,7 +87,7 @@ def _first_connections_at_once(url: str, count: int) -> list[BaseException]:
     def first_connection() -> None:
         start.wait()
         try:
-            migrate.prepare_sqlite_file(url, timeout_s=10)
+            prepare_sqlite_file(url, timeout_s=10)
         except BaseException as exc:  # noqa: BLE001 - collected for the assertion
             errors.append(exc)
 
