@@ -29,6 +29,7 @@ With any ``app.dependency_overrides`` set (tests), FastAPI's own handler runs.
 from __future__ import annotations
 
 import email.message
+import functools
 import inspect
 import json
 from collections.abc import Callable, Coroutine
@@ -102,15 +103,8 @@ async def _json_body(request: Request, *, strict_content_type: bool) -> Any:
     content_type = request.headers.get("content-type")
     if not content_type and strict_content_type:
         return raw  # FastAPI's default: a body without a content type is not JSON
-    if content_type:
-        message = email.message.Message()
-        message["content-type"] = content_type
-        subtype = message.get_content_subtype()
-        is_json = message.get_content_maintype() == "application" and (
-            subtype == "json" or subtype.endswith("+json")
-        )
-        if not is_json:
-            return raw  # validated as is: not an object, so a clear 400
+    if content_type and not _is_json(content_type):
+        return raw  # validated as is: not an object, so a clear 400
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -124,3 +118,15 @@ async def _json_body(request: Request, *, strict_content_type: bool) -> Any:
         raise RequestValidationError([error], body=exc.doc) from exc
     except UnicodeDecodeError as exc:  # not UTF-8: FastAPI's reading fails the same way
         raise HTTPException(400, "There was an error parsing the body") from exc
+
+
+@functools.lru_cache(maxsize=64)
+def _is_json(content_type: str) -> bool:
+    """Whether a content type is JSON as FastAPI tells (``application/json`` or ``+json``);
+    parsed once per distinct header value, as clients send the same one on every request."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )

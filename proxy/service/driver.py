@@ -70,6 +70,11 @@ class ChoiceRun:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
+    def saw_tokens(self) -> None:
+        """Note the time of the first tokens (for time to first token)."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+
 
 # Called with every finished choice once all are done; returns when they are durable.
 Commit = Callable[[Prepared, list[tuple[ChoiceRun, Finish]]], Awaitable[None]]
@@ -116,8 +121,7 @@ class GenerationDriver:
                 state = states[run.index]
                 async with aclosing(self._generate(prep, run)) as chunks:
                     async for chunk in chunks:
-                        if run.first_token_at is None:
-                            run.first_token_at = time.monotonic()
+                        run.saw_tokens()
                         yield self._delta(prep, run, state, chunk)
                 finished.append((run, state.finish(prep, run)))
             else:
@@ -173,8 +177,7 @@ class GenerationDriver:
     async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
         """One choice's tokens as they arrive, the time of its first one noted."""
         async for tokens in self._generate(prep, run):
-            if run.first_token_at is None:
-                run.first_token_at = time.monotonic()
+            run.saw_tokens()
             yield tokens
 
     async def _drain(self, prep: Prepared, run: ChoiceRun) -> None:

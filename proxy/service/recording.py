@@ -49,11 +49,11 @@ class CompletionCommitter:
         await self.recorder.record(records)
         self.cache.add_completions(records)
         current = self.pool.version
+        m = self.metrics
         for r in records:
-            m = self.metrics
             m.child(m.completions, "chat" if r.request_messages is not None else "text").inc()
             if r.output_versions:
-                self.metrics.staleness.observe(current - min(r.output_versions))
+                m.staleness.observe(current - min(r.output_versions))
 
     def record(self, prep: Prepared, run: ChoiceRun, finish: Finish) -> CompletionRecord:
         """The record of one finished choice of a request that has a session."""
