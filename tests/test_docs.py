@@ -15,7 +15,8 @@ TOP = ("proxy", "trainer", "proxima", "tests", "bench", "docs", "migrations",
        "agents_examples", "docker", "deploy", ".ci")  # fmt: skip
 # A repository-relative path: a top-level folder, then path characters. Not part of a
 # longer path or URL (no path character before it).
-CITED = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w)" % "|".join(re.escape(t) for t in TOP))
+_TOPS = "|".join(re.escape(t) for t in TOP)
+CITED = re.compile(rf"(?<![\w./-])((?:{_TOPS})/[\w./-]*\w)")
 OUTSIDE = re.compile(r"\bDESIGN\.md\b|\bSTYLE\.md\b|\.\./shared\b")
 TEXT = (".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".sh", ".mjs", ".ini")
 
