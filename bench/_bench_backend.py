@@ -77,9 +77,7 @@ def main() -> None:
     )
     args = p.parse_args()
     script = [int(t) for t in args.script.split(",")] if args.script else None
-    fake = FakeBackend(
-        vocab_size=args.vocab_size, chunk_tokens=1, incremental=True, script=script
-    )
+    fake = FakeBackend(vocab_size=args.vocab_size, chunk_tokens=1, incremental=True, script=script)
     uvicorn.run(
         create_bench_app(fake),
         host="127.0.0.1",

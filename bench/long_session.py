@@ -42,17 +42,40 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from proxy_overhead import host_line, wait_http  # noqa: E402
-
 from proxima.proxy.serving import free_port  # noqa: E402
 from proxima.proxy.store.store import Store  # noqa: E402
 from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from proxy_overhead import host_line, wait_http  # noqa: E402
 
-WORDS = (
-    "src tests def class return import self value error file line path config build "
-    "assert patch diff commit module function result status output index cache None"
-).split()
+WORDS = [
+    "src",
+    "tests",
+    "def",
+    "class",
+    "return",
+    "import",
+    "self",
+    "value",
+    "error",
+    "file",
+    "line",
+    "path",
+    "config",
+    "build",
+    "assert",
+    "patch",
+    "diff",
+    "commit",
+    "module",
+    "function",
+    "result",
+    "status",
+    "output",
+    "index",
+    "cache",
+    "None",
+]
 REPLY_TEXT = "I will read the failing test and then patch the module it imports. "
 
 
@@ -92,7 +115,9 @@ def tool_output(rng: random.Random, size: int) -> str:
     return " ".join(words)[:size]
 
 
-async def read_chat(http: httpx.AsyncClient, url: str, body: dict, key: str) -> tuple[float, str, str]:
+async def read_chat(
+    http: httpx.AsyncClient, url: str, body: dict, key: str
+) -> tuple[float, str, str]:
     """One streamed chat turn: (seconds, completion id, reply text)."""
     t0 = time.perf_counter()
     parts: list[str] = []
