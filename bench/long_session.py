@@ -188,7 +188,7 @@ async def run(args: argparse.Namespace) -> None:
     tool_list = tools(args.tools_bytes)
     messages: list[dict] = [
         {"role": "system", "content": "You are a coding agent. " + tool_output(rng, 400)},
-        {"role": "user", "content": "Fix the failing test in tests/test_cache.py."},
+        {"role": "user", "content": "Fix the failing cache test."},
     ]
     turns: list[tuple[int, float, float]] = []  # (prompt tokens, proxy s, direct s)
     final_context = 0
