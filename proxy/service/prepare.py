@@ -74,6 +74,9 @@ class Prepared:
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    # The record of ``parent_id``, from the session's history: the store keeps only what
+    # each completion adds to it (``proxima.proxy.store.chains``).
+    parent: CompletionRecord | None = None
 
     @property
     def completion_ids(self) -> list[str]:
