@@ -45,6 +45,7 @@ from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Samplin
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.structured import Grammar, output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
+from proxima.proxy.tools.fallback import template_renders_tools
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
@@ -98,11 +99,25 @@ class PromptPreparer:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)  # used on the event loop only
+        plain = ChatRenderer(tokenizer)
+        # A template that drops tools: a declared fallback renders them, or requests with
+        # tools are a 400 (never dropped silently): proxima.proxy.tools.fallback.
+        self.renders_tools = template_renders_tools(
+            lambda messages, tools: plain.render_text(messages, tools, add_generation_prompt=True)
+        )
+        fallback = None if self.renders_tools else settings.tool_fallback
+        if fallback is not None and fallback != tool_parser.name:
+            raise ValueError(
+                f"--tool-fallback {fallback} writes calls the {tool_parser.name!r} tool parser "
+                f"does not read; serve with --tool-parser {fallback}"
+            )
+        self.tool_fallback = fallback
+        self.renderer = ChatRenderer(tokenizer, tool_fallback=fallback)  # the event loop's
         self.context_length = context_length
         self.tool_parser = tool_parser
         self.offload_chars = offload_chars
-        self._worker_renderer = ChatRenderer(tokenizer)  # used on the worker only
+        # used on the worker only
+        self._worker_renderer = ChatRenderer(tokenizer, tool_fallback=fallback)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
 
     def close(self) -> None:
@@ -113,6 +128,13 @@ class PromptPreparer:
 
     async def render(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> PromptPlan:
         """``ChatRenderer.build_prompt``, on the worker thread for a long conversation."""
+        if chat.tools and not self.renders_tools and self.tool_fallback is None:
+            raise BadRequest(
+                "This model's chat template does not render tools, so the model would never "
+                "see them. Serve with --tool-fallback hermes to write them into the system "
+                "prompt in hermes' format, or send the request without 'tools'.",
+                param="tools",
+            )
         if _chat_chars(chat) > self.offload_chars:
             build = self._worker_renderer.build_prompt
             return await self._off_loop(build, chat.messages, chat.tools, list(history))
@@ -134,6 +156,9 @@ class PromptPreparer:
             parallel_tool_calls=chat.parallel_tool_calls,
         )
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
+        if chat.tools and self.tool_fallback is not None:
+            # The template does not render tools: the system prompt carried them.
+            prepared.sampling["tool_format"] = f"{self.tool_fallback} (--tool-fallback)"
         prepared.messages = chat.messages
         prepared.tools = chat.tools
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
