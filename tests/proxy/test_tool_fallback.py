@@ -58,7 +58,11 @@ def tokenizer(template: str | None = None) -> Any:
 
 def preparer(tok: Any, fallback: str | None) -> PromptPreparer:
     settings = Settings.model_construct(
-        **{n: f.default for n, f in Settings.model_fields.items() if n not in ("model", "tool_fallback")},
+        **{
+            n: f.default
+            for n, f in Settings.model_fields.items()
+            if n not in ("model", "tool_fallback")
+        },
         model=Path("tiny"),
         tool_fallback=fallback,
     )
