@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
             "admin_token": args.admin_token,
             "served_model_name": args.served_model_name,
             "tool_parser": args.tool_parser,
+            "reasoning_parser": args.reasoning_parser,
             "max_staleness": args.max_staleness,
             "train_batch_size": args.train_batch_size,
             "context_length": args.context_length,
@@ -336,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
     p.add_argument(
         "--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="qwen3 | deepseek-r1 | none: a thinking model's reasoning markers (default: detect)",
     )
     p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
     p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")

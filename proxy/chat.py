@@ -266,6 +266,30 @@ def messages_equivalent(a: Message, b: Message) -> bool:
     return True
 
 
+# Arguments of the renderer itself: never a template variable a client may set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversations",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "tokenize",
+        "return_dict",
+    }
+)
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` less the renderer's own arguments (checked with a 400 earlier)."""
+    if not kwargs:
+        return {}
+    return {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
+
+
 def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     """JSON of a tool list in its own key order (absent and empty are the same).
 
@@ -323,6 +347,7 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None,
         *,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` and the OpenAI ``tools`` list.
 
@@ -340,7 +365,7 @@ class ChatRenderer:
                 tools=tool_list,
                 chat_template=self._tokenizer.get_chat_template(None, tool_list),
                 add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
+                **{**_template_variables(template_kwargs), **self._special_tokens},
             )
             return str(rendered[0])
         except TemplateError as exc:
@@ -363,6 +388,7 @@ class ChatRenderer:
         messages: Sequence[Message],
         tools: Sequence[dict[str, Any]] | None,
         history: Sequence[CompletionRecord],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan:
         """The prompt for canonical ``messages``, reusing the session's tokens if possible.
 
@@ -370,12 +396,14 @@ class ChatRenderer:
         the completion whose request messages plus reply the new messages
         strictly extend, with the same tools: the longest such prefix, then
         the most recent. Messages are compared before anything is rendered,
-        and only the chosen parent is rendered.
+        and only the chosen parent is rendered. ``template_kwargs`` are extra
+        variables of the template (``enable_thinking``).
         """
-        full = self.render_text(messages, tools, add_generation_prompt=True)
+        kwargs = template_kwargs or None
+        full = self.render_text(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
         parent = _find_parent(messages, tools, history)
         if parent is not None:
-            plan = self._extend(parent, messages, full, tools)
+            plan = self._extend(parent, messages, full, tools, kwargs)
             if plan is not None:
                 return plan
         prompt_ids = self.encode(full)
@@ -387,6 +415,7 @@ class ChatRenderer:
         messages: Sequence[Message],
         full: str,
         tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan | None:
         """Parent tokens plus the new messages' tokens, or None if the template forbids it.
 
@@ -402,8 +431,12 @@ class ChatRenderer:
         size = len(parent.request) + 1
         request, reply = list(messages[: size - 1]), messages[size - 1]
         try:
-            opened = self.render_text(request, tools, add_generation_prompt=True)
-            previous = self.render_text([*request, reply], tools, add_generation_prompt=False)
+            opened = self.render_text(
+                request, tools, add_generation_prompt=True, template_kwargs=kwargs
+            )
+            previous = self.render_text(
+                [*request, reply], tools, add_generation_prompt=False, template_kwargs=kwargs
+            )
         except InvalidMessages:
             logger.debug("template rejects the parent's messages", extra={"parent": record.id})
             return None

@@ -55,6 +55,11 @@ class Settings(BaseSettings):
         description="Tool-call parser (hermes, llama3_json, none); default: detected "
         "from the chat template.",
     )
+    reasoning_parser: str | None = Field(
+        None,
+        description="Reasoning parser (qwen3, deepseek-r1, none): splits a thinking model's "
+        "reasoning from its answer; default: detected from the chat template.",
+    )
     context_length: int | None = Field(
         None,
         ge=16,

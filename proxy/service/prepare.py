@@ -41,6 +41,7 @@ from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
 from proxima.proxy.generation import GenerationParams
+from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.structured import Grammar, output_grammar
@@ -48,6 +49,8 @@ from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
+# Tokens at a prompt's end read to tell whether it leaves a reasoning block open.
+_PROMPT_TAIL = 16
 
 T = TypeVar("T")
 
@@ -74,6 +77,8 @@ class Prepared:
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    reasoning: ReasoningParser | None = None  # a thinking model's (chat input only)
+    in_reasoning: bool = False  # the reply starts inside the reasoning (the prompt opened it)
 
     @property
     def completion_ids(self) -> list[str]:
@@ -91,6 +96,7 @@ class PromptPreparer:
         tokenizer: Any,
         context_length: int,
         tool_parser: ToolCallParser,
+        reasoning_parser: ReasoningParser | None = None,
         offload_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.settings = settings
@@ -98,6 +104,7 @@ class PromptPreparer:
         self.renderer = ChatRenderer(tokenizer)  # used on the event loop only
         self.context_length = context_length
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.offload_chars = offload_chars
         self._worker_renderer = ChatRenderer(tokenizer)  # used on the worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
@@ -112,8 +119,10 @@ class PromptPreparer:
         """``ChatRenderer.build_prompt``, on the worker thread for a long conversation."""
         if _chat_chars(chat) > self.offload_chars:
             build = self._worker_renderer.build_prompt
-            return await self._off_loop(build, chat.messages, chat.tools, list(history))
-        return self.renderer.build_prompt(chat.messages, chat.tools, history)
+            return await self._off_loop(
+                build, chat.messages, chat.tools, list(history), chat.template_kwargs
+            )
+        return self.renderer.build_prompt(chat.messages, chat.tools, history, chat.template_kwargs)
 
     async def chat(
         self,
@@ -135,6 +144,10 @@ class PromptPreparer:
         prepared.tools = chat.tools
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
+        if self.reasoning_parser is not None:
+            prepared.reasoning = self.reasoning_parser
+            tail = self.tokenizer.decode(plan.prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+            prepared.in_reasoning = self.reasoning_parser.starts_in_reasoning(tail)
         return prepared
 
     async def text_prompt(self, prompt: Any) -> list[int]:
