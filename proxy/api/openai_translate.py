@@ -68,6 +68,7 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
             response_format=req.response_format.model_dump() if req.response_format else None,
             parallel_tool_calls=req.parallel_tool_calls,
             template_kwargs=_template_kwargs(req.chat_template_kwargs),
+            reasoning_budget=req.reasoning_budget,
         ),
         sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
         id_prefix="chatcmpl-",

@@ -54,6 +54,8 @@ class ChatInput:
     enforced with ``tool_choice`` by constrained decoding (``proxima.proxy.structured``)."""
     parallel_tool_calls: bool | None = None
     template_kwargs: dict[str, Any] | None = None
+    reasoning_budget: int | None = None
+    """Most reasoning tokens; then the reasoning is closed (Messages ``budget_tokens``)."""
     """Extra variables of the chat template (``chat_template_kwargs``: ``enable_thinking``)."""
 
 

@@ -40,7 +40,7 @@ from proxima.proxy.chat import ChatRenderer, PromptPlan
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
-from proxima.proxy.generation import GenerationParams
+from proxima.proxy.generation import GenerationParams, ReasoningBudget
 from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
@@ -151,7 +151,22 @@ class PromptPreparer:
             prepared.reasoning = self.reasoning_parser
             tail = self.tokenizer.decode(plan.prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
             prepared.in_reasoning = self.reasoning_parser.starts_in_reasoning(tail)
+            if chat.reasoning_budget is not None:
+                prepared.params.reasoning_budget = self._budget(
+                    chat.reasoning_budget, self.reasoning_parser, prepared.in_reasoning
+                )
         return prepared
+
+    def _budget(self, limit: int, parser: ReasoningParser, in_reasoning: bool) -> ReasoningBudget:
+        """``limit`` reasoning tokens, then ``\n</think>\n\n`` (the template's own closing)."""
+        decode = self.tokenizer.decode
+
+        def is_open(ids: list[int]) -> bool:
+            split = parser.parse(decode(ids, skip_special_tokens=True), in_reasoning=in_reasoning)
+            return split.reasoning is not None and not split.closed
+
+        close = self.tokenizer.encode(f"\n{parser.end}\n\n", add_special_tokens=False)
+        return ReasoningBudget(limit=limit, close_ids=close, is_open=is_open)
 
     async def text_prompt(self, prompt: Any) -> list[int]:
         """``text_prompt_ids``, on the worker thread for a long prompt."""
