@@ -1,6 +1,6 @@
 """Messages to token ids, token-exact across the turns of a session.
 
-The proxy, not the backend, turns messages into token ids (DESIGN.md,
+The proxy, not the backend, turns messages into token ids (docs/design.md,
 "Token-exact multi-turn"). Three steps:
 
 1. ``normalize_messages`` validates OpenAI messages and brings them to one
