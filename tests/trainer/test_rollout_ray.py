@@ -145,8 +145,15 @@ def test_a_lost_node_fails_only_the_runs_it_held(ray_rollout: dict[str, Any]) ->
             assert run["node_id"] != loss["victim"] and stored["reward"] is not None
 
 
-def test_ray_mode_without_a_cluster_checks_its_agent() -> None:
+async def test_ray_mode_without_a_cluster() -> None:
     with pytest.raises(RolloutError, match="module:function"):
         RolloutController("http://127.0.0.1:9", "t", "no_colon", mode="ray")
     with pytest.raises(ValueError, match="'ray'"):
         RolloutController("http://127.0.0.1:9", "t", "m:f", mode="threads")  # type: ignore[arg-type]
+    # A cluster that cannot be joined stops the rollout before any session is opened.
+    ctl = RolloutController(
+        "http://127.0.0.1:9", "t", "m:f", mode="ray", ray_address="no-such-cluster"
+    )
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster at no-such-cluster"):
+        await ctl.run([{"id": "x"}])
+    assert ctl.progress.sessions_started == 0
