@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from proxima.trainer.agents import RolloutError
 from proxima.trainer.rollout import RolloutController
+from proxima.trainer.rollout import main as rollout_main
 
 HERE = Path(__file__).resolve().parent
 RUNS = 200
@@ -143,6 +144,15 @@ def test_a_lost_node_fails_only_the_runs_it_held(ray_rollout: dict[str, Any]) ->
             assert stored["reward"] is None
         else:
             assert run["node_id"] != loss["victim"] and stored["reward"] is not None
+
+
+def test_rollout_cli_takes_ray_mode_and_address(tmp_path: Path) -> None:
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text('{"id": "x"}\n')
+    argv = ["--proxy", "http://127.0.0.1:9", "--admin-token", "t", "--agent", "m:f"]
+    argv += ["--dataset", str(dataset), "--mode", "ray", "--ray-address", "no-such-cluster"]
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster at no-such-cluster"):
+        rollout_main(argv)
 
 
 async def test_ray_mode_without_a_cluster() -> None:
