@@ -191,7 +191,7 @@ def _production(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_production(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_production(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("production", help="promote, canary, roll back the production deployment")
     psub = p.add_subparsers(dest="production_command", required=True)
     q = psub.add_parser("promote", help="serve version V to production keys")
@@ -231,7 +231,7 @@ def _trainer(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_trainer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Imported lazily where it runs; the flags themselves are the trainer's own.
     from proxima.trainer.cli import add_arguments
 

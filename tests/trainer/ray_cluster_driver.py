@@ -16,9 +16,12 @@ their worker die (``os._exit``), raise, or hang past the timeout.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -147,8 +150,24 @@ async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[st
     }
 
 
+def loopback_only() -> None:
+    """Bring ``lo`` up in this fresh network namespace, and check it is the only interface.
+
+    An ioctl rather than ``ip link set lo up``: no iproute2 needed.
+    """
+    assert socket.if_nameindex() == [(1, "lo")], (
+        f"not a loopback-only netns: {socket.if_nameindex()}"
+    )
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
 def main() -> int:
     model_dir, out_path, runs = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    loopback_only()
     import ray
     from proxima.proxy.testing.live import LiveProxy
     from ray.cluster_utils import Cluster

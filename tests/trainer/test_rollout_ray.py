@@ -23,6 +23,8 @@ import pytest
 from proxima.trainer.agents import RolloutError
 from proxima.trainer.rollout import RolloutController
 from proxima.trainer.rollout import main as rollout_main
+from proxima.trainer.train import rollout_controller
+from proxima.trainer.train_config import load_run_config
 
 HERE = Path(__file__).resolve().parent
 RUNS = 200
@@ -33,16 +35,9 @@ FAILING = {"q-0": "died", "q-3": "died", "q-1": "raised", "q-2": "timed out"}
 
 
 def _in_loopback_namespace(argv: list[str]) -> list[str]:
-    """``argv`` in new network + PID namespaces whose only interface is ``lo`` (up)."""
+    """``argv`` in new network + PID namespaces (the driver brings their ``lo`` up itself)."""
     user_ns = [] if os.geteuid() == 0 else ["--map-root-user"]
-    script = 'ip link set lo up && exec "$@"'
-    return ["unshare", *user_ns, "--net", "--pid", "--fork", "--mount-proc"] + [
-        "sh",
-        "-c",
-        script,
-        "sh",
-        *argv,
-    ]
+    return ["unshare", *user_ns, "--net", "--pid", "--fork", "--mount-proc", *argv]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +148,21 @@ def test_rollout_cli_takes_ray_mode_and_address(tmp_path: Path) -> None:
     argv += ["--dataset", str(dataset), "--mode", "ray", "--ray-address", "no-such-cluster"]
     with pytest.raises(RolloutError, match="cannot join the Ray cluster at no-such-cluster"):
         rollout_main(argv)
+
+
+async def test_train_run_config_puts_rollouts_on_ray(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[rollout]\nagent = "m:f"\nmode = "ray"\nray_address = "no-such-cluster"\n'
+        "ray_options = { num_cpus = 0.25, max_retries = 3 }\n"
+    )
+    ctl = rollout_controller(load_run_config(config), "http://127.0.0.1:9", "t", "tiny")
+    assert ctl.mode == "ray" and ctl._ray is not None
+    assert ctl._ray.address == "no-such-cluster"
+    # The run's task options, except retries: a retried run would add turns to its session.
+    assert ctl._ray.options["num_cpus"] == 0.25 and ctl._ray.options["max_retries"] == 0
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster"):
+        await ctl.run([{"id": "x"}])
 
 
 async def test_ray_mode_without_a_cluster() -> None:
