@@ -83,6 +83,51 @@ def check_messages_thinking(thinking: dict[str, Any] | None) -> None:
     )
 
 
+# Anthropic's smallest thinking budget.
+MIN_BUDGET_TOKENS = 1024
+
+
+def messages_thinking(
+    thinking: dict[str, Any] | None, *, thinks: bool, max_tokens: int
+) -> tuple[dict[str, Any] | None, int | None]:
+    """Messages ``thinking`` for a model that may think: ``(template kwargs, budget)``.
+
+    ``enabled`` and ``adaptive`` let the model think as its template does;
+    ``disabled`` turns the template's own switch off (``enable_thinking:
+    false``, Qwen3's). ``enabled`` needs ``budget_tokens`` of at least 1024 and
+    below ``max_tokens`` (Anthropic's rules); the reasoning is then cut at that
+    many tokens and closed. A model that does not think: ``check_messages_thinking``.
+    """
+    if not thinks:
+        check_messages_thinking(thinking)
+        return None, None
+    if not thinking:
+        return None, None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False}, None
+    if kind == "adaptive":
+        return None, None
+    if kind != "enabled":
+        raise BadRequest(
+            f"thinking.type {kind!r} is not one of 'enabled', 'adaptive', 'disabled'.",
+            param="thinking.type",
+        )
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_BUDGET_TOKENS:
+        raise BadRequest(
+            f"thinking.budget_tokens: Input should be an integer greater than or equal to "
+            f"{MIN_BUDGET_TOKENS}.",
+            param="thinking.budget_tokens",
+        )
+    if budget >= max_tokens:
+        raise BadRequest(
+            "`max_tokens` must be greater than `thinking.budget_tokens`.",
+            param="thinking.budget_tokens",
+        )
+    return None, budget
+
+
 def check_messages_effort(effort: Any) -> None:
     """Messages ``output_config.effort``: a valid effort is a no-op."""
     if effort is not None and effort not in MESSAGES_EFFORTS:
