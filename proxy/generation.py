@@ -350,7 +350,9 @@ async def generate(
         boundary = None
         if params.stop and params.decode is not None and result.output_ids:
             boundary = BoundaryStops(params.stop, params.decode, list(result.output_ids))
-        request = GenerateRequest(
+        # Not validated again: the ids are the prompt's (checked when it was prepared) and
+        # the backend's own; validating tens of thousands costs milliseconds per turn.
+        request = GenerateRequest.model_construct(
             input_ids=prompt_ids + result.output_ids,
             sampling_params=params.sampling(remaining),
             return_logprob=True,
