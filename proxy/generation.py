@@ -47,7 +47,7 @@ from proxima.proxy.backends.errors import (
     BackendOperationFailed,
     BackendRejected,
 )
-from proxima.proxy.backends.pool import Backend, BackendPool
+from proxima.proxy.backends.pool import Backend, BackendPool, reported_version
 from proxima.proxy.backends.protocol import FinishReason, GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import GenerateDelta
 from proxima.proxy.errors import (
@@ -212,13 +212,6 @@ class BoundaryStops:
         return None
 
 
-def _parse_version(raw: str | None, fallback: int) -> int:
-    try:
-        return int(raw) if raw is not None else fallback
-    except ValueError:
-        return fallback
-
-
 async def _abort_quietly(backend: Backend, rid: str) -> None:
     try:
         await backend.client.abort_request(rid=rid)
@@ -229,17 +222,31 @@ async def _abort_quietly(backend: Backend, rid: str) -> None:
 class _Attempt:
     """One backend request of a completion: turns stream deltas into token chunks."""
 
-    def __init__(self, backend: Backend, rid: str, boundary: BoundaryStops | None):
+    def __init__(self, backend: Backend, rid: str, boundary: BoundaryStops | None, *, version: int):
         self.backend = backend
         self.rid = rid
         self.boundary = boundary
+        self.version = version  # the pool's version when the attempt started
         self.finish: FinishReason | None = None
         self.straddled = False
+        self.stale: int | None = None  # the older version the backend generated with
 
-    def take(
-        self, delta: GenerateDelta, params: GenerationParams, current: int
-    ) -> TokenChunk | None:
+    def take(self, delta: GenerateDelta, params: GenerationParams) -> TokenChunk | None:
+        """The delta's tokens, or None when it has none (or comes from stale weights).
+
+        Every healthy backend serves the pool's version when an attempt starts, so
+        tokens of an older version come from a backend that restarted with its
+        start-up weights since it was last checked: ``stale`` is set and the
+        caller drops the attempt.
+        """
         self.backend.last_ok = time.monotonic()  # it answers: no health probe needed
+        if delta.weight_version is None:  # a server that does not label its chunks
+            version = self.backend.version if self.backend.version is not None else self.version
+        else:
+            version = reported_version(delta.weight_version)
+        if version < self.version:
+            self.stale = version
+            return None
         found = self.boundary.find(delta.token_ids) if self.boundary else None
         if found is not None:
             keep, stop = found
@@ -250,7 +257,6 @@ class _Attempt:
             self.finish = delta.finish_reason
         if not delta.token_ids:
             return None
-        version = _parse_version(delta.weight_version, current)
         return TokenChunk(
             token_ids=delta.token_ids,
             logprobs=delta.logprobs,
@@ -284,6 +290,7 @@ async def generate(
             result.finish_reason = "length"
             return
         await pool.wait_ready()
+        version = pool.version
         try:
             backend = pool.choose(sticky_key)
         except BackendUnavailable:
@@ -301,14 +308,17 @@ async def generate(
             top_logprobs_num=params.top_logprobs,
             rid=rid,
         )
-        attempt_state = _Attempt(backend, rid, boundary)
+        attempt_state = _Attempt(backend, rid, boundary, version=version)
         held: list[TokenChunk] = []  # a constrained attempt's tokens, until it finishes
         result.backend = backend.url
         with pool.lease(backend):
             try:
                 async with aclosing(backend.client.generate_stream(request)) as stream:
                     async for delta in stream:
-                        chunk = attempt_state.take(delta, params, pool.version)
+                        chunk = attempt_state.take(delta, params)
+                        if attempt_state.stale is not None:
+                            await asyncio.shield(_abort_quietly(backend, rid))
+                            break
                         if chunk is not None and params.grammar is not None:
                             held.append(chunk)
                         elif chunk is not None:
@@ -331,6 +341,14 @@ async def generate(
             except (asyncio.CancelledError, GeneratorExit):
                 await asyncio.shield(_abort_quietly(backend, rid))
                 raise
+        if attempt_state.stale is not None:
+            # Nothing of this attempt was kept: generate again where the current
+            # weights are (the health checks bring this backend up to date).
+            pool.mark_stale(backend, attempt_state.stale)
+            result.interruptions += 1
+            if result.interruptions > MAX_INTERRUPTIONS:
+                raise BackendUnavailable("Generation was interrupted too many times.")
+            continue
         finish = attempt_state.finish
         if finish is not None and finish.is_error:
             raise abort_error(finish)
