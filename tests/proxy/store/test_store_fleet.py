@@ -16,8 +16,7 @@ from tests.proxy.store.factories import completion, key_hash
 
 def _admitted_by_scan() -> str:
     return (
-        "SELECT count(*) FROM sessions WHERE kind = 'train' "
-        "AND status NOT IN ('failed', 'dropped')"
+        "SELECT count(*) FROM sessions WHERE kind = 'train' AND status NOT IN ('failed', 'dropped')"
     )
 
 
