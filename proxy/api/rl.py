@@ -136,6 +136,7 @@ def _completion_json(c: CompletionRecord) -> dict[str, Any]:
         "created_at": c.created_at.isoformat(),
         "time_to_first_token": c.time_to_first_token,
         "duration": c.duration,
+        "backend": c.backend,
     }
 
 

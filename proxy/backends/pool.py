@@ -244,6 +244,14 @@ class BackendPool:
         except BackendError:
             return None
 
+    @staticmethod
+    async def _reported(backend: Backend) -> int | None:
+        """The version a backend reports, or None when it does not answer."""
+        try:
+            return reported_version((await backend.client.model_info()).weight_version)
+        except BackendError:
+            return None
+
     async def _rejoin(self, backend: Backend) -> None:
         """Put a backend back once it reports the current version, loading it if needed.
 
@@ -304,7 +312,9 @@ class BackendPool:
                 self.weights_path = path
         if changed:
             logger.info("following the fleet to version %s", version)
-        reported = await asyncio.gather(*(self._probe(b) for b in self.backends))
+        # ``/model_info`` only: SGLang's ``/health`` generates a token and answers at a
+        # one-second poll, too slow for a fleet that follows a push within a second.
+        reported = await asyncio.gather(*(self._reported(b) for b in self.backends))
         behind = []
         for backend, seen in zip(self.backends, reported, strict=True):
             if seen is None:
