@@ -1,8 +1,8 @@
 """Rollout controller: drive ``run_agent_return_reward(data)`` over a dataset.
 
 For every dataset item the controller runs the user's agent ``group_size``
-times, each run in its own proxy session (DESIGN.md, "Sessions and the agent
-contract")::
+times, each run in its own proxy session (docs/design.md,
+"Protocols")::
 
     for item in dataset:                          # in order, bounded by max_concurrency
         for k in range(group_size):

@@ -74,6 +74,9 @@ class Prepared:
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    # The record of ``parent_id``, from the session's history: the store keeps only what
+    # each completion adds to it (``proxima.proxy.store.chains``).
+    parent: CompletionRecord | None = None
 
     @property
     def completion_ids(self) -> list[str]:
@@ -169,8 +172,12 @@ class PromptPreparer:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
         return ids
 
-    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """The completion budget: ``requested``, or what the context leaves; else an error."""
+    def max_tokens(
+        self, requested: int | None, prompt_len: int, *, fill_context: bool = False
+    ) -> int:
+        """The completion budget: ``requested``; without it the server's default (or, with
+        ``fill_context``, what the context leaves). Too large: an error, or with
+        ``clamp_max_tokens`` what the context and the limit leave."""
         ctx = self.context_length
         if prompt_len >= ctx:
             raise ContextTooLong(
@@ -178,9 +185,14 @@ class PromptPreparer:
                 f"messages resulted in {prompt_len} tokens. Please reduce the length "
                 "of the messages.",
                 param="messages",
+                prompt_tokens=prompt_len,
+                context_length=ctx,
             )
+        left = min(ctx - prompt_len, self.settings.max_tokens_limit)
         if requested is None:
-            return min(self.settings.default_max_tokens, ctx - prompt_len)
+            return left if fill_context else min(self.settings.default_max_tokens, left)
+        if self.settings.clamp_max_tokens:
+            return min(requested, left)
         if requested > self.settings.max_tokens_limit:
             raise BadRequest(
                 f"max_tokens is too large: {requested}. This server accepts at most "
@@ -194,6 +206,9 @@ class PromptPreparer:
                 f"{requested} in the completion). Please reduce the length of the messages "
                 "or completion.",
                 param="max_tokens",
+                prompt_tokens=prompt_len,
+                max_tokens=requested,
+                context_length=ctx,
             )
         return requested
 
@@ -238,7 +253,11 @@ class PromptPreparer:
         session: SessionRecord | None,
         grammar: Grammar | None = None,
     ) -> Prepared:
-        max_tokens = self.max_tokens(request.sampling.max_tokens, len(prompt_ids))
+        max_tokens = self.max_tokens(
+            request.sampling.max_tokens,
+            len(prompt_ids),
+            fill_context=request.max_tokens_fills_context,
+        )
         params = self._params(request.sampling, max_tokens, request.top_logprobs)
         params.grammar = grammar
         return Prepared(

@@ -46,7 +46,7 @@ class CompletionCommitter:
         if prep.session is None:
             return
         records = [self.record(prep, run, finish) for run, finish in finished]
-        await self.recorder.record(records)
+        await self.recorder.record(records, parent=prep.parent)
         self.cache.add_completions(records)
         current = self.pool.version
         m = self.metrics
