@@ -5,7 +5,7 @@ proxy only if what each decides comes from the database, not from its memory:
 
 - **admission** (``admit_train_session``) is one transaction under a lock
   every replica takes (a PostgreSQL transaction-level advisory lock): it reads
-  the admitted-session counter row (kept by triggers, migration 0004), the
+  the admitted-session counter row (kept by triggers, migration 0005), the
   open sessions (an index range) and the newest policy version, decides, and
   inserts. N creates spread over any number of replicas admit exactly the
   capacity, in time independent of how many sessions were ever created.

@@ -200,7 +200,7 @@ class FleetCounterRow(Base):
 
     ``admitted_train_sessions``: training sessions neither FAILED nor DROPPED
     (the ``N`` of the staleness rule); maintained by triggers on ``sessions``
-    (migration 0004).
+    (migration 0005).
     """
 
     __tablename__ = "fleet_counters"

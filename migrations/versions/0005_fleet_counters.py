@@ -11,8 +11,8 @@ under one lock shared by every replica (see ``proxy/store/admission.py``).
 ``ix_sessions_group_id``: whether a group already has an admitted session is
 asked on every grouped create; it was a scan too.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-11-24 22:30:00
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0004"
-down_revision: str | None = "0003"
+revision: str = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
