@@ -33,23 +33,38 @@ ADMITTED = "admitted_train_sessions"
 _COUNTS_NEW = "NEW.kind = 'train' AND NEW.status NOT IN ('failed', 'dropped')"
 _COUNTS_OLD = "OLD.kind = 'train' AND OLD.status NOT IN ('failed', 'dropped')"
 
+# PostgreSQL: statement-level triggers with transition tables, so a statement that
+# changes many sessions (a bulk claim, a bulk load) updates the counter row once, not once
+# per session (each update leaves a dead version of that one row behind until vacuum).
 _PG_FUNCTION = f"""
 CREATE FUNCTION proxima_count_admitted() RETURNS trigger LANGUAGE plpgsql AS $$
-DECLARE delta integer := 0;
+DECLARE delta bigint := 0;
 BEGIN
-    IF TG_OP <> 'INSERT' AND {_COUNTS_OLD} THEN delta := delta - 1; END IF;
-    IF TG_OP <> 'DELETE' AND {_COUNTS_NEW} THEN delta := delta + 1; END IF;
+    IF TG_OP <> 'INSERT' THEN
+        SELECT delta - count(*) INTO delta FROM old_rows AS o
+        WHERE o.kind = 'train' AND o.status NOT IN ('failed', 'dropped');
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        SELECT delta + count(*) INTO delta FROM new_rows AS n
+        WHERE n.kind = 'train' AND n.status NOT IN ('failed', 'dropped');
+    END IF;
     IF delta <> 0 THEN
         UPDATE fleet_counters SET value = value + delta WHERE name = '{ADMITTED}';
     END IF;
     RETURN NULL;
 END $$
 """
-_PG_TRIGGER = """
-CREATE TRIGGER sessions_count_admitted
-AFTER INSERT OR DELETE OR UPDATE OF kind, status ON sessions
-FOR EACH ROW EXECUTE FUNCTION proxima_count_admitted()
-"""
+_PG_TRIGGERS = [
+    "CREATE TRIGGER sessions_admitted_insert AFTER INSERT ON sessions "
+    "REFERENCING NEW TABLE AS new_rows "
+    "FOR EACH STATEMENT EXECUTE FUNCTION proxima_count_admitted()",
+    "CREATE TRIGGER sessions_admitted_update AFTER UPDATE ON sessions "
+    "REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows "
+    "FOR EACH STATEMENT EXECUTE FUNCTION proxima_count_admitted()",
+    "CREATE TRIGGER sessions_admitted_delete AFTER DELETE ON sessions "
+    "REFERENCING OLD TABLE AS old_rows "
+    "FOR EACH STATEMENT EXECUTE FUNCTION proxima_count_admitted()",
+]
 
 
 def _sqlite_triggers() -> list[str]:
@@ -81,7 +96,8 @@ def upgrade() -> None:
     op.create_index(op.f("ix_sessions_group_id"), "sessions", ["group_id"])
     if op.get_bind().dialect.name == "postgresql":
         op.execute(_PG_FUNCTION)
-        op.execute(_PG_TRIGGER)
+        for statement in _PG_TRIGGERS:
+            op.execute(statement)
     else:
         for statement in _sqlite_triggers():
             op.execute(statement)
@@ -89,7 +105,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute("DROP TRIGGER sessions_count_admitted ON sessions")
+        for name in ("insert", "update", "delete"):
+            op.execute(f"DROP TRIGGER sessions_admitted_{name} ON sessions")
         op.execute("DROP FUNCTION proxima_count_admitted()")
     else:
         for name in ("insert", "delete", "gain", "loss"):

@@ -280,31 +280,33 @@ def _seed_sessions(fleet: Fleet, total: int | None) -> int:
     return int(fleet.store_call(seed))
 
 
-def _creation_seconds(url: str, n: int) -> float:
-    """Lower-quartile seconds of one session create (each then failed, untimed, to free
-    capacity): the quartile, not the mean, so that other load on the machine counts less."""
-    times = []
+def _creation_seconds(url: str, rounds: int = 4, n: int = 30) -> float:
+    """Seconds of one session create: the best of ``rounds`` lower quartiles of ``n`` creates
+    (each then failed, untimed, to free capacity). Other engineers' load on a shared machine
+    only ever adds time, so the best round is the one that measures the proxy."""
+    best = float("inf")
     with httpx.Client(headers=ADMIN, timeout=60) as client:
-        for _ in range(n):
-            started = time.perf_counter()
-            resp = client.post(url + "/rl/sessions", json={})
-            times.append(time.perf_counter() - started)
-            assert resp.status_code == 200, resp.text
-            sid = resp.json()["session_id"]
-            client.post(f"{url}/rl/sessions/{sid}/finish", json={"status": "failed"})
-    return statistics.quantiles(times, n=4)[0]
+        for _ in range(rounds):
+            times = []
+            for _ in range(n):
+                started = time.perf_counter()
+                resp = client.post(url + "/rl/sessions", json={})
+                times.append(time.perf_counter() - started)
+                assert resp.status_code == 200, resp.text
+                sid = resp.json()["session_id"]
+                client.post(f"{url}/rl/sessions/{sid}/finish", json={"status": "failed"})
+            best = min(best, statistics.quantiles(times, n=4)[0])
+    return best
 
 
 def test_session_creation_at_100k_stored_sessions_within_1_5x_of_1k(fleet: Fleet) -> None:
     url = fleet.replicas[1].url
     assert _seed_sessions(fleet, 1_000) >= 1_000
-    _creation_seconds(url, 10)  # warm
-    at_1k = _creation_seconds(url, 80)
+    _creation_seconds(url, 1, 10)  # warm
+    at_1k = _creation_seconds(url)
     assert _seed_sessions(fleet, 100_000) >= 100_000
-    _creation_seconds(url, 10)
-    at_100k = _creation_seconds(url, 80)
-    assert _seed_sessions(fleet, None) < 2_000
-    at_1k_after = _creation_seconds(url, 80)
-    # Side by side (1k, 100k, 1k again, so a machine that got busier meanwhile shows in
-    # the bracket): the rate at 100k stored sessions is at least 1/1.5 of the rate at 1k.
-    assert at_100k <= 1.5 * max(at_1k, at_1k_after), (at_1k, at_100k, at_1k_after)
+    _creation_seconds(url, 1, 10)
+    at_100k = _creation_seconds(url)
+    # Admission reads a counter row and the open sessions, not every session ever created:
+    # the rate at 100k stored sessions is at least 1/1.5 of the rate at 1k.
+    assert at_100k <= 1.5 * at_1k, (at_1k, at_100k)
