@@ -28,7 +28,10 @@ already holds the first attempt's. Past ``timeout_s`` (counted from submission,
 queueing in Ray included) the task is cancelled with ``force=True``, which
 kills its worker.
 
-Ray is imported lazily: without the extra, only ``mode="ray"`` is unavailable.
+What the agents print stays in Ray's worker logs (the controller joins with
+``log_to_driver=False``: thousands of runs would flood its console); their
+errors are in the report. Ray is imported lazily: without the extra, only
+``mode="ray"`` is unavailable.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from proxima.proxy.chat import ChatRenderer, PromptPlan
+from proxima.proxy.chat import ChatRenderer, PromptPlan, RenderedTexts
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
@@ -77,6 +77,7 @@ class Prepared:
     # The record of ``parent_id``, from the session's history: the store keeps only what
     # each completion adds to it (``proxima.proxy.store.chains``).
     parent: CompletionRecord | None = None
+    rendered: str | None = None  # the template's text of ``messages`` (chat input only)
 
     @property
     def completion_ids(self) -> list[str]:
@@ -98,11 +99,13 @@ class PromptPreparer:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)  # used on the event loop only
+        # The parent's prompt text of a turn, kept from when the parent was prepared.
+        self.rendered = RenderedTexts()
+        self.renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # event loop only
         self.context_length = context_length
         self.tool_parser = tool_parser
         self.offload_chars = offload_chars
-        self._worker_renderer = ChatRenderer(tokenizer)  # used on the worker only
+        self._worker_renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
 
     def close(self) -> None:
@@ -112,11 +115,20 @@ class PromptPreparer:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def render(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> PromptPlan:
-        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation."""
-        if _chat_chars(chat) > self.offload_chars:
+        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation
+        that is not a turn extending a parent whose prompt text was kept (such a turn
+        renders the conversation once and tokenizes only its new messages: less work
+        than a thread hop costs)."""
+        if _chat_chars(chat) > self.offload_chars and not self._extends_kept(chat, history):
             build = self._worker_renderer.build_prompt
             return await self._off_loop(build, chat.messages, chat.tools, list(history))
         return self.renderer.build_prompt(chat.messages, chat.tools, history)
+
+    def _extends_kept(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> bool:
+        if not history:
+            return False
+        parent = self.renderer.find_parent(chat.messages, chat.tools, history)
+        return parent is not None and self.rendered.get(parent.id) is not None
 
     async def chat(
         self,
@@ -136,6 +148,7 @@ class PromptPreparer:
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
         prepared.tools = chat.tools
+        prepared.rendered = plan.text
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
         return prepared

@@ -72,6 +72,7 @@ class CompletionService:
             recorder=recorder,
             cache=cache,
             metrics=metrics,
+            rendered=self.preparer.rendered,
         )
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ CPUS_PER_NODE = 3
 RUN_TIMEOUT_S = 20.0
 # Fewer slots than failing runs (8): a slot a failed run kept would stall the rollout.
 MAX_CONCURRENCY = 6
+NODE_LOSS_RUNS = 18
 
 
 def reward_of(data: dict[str, Any]) -> float:
@@ -59,6 +60,8 @@ def agent(data: dict[str, Any]) -> float:
         raise ValueError("agent bug on a Ray worker")
     if kind == "hang":
         time.sleep(600)
+    if kind == "slow":
+        time.sleep(4)  # still running when its node is taken away
     return reward_of(data)
 
 
@@ -105,6 +108,45 @@ async def rollout(proxy: Any, runs: int, group_size: int) -> dict[str, Any]:
     }
 
 
+async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[str, Any]:
+    """``runs`` slow runs over every slot of the cluster; one worker node is removed mid-run."""
+    from proxima.trainer.rollout import RolloutController
+
+    controller = RolloutController(
+        proxy.url,
+        proxy.admin_token,
+        "ray_cluster_driver:agent",
+        mode="ray",
+        max_concurrency=CPUS_PER_NODE * (WORKER_NODES + 1),
+        timeout_s=60.0,
+        model=proxy.model_name,
+        group_tag="node-loss",
+    )
+    dataset = [{"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow"} for i in range(runs)]
+    rollout = asyncio.create_task(controller.run(dataset))
+    # Every slot busy with a sleeping agent, then the victim's raylet and workers are killed.
+    deadline = time.monotonic() + 60
+    while controller.progress.sessions_started < controller.max_concurrency:
+        assert time.monotonic() < deadline, "the node-loss runs never started"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.5)
+    await asyncio.to_thread(cluster.remove_node, victim)
+    report = await rollout
+    return {
+        "summary": report.summary(),
+        "victim": victim.node_id,
+        "runs": [
+            {
+                "session_id": r.session_id,
+                "status": r.status,
+                "error": r.error,
+                "node_id": r.node_id,
+            }
+            for r in report.runs
+        ],
+    }
+
+
 def main() -> int:
     model_dir, out_path, runs = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     import ray
@@ -137,8 +179,7 @@ def main() -> int:
         initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
     )
     try:
-        for _ in range(WORKER_NODES):
-            cluster.add_node(**node_args)
+        workers = [cluster.add_node(**node_args) for _ in range(WORKER_NODES)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         cluster_up = time.monotonic() - started - proxy_up
@@ -146,8 +187,11 @@ def main() -> int:
             n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]
         }  # id -> address
         result = asyncio.run(rollout(proxy, runs, group_size=2))
+        loss = asyncio.run(node_loss(proxy, cluster, workers[-1], runs=NODE_LOSS_RUNS))
+        result["node_loss"] = loss
         result["trajectories"] = {
-            r["session_id"]: proxy.trajectory(r["session_id"]) for r in result["runs"]
+            r["session_id"]: proxy.trajectory(r["session_id"])
+            for r in result["runs"] + loss["runs"]
         }
         result.update(
             nodes=nodes,

@@ -6,8 +6,8 @@ address otherwise, even when told 127.0.0.1) and a PID namespace (whatever
 it started dies with it). In there: ``proxima serve`` with the tiny model, a
 Ray cluster of three raylets (head + two worker nodes, ``ray.cluster_utils``),
 and the rollout controller in ``mode="ray"`` running 200 agent runs; some
-runs' workers die, raise or hang. This test checks what the driver read back
-from the proxy.
+runs' workers die, raise or hang. Then a second rollout loses a whole worker
+node mid-run. This test checks what the driver read back from the proxy.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from proxima.trainer.rollout import RolloutController
 
 HERE = Path(__file__).resolve().parent
 RUNS = 200
+NODE_LOSS_RUNS = 18
+# Proxy start, cluster start and both rollouts; on 2 busy cores it has taken 110 s.
+pytestmark = pytest.mark.timeout(600)
 FAILING = {"q-0": "died", "q-3": "died", "q-1": "raised", "q-2": "timed out"}
 
 
@@ -62,7 +65,7 @@ def ray_rollout(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=540,
     )
     assert proc.returncode == 0, f"driver failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -119,6 +122,27 @@ def test_dead_raising_and_hanging_tasks_fail_their_sessions(ray_rollout: dict[st
             assert "ValueError('agent bug on a Ray worker')" in run["error"]
         else:
             assert run["timed_out"] and "timed out" in run["error"]
+
+
+def test_a_lost_node_fails_only_the_runs_it_held(ray_rollout: dict[str, Any]) -> None:
+    loss, nodes = ray_rollout["node_loss"], ray_rollout["nodes"]
+    summary = loss["summary"]
+    assert summary["sessions_started"] == NODE_LOSS_RUNS
+    assert summary["sessions_rewarded"] + summary["sessions_failed"] == NODE_LOSS_RUNS
+    # Every slot was busy when the node went: the runs on it failed, the rest (and the runs
+    # queued behind them, in the freed slots) finished on the surviving nodes.
+    assert summary["sessions_failed"] >= 1 and summary["sessions_rewarded"] >= 1
+    assert loss["victim"] in nodes
+    assert set(summary["runs_by_node"]) <= set(nodes) - {loss["victim"]}
+    for run in loss["runs"]:
+        stored = ray_rollout["trajectories"][run["session_id"]]
+        assert stored["status"] == run["status"]
+        if run["status"] == "failed":
+            assert run["error"].startswith("AgentError: agent task died: "), run["error"]
+            assert "NodeDiedError" in run["error"] or "WorkerCrashedError" in run["error"]
+            assert stored["reward"] is None
+        else:
+            assert run["node_id"] != loss["victim"] and stored["reward"] is not None
 
 
 def test_ray_mode_without_a_cluster_checks_its_agent() -> None:
