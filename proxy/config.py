@@ -55,6 +55,17 @@ class Settings(BaseSettings):
         description="Tool-call parser (hermes, llama3_json, none); default: detected "
         "from the chat template.",
     )
+    signing_key: SecretStr | None = Field(
+        None,
+        description="Key that signs the reasoning handed to clients (Responses "
+        "encrypted_content, Messages thinking signatures); the same on every replica. "
+        "Default: derived from the admin token, else random per process.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="Reasoning parser (qwen3, deepseek-r1, none): splits a thinking model's "
+        "reasoning from its answer; default: detected from the chat template.",
+    )
     context_length: int | None = Field(
         None,
         ge=16,

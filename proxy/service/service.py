@@ -23,6 +23,8 @@ from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_m
 from proxima.proxy.errors import Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
+from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
@@ -59,13 +61,22 @@ class CompletionService:
         parser_name = settings.tool_parser or detect_tool_parser(
             template if isinstance(template, str) else None
         )
+        reasoning_name = settings.reasoning_parser or detect_reasoning_parser(
+            template if isinstance(template, str) else None
+        )
         self.preparer = PromptPreparer(
             settings=settings,
             tokenizer=tokenizer,
             context_length=context_length,
             tool_parser=get_tool_parser(parser_name),
+            reasoning_parser=get_reasoning_parser(reasoning_name),
         )
         self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
+        self.thinks = reasoning_name != "none"
+        self.seal = ReasoningSeal.from_secrets(
+            settings.signing_key.get_secret_value() if settings.signing_key else None,
+            settings.admin_token.get_secret_value() if settings.admin_token else None,
+        )
         self.commit = CompletionCommitter(
             model_name=settings.model_name,
             pool=pool,
