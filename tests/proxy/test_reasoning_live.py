@@ -251,3 +251,21 @@ def test_thinking_disabled_and_budget(proxy: LiveProxy) -> None:
     assert c["output_logprobs"][4 : 4 + len(close)] == [0.0] * len(close)
     assert c["sampling"]["logit_transforms"] == ["reasoning_budget"]
     assert len(c["output_ids"]) == len(c["output_logprobs"]) == len(c["output_versions"])
+
+
+def test_a_constrained_answer_starts_after_the_reasoning(proxy: LiveProxy) -> None:
+    """JSON output is enforced on the answer only: the model still thinks as taught."""
+    s = proxy.new_session(group_id="constrained")
+    client = OpenAI(base_url=s["base_url"], api_key=s["api_key"])
+    r = client.chat.completions.create(
+        model=proxy.model_name,
+        messages=[{"role": "user", "content": Q1}],
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_object"},
+    )
+    message = r.choices[0].message
+    assert message.reasoning_content == R1  # type: ignore[attr-defined]
+    assert (message.content or "").startswith("{")  # the grammar holds from the answer on
+    (c,) = proxy.trajectory(s["session_id"])["completions"]
+    assert c["sampling"]["logit_transforms"] == ["grammar:structural_tag"]
