@@ -1,17 +1,18 @@
 """HAProxy in front of proxy replicas: the load balancer of the fleet tests and benchmark.
 
 ``haproxy_config`` writes what a deployment runs (``docker/haproxy.cfg`` is
-the same rule with compose's service names): HTTP mode, affinity by the
-``Authorization`` header (each session has its own key, so its turns go to
-one replica and hit that replica's history cache), falling back to round
-robin for requests without one, active health checks on ``/health``, and
+the same rule with compose's service names): HTTP mode, affinity by
+``X-Session-Id`` (production conversations) or else the ``Authorization``
+header (each training session has its own key), so a session's turns go to
+one replica and hit that replica's history cache; round robin for requests
+with neither; active health checks on ``/health``, and
 timeouts long enough for streamed completions.
 
 Affinity is only speed: any replica serves any turn correctly, because
 everything a turn depends on (session status, history, version, admission)
 is read from the store. A replica that goes down simply moves its sessions.
 
-``HAProxyProcess`` runs the Debian ``haproxy`` binary (``make lb`` installs
+``HAProxyProcess`` runs the Debian ``haproxy`` binary (``make haproxy`` installs
 it) in the foreground on a loopback port.
 """
 
@@ -28,7 +29,7 @@ import httpx
 from proxima.proxy.serving import free_port
 
 
-def haproxy_config(replicas: list[str], *, bind: str, affinity: str = "Authorization") -> str:
+def haproxy_config(replicas: list[str], *, bind: str) -> str:
     """An HAProxy configuration balancing over ``replicas`` (``host:port`` each)."""
     servers = "\n".join(
         f"    server replica{i} {addr} check inter 1s fall 2 rise 1"
@@ -52,8 +53,11 @@ frontend proxima
     default_backend replicas
 
 backend replicas
-    # Affinity by the caller's key (speed only: any replica serves any turn correctly).
-    balance hdr({affinity})
+    # Affinity by the production session (X-Session-Id), else the caller's key (a training
+    # session's own): speed only, any replica serves any turn correctly.
+    http-request set-header X-Proxima-Affinity %[req.hdr(X-Session-Id)] if {{ req.hdr(X-Session-Id) -m found }}
+    http-request set-header X-Proxima-Affinity %[req.hdr(Authorization)] unless {{ req.hdr(X-Session-Id) -m found }}
+    balance hdr(X-Proxima-Affinity)
     hash-type consistent
     option httpchk GET /health
     http-check expect status 200
@@ -81,7 +85,9 @@ class HAProxyProcess:
     def start(self, timeout: float = 30.0) -> HAProxyProcess:
         binary = haproxy_binary()
         if binary is None:
-            raise RuntimeError("haproxy is not installed: run `make lb` (Debian package haproxy)")
+            raise RuntimeError(
+                "haproxy is not installed: run `make haproxy` (Debian package haproxy)"
+            )
         self.directory = Path(tempfile.mkdtemp(prefix="proxima-haproxy-"))
         config = self.directory / "haproxy.cfg"
         config.write_text(haproxy_config(self.replicas, bind=f"127.0.0.1:{self.port}"))

@@ -310,3 +310,34 @@ def test_session_creation_at_100k_stored_sessions_within_1_5x_of_1k(fleet: Fleet
     # Admission reads a counter row and the open sessions, not every session ever created:
     # the rate at 100k stored sessions is at least 1/1.5 of the rate at 1k.
     assert at_100k <= 1.5 * at_1k, (at_1k, at_100k)
+
+
+def test_the_trainer_pushes_through_any_replica_of_a_fleet(fleet: Fleet, tmp_path: Path) -> None:
+    from proxima.proxy.serving import free_port
+    from proxima.trainer.config import ConnectionConfig
+    from proxima.trainer.proxy_settings import fetch_proxy_settings
+    from proxima.trainer.weights import ProxyWeightSink
+
+    dead = f"http://127.0.0.1:{free_port()}"  # a replica that is down
+    listed = ", ".join([dead, *(r.url for r in fleet.replicas)])
+    conn = ConnectionConfig(proxy_url=listed)
+    assert conn.proxy_urls == [dead, *(r.url for r in fleet.replicas)]
+    with pytest.raises(ValueError, match="separate their URLs with commas"):
+        ConnectionConfig(proxy_url="http://a:1http://b:2")
+    assert conn.proxy_url is not None
+
+    async def push() -> tuple[int, list[int]]:
+        settings = await fetch_proxy_settings(conn.proxy_url or "", admin_token="test-admin-token")
+        assert settings.train_batch_size == BATCH
+        sink = ProxyWeightSink(conn.proxy_url or "", admin_token="test-admin-token")
+        try:
+            version = await sink.served_version(fleet.replicas[0].url) + 1
+            await sink.push(version=version, path=tmp_path / f"v{version}")
+            served = [await sink.served_version(r.url) for r in fleet.replicas]
+        finally:
+            await sink.aclose()
+        return version, served
+
+    version, served = asyncio.run(push())
+    assert served == [version] * 3  # pushed through the first live replica, served by all
+    assert fleet.store_call(lambda s: s.current_policy_version()) == version
