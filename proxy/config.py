@@ -63,6 +63,7 @@ class Settings(BaseSettings):
         "tool parser of the same name); completions record it in sampling['tool_format']. "
         "Unset: a request with tools to such a model is a 400. Ignored when the template "
         "renders tools itself.",
+    )
     signing_key: SecretStr | None = Field(
         None,
         description="Key that signs the reasoning handed to clients (Responses "
