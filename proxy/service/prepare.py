@@ -43,7 +43,7 @@ from proxima.proxy.errors import BadRequest, ContextTooLong
 from proxima.proxy.generation import GenerationParams
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, output_grammar
+from proxima.proxy.structured import Grammar, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
@@ -123,7 +123,7 @@ class PromptPreparer:
         history: Sequence[CompletionRecord],
     ) -> Prepared:
         plan = await self.render(chat, history)
-        grammar = output_grammar(
+        grammar = await checked_output_grammar(
             response_format=chat.response_format,
             tool_choice=chat.tool_choice,
             tools=chat.tools,
