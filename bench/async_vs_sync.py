@@ -566,7 +566,7 @@ def table(results: dict[str, Result], args: argparse.Namespace) -> str:
         ("sessions started", [f"{r.sessions_started}" for r in rs]),
         ("429 waits", [f"{r.waits_429}" for r in rs]),
         (
-            "CPU proxy/sim/driver (%)",
+            "CPU proxy, sim, driver (%)",
             [
                 f"{100 * r.cpu_proxy_s / r.wall_s:.0f}/{100 * r.cpu_sim_s / r.wall_s:.0f}/"
                 f"{100 * r.cpu_driver_s / r.wall_s:.0f}"

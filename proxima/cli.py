@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
             "max_staleness": args.max_staleness,
             "train_batch_size": args.train_batch_size,
             "context_length": args.context_length,
+            "clamp_max_tokens": args.clamp_max_tokens or None,
         }.items()
         if v is not None
     }
@@ -340,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
     p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")
     p.add_argument("--context-length", type=int, default=None, help="override the context window")
+    p.add_argument(
+        "--clamp-max-tokens",
+        action="store_true",
+        help="lower a max_tokens larger than the context leaves to what is left, instead of "
+        "answering 400 (for harnesses with a fixed max_tokens, e.g. Claude Code's 32000)",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("engine", help="run the embedded CPU engine alone (SGLang's native API)")

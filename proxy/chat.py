@@ -1,6 +1,6 @@
 """Messages to token ids, token-exact across the turns of a session.
 
-The proxy, not the backend, turns messages into token ids (DESIGN.md,
+The proxy, not the backend, turns messages into token ids (docs/design.md,
 "Token-exact multi-turn"). Three steps:
 
 1. ``normalize_messages`` validates OpenAI messages and brings them to one
@@ -20,8 +20,14 @@ where its end-of-turn marker (the tokenizer's eos, ``<|im_end|>`` for Qwen)
 sits in ``T_prev``. So the prompt continues after the marker if the model
 generated it, or at the marker if the reply was cut (``length``, a stop
 string), because then the marker has to be added. What the model saw and what
-the trainer trains on are then the same tokens by construction, whatever the
-model's reply looked like.
+the trainer trains on are then the same tokens by construction.
+
+That holds only when the template renders the earlier reply as the tokens the
+model generated. A template that rewrites it (Qwen3 and DeepSeek-R1 drop an
+earlier turn's reasoning; a template may re-serialize a tool call) would make
+``parent tokens + new tokens`` a prompt the model never sees in deployment,
+so then the whole conversation is rendered fresh: the template's own prompt,
+a new chain of the session's tree.
 
 Canonical message::
 
@@ -30,6 +36,7 @@ Canonical message::
      "tool_calls": [{"id": str, "type": "function",
                      "function": {"name": str, "arguments": dict | str}}],
                                               # assistant only, when non-empty
+     "reasoning_content": str,                # assistant only, when given
      "tool_call_id": str,                     # tool only
      "name": str}                             # when given
 
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,10 +58,13 @@ from typing import Any
 
 from jinja2 import TemplateError
 from proxima.proxy import errors
+from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.unicode import InvalidString, check_unicode
 
 _ENCODE_CACHE_SIZE = 4096
+# Tokens of a parent's prompt decoded to check it ended with this request's generation prompt.
+_PROMPT_TAIL = 32
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +120,9 @@ def normalize_message(message: Any, index: int = 0) -> Message:
         tool_calls = _tool_calls(message.get("tool_calls"), where)
         if tool_calls:
             out["tool_calls"] = tool_calls
+        reasoning = _reasoning_content(message, where)
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
     elif message.get("tool_calls"):
         raise InvalidMessages(
             f"{where}: only assistant messages may have 'tool_calls'.",
@@ -128,6 +142,19 @@ def normalize_message(message: Any, index: int = 0) -> Message:
             raise InvalidMessages(f"{where}.name must be a string.", param=f"{where}.name")
         out["name"] = name
     return out
+
+
+def _reasoning_content(message: dict[str, Any], where: str) -> str | None:
+    """An assistant message's reasoning: ``reasoning_content`` (DeepSeek, SGLang) or
+    ``reasoning`` (newer vLLM), a string; None when absent or null."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidMessages(f"{where}.{key} must be a string.", param=f"{where}.{key}")
+        return value
+    return None
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -214,14 +241,21 @@ def messages_equivalent(a: Message, b: Message) -> bool:
     """Whether two canonical messages are the same turn.
 
     Role, content, ``tool_call_id`` and each call's name and parsed arguments
-    must match exactly; call ids and ``name`` are compared only when both
-    sides have them (clients echo our ids back, or drop them).
+    must match exactly; call ids, ``name`` and ``reasoning_content`` are
+    compared only when both sides have them (clients echo our ids and the
+    reasoning back, or drop them).
     """
     if a["role"] != b["role"] or a["content"] != b["content"]:
         return False
     if a.get("tool_call_id") != b.get("tool_call_id"):
         return False
     if "name" in a and "name" in b and a["name"] != b["name"]:
+        return False
+    if (
+        "reasoning_content" in a
+        and "reasoning_content" in b
+        and a["reasoning_content"] != b["reasoning_content"]
+    ):
         return False
     calls_a, calls_b = a.get("tool_calls", []), b.get("tool_calls", [])
     if len(calls_a) != len(calls_b):
@@ -258,6 +292,37 @@ class PromptPlan:
     prompt_ids: list[int]
     parent_id: str | None
     appended_ids: list[int]
+    text: str = ""  # the template's text of the whole conversation (generation prompt included)
+
+
+class RenderedTexts:
+    """The template's text of recent completions' requests, by completion id.
+
+    A turn extends its parent by checking that the parent's own prompt text starts
+    the new conversation's text; the parent's request was rendered when the parent
+    was prepared, so that text is kept here (and used only when the new request's
+    messages and tools up to the parent are identical to the parent's, so it is
+    exactly what rendering them again would give) instead of rendering the whole
+    conversation a second time every turn. Bounded (least recently used dropped);
+    shared by the renderers of the event loop and of the worker thread.
+    """
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, completion_id: str) -> str | None:
+        with self._lock:
+            return self._texts.get(completion_id)
+
+    def add(self, completion_ids: Sequence[str], text: str) -> None:
+        with self._lock:
+            for cid in completion_ids:
+                self._texts[cid] = text
+                self._texts.move_to_end(cid)
+            while len(self._texts) > self.capacity:
+                self._texts.popitem(last=False)
 
 
 class ChatRenderer:
@@ -267,7 +332,13 @@ class ChatRenderer:
     template; it defaults to the tokenizer's eos token and must be one token.
     """
 
-    def __init__(self, tokenizer: Any, *, end_of_turn: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        end_of_turn: str | None = None,
+        rendered: RenderedTexts | None = None,
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; chat completions need one")
         marker = end_of_turn or tokenizer.eos_token
@@ -280,6 +351,7 @@ class ChatRenderer:
         self.end_of_turn: str = marker
         self.end_of_turn_id: int = marker_ids[0]
         self._encodings: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.rendered = rendered if rendered is not None else RenderedTexts()
         from transformers.utils.chat_template_utils import render_jinja_template
 
         self._render = render_jinja_template
@@ -337,48 +409,121 @@ class ChatRenderer:
         ``history`` is the session's completions, oldest first. The parent is
         the completion whose request messages plus reply the new messages
         strictly extend, with the same tools: the longest such prefix, then
-        the most recent. Messages are compared before anything is rendered,
-        and only the chosen parent is rendered.
+        the most recent. Messages are compared before anything is rendered;
+        the conversation is rendered once, and the parent's request too unless
+        its text was kept (``RenderedTexts``).
         """
         full = self.render_text(messages, tools, add_generation_prompt=True)
         parent = _find_parent(messages, tools, history)
         if parent is not None:
-            plan = self._extend(parent, full, tools)
+            plan = self._extend(parent, messages, full, tools)
             if plan is not None:
                 return plan
         prompt_ids = self.encode(full)
-        return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids)
+        return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids, text=full)
+
+    def find_parent(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        history: Sequence[CompletionRecord],
+    ) -> CompletionRecord | None:
+        """The completion ``build_prompt`` would try to extend (compares, renders nothing)."""
+        parent = _find_parent(messages, tools, history)
+        return None if parent is None else parent.record
+
+    def _opened(
+        self,
+        record: CompletionRecord,
+        request: list[Message],
+        tools: Sequence[dict[str, Any]] | None,
+    ) -> str:
+        """The template's text of ``request`` with a generation prompt: the parent's prompt
+        text. Kept from when the parent was prepared if ``request`` and ``tools`` are
+        identical to the parent's (same values, types and key order), else rendered."""
+        kept = self.rendered.get(record.id)
+        if (
+            kept is not None
+            and identical(request, record.request_messages)
+            and identical(list(tools or []), list(record.request_tools or []))
+        ):
+            return kept
+        return self.render_text(request, tools, add_generation_prompt=True)
 
     def _extend(
-        self, parent: _Candidate, full: str, tools: Sequence[dict[str, Any]] | None
+        self,
+        parent: _Candidate,
+        messages: Sequence[Message],
+        full: str,
+        tools: Sequence[dict[str, Any]] | None,
     ) -> PromptPlan | None:
         """Parent tokens plus the new messages' tokens, or None if the template forbids it.
 
-        ``full`` is the whole new conversation rendered with a generation prompt.
+        ``full`` is the whole new conversation rendered with a generation
+        prompt. The parent's tokens are reused only when the template renders
+        the parent's turn, in this conversation, as exactly those tokens: the
+        parent's prompt text (its request rendered with a generation prompt)
+        must start ``full``, and the reply, up to the first end-of-turn marker
+        after it, must be the generated text. A template that rewrites the reply
+        (one that drops earlier turns' reasoning, as Qwen3's and DeepSeek-R1's
+        do) fails the second test, and the prompt is the template's own
+        rendering. Then ``full`` is exactly the parent's text, its reply, and
+        what follows: only that last part is tokenized, and no other rendering
+        of the conversation is needed when the parent's text was kept.
         """
         record = parent.record
+        size = len(parent.request) + 1
         try:
-            before = self.render_text(parent.request, tools, add_generation_prompt=False)
-            previous = self.render_text(
-                [*parent.request, parent.reply], tools, add_generation_prompt=False
-            )
+            opened = self._opened(record, list(messages[: size - 1]), tools)
         except InvalidMessages:
             logger.debug("template rejects the parent's messages", extra={"parent": record.id})
             return None
-        marker_at = previous.rfind(self.end_of_turn)
-        if not (previous.startswith(before) and full.startswith(previous)):
+        if not full.startswith(opened):
             logger.debug("template rewrites history; rendering fresh", extra={"parent": record.id})
             return None
-        if marker_at < len(before):
+        marker_at = full.find(self.end_of_turn, len(opened))
+        if marker_at < 0:
             logger.debug("reply has no end-of-turn marker; rendering fresh")
             return None
         generated_marker = bool(record.output_ids) and record.output_ids[-1] == self.end_of_turn_id
+        if not self._renders_as_generated(record, opened, full[len(opened) : marker_at]):
+            logger.debug(
+                "template renders the reply unlike the generated tokens; rendering fresh",
+                extra={"parent": record.id},
+            )
+            return None
         cut = marker_at + len(self.end_of_turn) if generated_marker else marker_at
-        appended = self.encode(previous[cut:] + full[len(previous) :])
+        appended = self.encode(full[cut:])
         return PromptPlan(
             prompt_ids=[*record.prompt_ids, *record.output_ids, *appended],
             parent_id=record.id,
             appended_ids=appended,
+            text=full,
+        )
+
+    def _renders_as_generated(self, record: CompletionRecord, opened: str, reply: str) -> bool:
+        """Whether the parent's tokens are the text the template renders for its turn.
+
+        ``reply`` is the template's text of the reply (between the generation
+        prompt and the end-of-turn marker), which must be the text of the
+        generated tokens (less a generated end-of-turn marker); and the
+        parent's prompt must end with ``opened``'s generation prompt (a request
+        that turns thinking on or off changes it). Only the prompt's last
+        ``_PROMPT_TAIL`` tokens are decoded: the generation prompt is shorter.
+        """
+        output = record.output_ids
+        if output and output[-1] == self.end_of_turn_id:
+            output = output[:-1]
+        if self._decode(output) != reply:
+            return False
+        # A tail that starts inside a multi-byte character decodes to U+FFFD there.
+        return opened.endswith(self._decode(record.prompt_ids[-_PROMPT_TAIL:]).lstrip("\ufffd"))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(
+            self._tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
         )
 
 

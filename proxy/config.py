@@ -64,6 +64,13 @@ class Settings(BaseSettings):
         1024, ge=1, description="max_tokens when a request gives none (capped by the context)."
     )
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens accepted.")
+    clamp_max_tokens: bool = Field(
+        False,
+        description="A max_tokens larger than the context leaves (or than max_tokens_limit) "
+        "is lowered to what is left, instead of a 400. For harnesses that send a fixed "
+        "max_tokens (Claude Code: 32000) to a model with a smaller context; the recorded "
+        "sampling settings hold the clamped value.",
+    )
     max_n: int = Field(16, ge=1, description="Largest `n` (choices per request) accepted.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body.")
     train_batch_size: int = Field(

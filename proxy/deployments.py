@@ -1,4 +1,4 @@
-"""Deployments: which backend pool serves a request (DESIGN.md, "Deployments").
+"""Deployments: which backend pool serves a request (docs/design.md, "Deployments").
 
 One endpoint, up to three deployments, each a :class:`BackendPool` of its own
 (health, failover, resume and weight loading are the pool's, per deployment):

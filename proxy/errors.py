@@ -65,7 +65,27 @@ class BadRequest(ProximaError):
 
 
 class ContextTooLong(BadRequest):
+    """The prompt, or the prompt plus ``max_tokens``, exceeds the context window.
+
+    The numbers let each API word the error as its own server does (Anthropic's
+    Messages API: ``input length and `max_tokens` exceed context limit: ...``).
+    """
+
     default_code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        context_length: int | None = None,
+    ):
+        super().__init__(message, param=param)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
 
 
 class AuthenticationFailed(ProximaError):

@@ -27,12 +27,15 @@ from proxima.proxy.store.store import Store
 
 logger = logging.getLogger(__name__)
 
+# A completion to commit, the record of its parent (if any), and who waits for it.
+_Item = tuple[CompletionRecord, CompletionRecord | None, "asyncio.Future[None]"]
+
 
 class CompletionRecorder:
     def __init__(self, store: Store, *, max_batch: int = 256):
         self.store = store
         self.max_batch = max_batch
-        self._queue: asyncio.Queue[tuple[CompletionRecord, asyncio.Future[None]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.commits = 0
         self.recorded = 0
@@ -49,13 +52,19 @@ class CompletionRecorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def record(self, completions: list[CompletionRecord]) -> None:
-        """Commit ``completions``; returns when they are durable, raises if they are not."""
+    async def record(
+        self, completions: list[CompletionRecord], *, parent: CompletionRecord | None = None
+    ) -> None:
+        """Commit ``completions``; returns when they are durable, raises if they are not.
+
+        ``parent`` is the record of their ``parent_id`` (the store keeps what they add
+        to it; without it, the store reads it).
+        """
         loop = asyncio.get_running_loop()
         futures = []
         for c in completions:
             fut: asyncio.Future[None] = loop.create_future()
-            self._queue.put_nowait((c, fut))
+            self._queue.put_nowait((c, parent, fut))
             futures.append(fut)
         if len(futures) == 1:
             await futures[0]  # one choice, the common case: no gathering future
@@ -69,12 +78,15 @@ class CompletionRecorder:
                 batch.append(self._queue.get_nowait())
             await self._commit(batch)
 
-    async def _commit(self, batch: list[tuple[CompletionRecord, asyncio.Future[None]]]) -> None:
+    async def _commit(self, batch: list[_Item]) -> None:
         try:
-            await self.store.record_completions(completions=[c for c, _ in batch])
+            await self.store.record_completions(
+                completions=[c for c, _, _ in batch],
+                parents={p.id: p for _, p, _ in batch if p is not None},
+            )
         except Exception as exc:  # handed to the waiting request, which reports it
             if len(batch) == 1:
-                fut = batch[0][1]
+                fut = batch[0][2]
                 if not fut.done():
                     fut.set_exception(exc)
                 return
@@ -84,7 +96,7 @@ class CompletionRecorder:
             return
         self.commits += 1
         self.recorded += len(batch)
-        for _, fut in batch:
+        for _, _, fut in batch:
             if not fut.done():
                 fut.set_result(None)
 

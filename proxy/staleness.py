@@ -1,4 +1,4 @@
-"""Admission of new training sessions (DESIGN.md, "Staleness control").
+"""Admission of new training sessions (docs/design.md, "Staleness control").
 
 With policy version ``i``, trainer batch size ``B`` and max staleness ``eta``,
 a new training session is admitted only while ``N < (i + eta + 1) * B``, where

@@ -1,6 +1,6 @@
 """Discounted returns and group-relative advantages over the turns of sessions.
 
-Returns (DESIGN.md, "Rewards and advantages"). The turns of a session in
+Returns (docs/design.md, "Rewards and advantages"). The turns of a session in
 order ``t = 1..T`` with rewards ``r_t`` (unset = 0; the session reward is added
 to the last turn)::
 

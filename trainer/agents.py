@@ -32,7 +32,7 @@ from typing import Any, Literal
 from proxima.trainer.binding import SessionBinding
 
 AgentFn = Callable[[dict[str, Any]], Any]
-Mode = Literal["inprocess", "subprocess"]
+Mode = Literal["inprocess", "subprocess", "ray"]
 
 FINAL_KEY = "final"
 # Kept from a failed subprocess agent's stderr, for the report and the log.

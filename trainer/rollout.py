@@ -1,8 +1,8 @@
 """Rollout controller: drive ``run_agent_return_reward(data)`` over a dataset.
 
 For every dataset item the controller runs the user's agent ``group_size``
-times, each run in its own proxy session (DESIGN.md, "Sessions and the agent
-contract")::
+times, each run in its own proxy session (docs/design.md,
+"Protocols")::
 
     for item in dataset:                          # in order, bounded by max_concurrency
         for k in range(group_size):
@@ -21,7 +21,10 @@ passed; sync agents run in worker threads, which inherit the context. In
 ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (and ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``)
 set for its session, the item as JSON
 on stdin and the reward as JSON on stdout, for agents that read globals or
-must be killable.
+must be killable. In ``"ray"`` mode (``pip install 'proxima[ray]'``) each run is
+a Ray task on any node of a Ray cluster, bound to its session the same two
+ways (environment and httpx hook); the controller still opens, rewards and
+finishes every session itself (``proxima.trainer.ray_agents``).
 
 What an agent may return:
 
@@ -72,6 +75,7 @@ from proxima.trainer.agents import (
     resolve_agent,
 )
 from proxima.trainer.binding import SessionBinding, bound_context
+from proxima.trainer.ray_agents import RayAgentRunner, RayOutcome, import_ray
 from proxima.trainer.rollout_sessions import finish_session, open_session, post_rewards
 
 logger = logging.getLogger(__name__)
@@ -99,6 +103,8 @@ class RunResult:
     error: str | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    node_id: str | None = None
+    """The Ray node that ran the agent (``mode="ray"``; ``None`` otherwise or if its task died)."""
 
 
 @dataclass(slots=True)
@@ -122,10 +128,21 @@ class RolloutReport:
         rewards = [r.reward for r in self.runs if r.status == "finished" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else None
 
+    @property
+    def runs_by_node(self) -> dict[str, int]:
+        """Completed agent runs per Ray node (empty outside ``mode="ray"``)."""
+        counts: dict[str, int] = {}
+        for run in self.runs:
+            if run.node_id is not None:
+                counts[run.node_id] = counts.get(run.node_id, 0) + 1
+        return counts
+
     def summary(self) -> dict[str, Any]:
         """The counters as a JSON-ready dict (without the per-run list)."""
         out = {k: v for k, v in asdict(self).items() if k != "runs"}
         out["mean_reward"] = self.mean_reward
+        if by_node := self.runs_by_node:
+            out["runs_by_node"] = by_node
         return out
 
 
@@ -179,13 +196,18 @@ class RolloutController:
             A sync in-process agent's worker thread cannot be interrupted: it is
             abandoned and holds its worker until it returns, so use subprocess
             mode for sync agents that may hang.
-        mode: ``"inprocess"`` or ``"subprocess"`` (see the module docstring).
+        mode: ``"inprocess"``, ``"subprocess"`` or ``"ray"`` (see the module docstring).
         model: if given, added to each item as ``data["model"]`` (unless the
-            item has one) and exported as ``OPENAI_MODEL`` to subprocesses.
-        env: extra environment for subprocess runs (e.g. ``PYTHONPATH``).
+            item has one) and exported as ``OPENAI_MODEL`` to subprocess and Ray runs.
+        env: extra environment for subprocess and Ray runs (e.g. ``PYTHONPATH``).
         group_tag: suffix of this controller's group ids (random per pass if unset).
         http_timeout_s: timeout of the controller's own calls to the proxy.
         python: interpreter for subprocess runs.
+        ray_address: the Ray cluster to join in ``"ray"`` mode when this process has not
+            called ``ray.init`` itself (``"auto"``, ``"ray://head:10001"``; default
+            ``$RAY_ADDRESS``).
+        ray_options: Ray task options for every run (``num_cpus``, ``resources``,
+            ``runtime_env``, ``scheduling_strategy``...); retries stay off.
     """
 
     def __init__(
@@ -203,6 +225,8 @@ class RolloutController:
         group_tag: str | None = None,
         http_timeout_s: float = 60.0,
         python: str = sys.executable,
+        ray_address: str | None = None,
+        ray_options: Mapping[str, Any] | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -210,8 +234,8 @@ class RolloutController:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if mode not in ("inprocess", "subprocess"):
-            raise ValueError(f"mode must be 'inprocess' or 'subprocess', got {mode!r}")
+        if mode not in ("inprocess", "subprocess", "ray"):
+            raise ValueError(f"mode must be 'inprocess', 'subprocess' or 'ray', got {mode!r}")
         self.proxy_url = proxy_url.rstrip("/")
         self.admin_token = admin_token
         self.group_size = group_size
@@ -223,10 +247,18 @@ class RolloutController:
         self.group_tag = group_tag
         self.http_timeout_s = http_timeout_s
         self.python = python
+        self._ray: RayAgentRunner | None = None
         # Fail at construction, not on the first run, when the agent cannot be found.
         if mode == "inprocess":
             self._agent_fn: AgentFn | None = resolve_agent(agent)
             self._agent_spec: str | None = None
+        elif mode == "ray":
+            import_ray()
+            # Resolved on the workers: the module need not be importable here.
+            self._agent_fn, self._agent_spec = None, None
+            self._ray = RayAgentRunner(
+                agent, address=ray_address, options=ray_options, env=self.env, model=model
+            )
         else:
             self._agent_fn = None
             self._agent_spec = agent_spec(agent)
@@ -374,7 +406,9 @@ class RolloutController:
             base_url=base_url,
             prefixes=(self.proxy_url + "/v1",),
         )
-        if self._agent_fn is not None:
+        if self._ray is not None:
+            agent_call = self._ray.call(data, binding)
+        elif self._agent_fn is not None:
             agent_call = call_inprocess(self._agent_fn, executor, data)
         else:
             assert self._agent_spec is not None
@@ -398,7 +432,10 @@ class RolloutController:
                     "agent timed out", extra={"session_id": session_id, "timeout_s": self.timeout_s}
                 )
                 return result
-            reward = parse_reward(task.result())
+            value = task.result()
+            if isinstance(value, RayOutcome):
+                result.node_id, value = value.node_id, value.value
+            reward = parse_reward(value)
             await post_rewards(client, session_id, reward)
         except asyncio.CancelledError:
             task.cancel()
@@ -434,7 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per agent run")
-    parser.add_argument("--mode", choices=["inprocess", "subprocess"], default="inprocess")
+    parser.add_argument("--mode", choices=["inprocess", "subprocess", "ray"], default="inprocess")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster for --mode ray (default: $RAY_ADDRESS, else a local instance)",
+    )
     parser.add_argument("--model", default=None, help="model name given to the agent")
     args = parser.parse_args(argv)
     if not args.admin_token:
@@ -449,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         mode=args.mode,
         model=args.model,
+        ray_address=args.ray_address,
     )
     report = asyncio.run(controller.run(args.dataset))
     print(json.dumps(report.summary(), indent=2))

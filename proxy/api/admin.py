@@ -71,6 +71,13 @@ def _deployments(request: Request, pool: BackendPool) -> Deployments:
     return deployments if deployments is not None else Deployments(Deployment(TRAINING, pool))
 
 
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def root() -> dict[str, str]:
+    """200 at the root: Claude Code sends ``HEAD /`` to its base URL before its first request
+    (a connectivity check). Names nothing about the model (``/v1/models`` needs a key)."""
+    return {"service": "proxima", "api": "/v1"}
+
+
 @router.get("/health")
 async def health(request: Request, pool: PoolDep) -> dict[str, Any]:
     """The training pool's state (top level, as before deployments) and every deployment's."""

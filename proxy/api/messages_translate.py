@@ -8,6 +8,7 @@ turns and the recorded tokens are the same whichever API a turn came in.
 What becomes what::
 
     system (string or text blocks)          -> leading system message
+    {"role": "system"} mid-conversation      -> a system message at that place
     user: text blocks                        -> user message (blocks joined by "\\n")
     user: tool_result blocks                 -> one tool message each, in order
     assistant: text blocks                   -> assistant content (joined as generated)
@@ -17,9 +18,13 @@ What becomes what::
     max_tokens, stop_sequences, temperature, top_p, top_k -> the same sampling settings
 
 Images, documents, thinking blocks, server tools (web search, bash, text
-editor, computer use, ...) and extended thinking are refused with a 400 in
-Anthropic's error shape. ``tool_result`` with ``is_error`` keeps its text
-(templates have no error flag).
+editor, computer use, ...) and ``thinking: {"type": "enabled"}`` are refused
+with a 400 in Anthropic's error shape. ``thinking: adaptive``,
+``output_config.effort`` and ``context_management`` clear-thinking edits are
+accepted as no-ops (``api.reasoning_options``); ``cache_control`` on blocks,
+``metadata.user_id`` (it names a production session, as ``user`` does) and the
+``anthropic-beta`` header change nothing generated. ``tool_result`` with
+``is_error`` keeps its text (templates have no error flag).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.api import reasoning_options
 from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest
@@ -70,6 +76,7 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -181,10 +188,14 @@ def chat_messages(req: MessagesRequest) -> list[Message]:
             messages += _user_turn(message["content"], where)
         elif role == "assistant":
             messages.append(_assistant_turn(message["content"], where))
+        elif role == "system":
+            # A system message mid-conversation (the mid-conversation-system beta Claude Code
+            # sends): a system message at that place, as the chat template renders one.
+            text = _text_of_blocks(message["content"], f"{where}.content", "\n")
+            messages.append({"role": "system", "content": text})
         else:
             raise BadRequest(
-                f"Invalid role {role!r} in {where}: expected 'user' or 'assistant' (the system "
-                "prompt goes in the top-level 'system').",
+                f"Invalid role {role!r} in {where}: expected 'user', 'assistant' or 'system'.",
                 param=f"{where}.role",
             )
     return messages
@@ -242,10 +253,14 @@ def translate_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | No
 
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``output_config.format`` (structured output) -> chat ``response_format``."""
+    """``output_config.format`` (structured output) -> chat ``response_format``;
+    ``output_config.effort`` is judged in ``api.reasoning_options``."""
     if not output_config:
         return None
-    unknown = sorted(k for k, v in output_config.items() if k != "format" and v is not None)
+    reasoning_options.check_messages_effort(output_config.get("effort"))
+    unknown = sorted(
+        k for k, v in output_config.items() if k not in ("format", "effort") and v is not None
+    )
     if unknown:
         raise BadRequest(
             f"output_config.{unknown[0]} is not supported with this model.",
@@ -270,8 +285,8 @@ def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
             f"{unknown[0]}: not supported by this server (extra inputs are not permitted).",
             param=unknown[0],
         )
-    if req.thinking and req.thinking.get("type") not in (None, "disabled"):
-        raise BadRequest("Extended thinking is not supported with this model.", param="thinking")
+    reasoning_options.check_messages_thinking(req.thinking)
+    reasoning_options.check_messages_context_management(req.context_management)
     tool_choice, parallel = translate_tool_choice(req.tool_choice)
     user = (req.metadata or {}).get("user_id")
     body: dict[str, Any] = {

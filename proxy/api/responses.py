@@ -55,7 +55,11 @@ async def create_response(
     )
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
     head = ResponseHead(
-        prep.response_id, prep.created, service.settings.model_name, translate.echoed_settings(body)
+        prep.response_id,
+        prep.created,
+        service.settings.model_name,
+        translate.echoed_settings(body),
+        translate.tool_namespaces(body.tools),
     )
     if body.stream:
         return EventStreamResponse(

@@ -22,10 +22,16 @@ are one assistant turn, as the model produced them: their texts are joined
 with nothing between them and their calls collected in order. ``instructions``
 is the leading system message.
 
+Tools: ``function`` tools, and the function tools of a ``namespace`` tool
+(its calls carry ``namespace`` back), are offered to the model; ``web_search``
+is accepted and not offered (nothing here can search; Codex CLI declares it on
+every request); other built-in tools are a 400. Reasoning options are judged
+in ``api.reasoning_options`` (no-ops for a model that does not think).
+
 Everything else is refused with a 400 naming the parameter: built-in tools
-(web search, file search, computer use, ...), images and files, reasoning
-items, server-side conversations and prompts, and the options that would
-change generation in a way this server does not implement.
+(file search, computer use, ...), images and files, reasoning items,
+server-side conversations and prompts, and the options that would change
+generation in a way this server does not implement.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.api import reasoning_options
 from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest
@@ -56,6 +63,8 @@ ACCEPTED_WITHOUT_EFFECT = frozenset(
         "access_programs",
         "image",
         "background_options",
+        # Codex CLI: its session, thread and turn ids (tracing only).
+        "client_metadata",
     }
 )
 
@@ -121,8 +130,7 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
             "items; use 'disabled'.",
             param="truncation",
         )
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise BadRequest("reasoning options are not supported with this model.", param="reasoning")
+    reasoning_options.check_responses_reasoning(req.reasoning)
     if req.text and req.text.get("verbosity") is not None:
         raise BadRequest("text.verbosity is not supported with this model.", param="text.verbosity")
 
@@ -130,35 +138,97 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 # ----------------------------------------------------------------------------- tools
 
 
+# Built-in tools of OpenAI's hosted service that are accepted but not offered to the model:
+# nothing here can run a web search, and Codex CLI declares one on every request. The model
+# answers as a hosted model that chose not to search does; forcing the tool is a 400.
+NOT_OFFERED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11"}
+)
+
+
+def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """One Responses function tool (flat) as a chat tool."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{where}.name must be a non-empty string.", param=f"{where}.name")
+    function: dict[str, Any] = {"name": name}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("parameters") is not None:
+        function["parameters"] = tool["parameters"]
+    if tool.get("strict"):
+        # strict: false is the default; only an explicit true reaches the template.
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _refuse_tool(kind: Any, where: str) -> BadRequest:
+    return BadRequest(
+        f"Tool type {kind!r} ({where}) is not supported: this server runs no built-in tools "
+        "(file search, computer use, code interpreter, MCP, ...); declare a 'function' tool "
+        "and run it in your agent.",
+        param=f"{where}.type",
+    )
+
+
 def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) -> chat tools; built-in tools are a 400."""
+    """Responses tools -> chat function tools, in order.
+
+    A ``namespace`` tool's function tools are function tools (its calls carry the
+    namespace back: ``tool_namespaces``); ``web_search`` tools are accepted and not
+    offered (:data:`NOT_OFFERED_TOOLS`); other built-in tools are a 400.
+    """
     if not tools:
         return None
-    out = []
+    out: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+
+    def add(tool: dict[str, Any], where: str) -> None:
+        chat_tool = _function_tool(tool, where)
+        name = chat_tool["function"]["name"]
+        if name in seen:
+            raise BadRequest(
+                f"Tool name {name!r} ({where}) is declared twice (first at {seen[name]}); "
+                "function names must be unique, namespaces included.",
+                param=f"{where}.name",
+            )
+        seen[name] = where
+        out.append(chat_tool)
+
     for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind != "function":
-            raise BadRequest(
-                f"Tool type {kind!r} (tools[{i}]) is not supported: this server runs no "
-                "built-in tools (web search, file search, computer use, code interpreter, "
-                "MCP, ...); declare a 'function' tool and run it in your agent.",
-                param=f"tools[{i}].type",
-            )
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest(
-                f"tools[{i}].name must be a non-empty string.", param=f"tools[{i}].name"
-            )
-        function: dict[str, Any] = {"name": name}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        if tool.get("parameters") is not None:
-            function["parameters"] = tool["parameters"]
-        if tool.get("strict"):
-            # strict: false is the default; only an explicit true reaches the template.
-            function["strict"] = True
-        out.append({"type": "function", "function": function})
-    return out
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            add(tool, where)
+        elif kind == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(tool.get("name"), str) or not isinstance(inner, list):
+                raise BadRequest(
+                    f"{where}: a namespace tool needs a string 'name' and a list 'tools'.",
+                    param=where,
+                )
+            for j, member in enumerate(inner):
+                at = f"{where}.tools[{j}]"
+                member_kind = member.get("type") if isinstance(member, dict) else None
+                if member_kind != "function":
+                    raise _refuse_tool(member_kind, at)
+                add(member, at)
+        elif kind in NOT_OFFERED_TOOLS:
+            continue
+        else:
+            raise _refuse_tool(kind, where)
+    return out or None
+
+
+def tool_namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Function name -> namespace, for the functions of ``namespace`` tools."""
+    return {
+        member["name"]: tool["name"]
+        for tool in tools or []
+        if isinstance(tool, dict) and tool.get("type") == "namespace"
+        for member in tool.get("tools") or []
+        if isinstance(member, dict) and isinstance(member.get("name"), str)
+    }
 
 
 def translate_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -348,7 +418,9 @@ def canonical_request(
 ) -> CanonicalRequest:
     """``req`` as the service's canonical request (recorded under a ``resp_`` id)."""
     chat = chat_request_of(to_chat_request(req, previous), _PARAMS)
-    return replace(chat, id_prefix="resp_")
+    # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API does
+    # (Codex CLI never sends it, and a reply cut short is an error to it).
+    return replace(chat, id_prefix="resp_", max_tokens_fills_context=True)
 
 
 def echoed_settings(req: ResponsesRequest) -> dict[str, Any]:

@@ -4,7 +4,15 @@ Routing: requests carrying a sticky key (the session) go to the backend that
 served that key before while it is healthy, so its prefix cache is reused;
 others go to the least-loaded healthy backend.
 
-Weight updates (``update_weights``) follow DESIGN.md: close the gate so no new
+Versions: a backend is routed to only while the weight version it reports
+(``/model_info``'s ``weight_version``, and the one on every generated chunk)
+is the pool's current version. A backend that restarts comes back with the
+model it was started with (version 0); the health checks see the difference,
+keep it out, load the current weights on it and put it back only once it
+reports them. ``Backend.version`` is what the backend last reported, never a
+guess.
+
+Weight updates (``update_weights``): close the gate so no new
 generation starts, pause every backend in abort mode (in-flight requests
 return ``finish_reason: abort`` with their partial tokens), load the new
 weights on each, resume, set the current version and open the gate. The
@@ -36,7 +44,7 @@ class Backend:
     client: SGLangClient
     healthy: bool = True
     in_flight: int = 0
-    version: int | None = None  # policy version loaded on this backend
+    version: int | None = None  # the version it last reported (None: not known now)
     failures: int = 0
     last_error: str | None = None
     last_ok: float = 0.0  # monotonic time of its last answer to a generation
@@ -44,6 +52,21 @@ class Backend:
     @property
     def url(self) -> str:
         return self.client.base_url
+
+
+def reported_version(raw: str | None) -> int:
+    """The policy version a backend reports as its ``weight_version``.
+
+    The proxy names versions with integers (``update_weights_from_disk(weight_version="N")``).
+    Anything else (SGLang's ``"default"`` when started without ``--weight-version``, or no
+    value at all) is the model the server was started with: version 0, the base model.
+    """
+    if raw is None:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
 
 
 @dataclass(slots=True)
@@ -70,6 +93,7 @@ class BackendPool:
         self.publish_lock = asyncio.Lock()
         self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
+        self._rejoining: set[Backend] = set()  # stale backends being brought up to date
         self._updates_begun = 0  # weight updates started; health probes that overlap one are void
         self.last_update: WeightUpdate | None = None
 
@@ -113,8 +137,31 @@ class BackendPool:
         if backend.healthy:
             logger.warning("backend %s taken out of the pool: %s", backend.url, error)
         backend.healthy = False
+        backend.version = None  # whatever answers next may be a restarted server
         backend.failures += 1
         backend.last_error = repr(error)
+
+    def mark_stale(self, backend: Backend, reported: int) -> None:
+        """Take out a backend that reports another version than the pool's current one.
+
+        A task loads the current weights on it at once and puts it back once it
+        reports them (``_rejoin``; the health checks retry if that fails).
+        """
+        if backend.healthy:
+            logger.warning(
+                "backend %s reports version %s, not the current %s: taken out until it "
+                "loads the current weights",
+                backend.url,
+                reported,
+                self.version,
+            )
+        backend.healthy = False
+        backend.version = reported
+        backend.last_error = f"reports version {reported}, current is {self.version}"
+        if backend not in self._rejoining:
+            self._rejoining.add(backend)
+            task = asyncio.get_running_loop().create_task(self._rejoin(backend))
+            task.add_done_callback(lambda _: self._rejoining.discard(backend))
 
     async def wait_for_healthy(self, timeout: float) -> None:
         """Wait until some backend is healthy (health checks put them back)."""
@@ -143,8 +190,14 @@ class BackendPool:
           seconds is not probed: it is busy and alive, and a probe would only
           add load.
 
+        A backend that answers is asked the version it serves (``/model_info``):
+        one that restarted between two probes answers the health check but serves
+        its start-up model, and is taken out (``mark_stale``) and brought to the
+        current version like one that was down.
+
         Generation itself takes a backend out at once when its connection
-        fails (``mark_failed``); probes find dead idle backends and bring
+        fails (``mark_failed``) or its tokens carry an older version than the
+        pool's (``mark_stale``); probes find dead idle backends and bring
         recovered ones back.
         """
         if self.updating:
@@ -154,30 +207,59 @@ class BackendPool:
         probed = [
             b for b in self.backends if not (b.healthy and fresh_s and now - b.last_ok < fresh_s)
         ]
-        results = await asyncio.gather(*(b.client.health() for b in probed))
+        results = await asyncio.gather(*(self._probe(b) for b in probed))
         if self.updating or self._updates_begun != begun:
             return  # the backends were paused meanwhile: the answers say nothing
-        for backend, ok in zip(probed, results, strict=True):
-            if ok and not backend.healthy:
+        for backend, reported in zip(probed, results, strict=True):
+            if reported is None:
+                if backend.healthy:
+                    error = BackendError("health check failed", url=backend.url)
+                    self.mark_failed(backend, error)
+                continue
+            if backend.healthy and reported != self.version:
+                self.mark_stale(backend, reported)
+            if not backend.healthy:
                 await self._rejoin(backend)
-            elif not ok and backend.healthy:
-                self.mark_failed(backend, BackendError("health check failed", url=backend.url))
+
+    @staticmethod
+    async def _probe(backend: Backend) -> int | None:
+        """The version a live backend reports, or None when it fails its health check."""
+        if not await backend.client.health():
+            return None
+        try:
+            return reported_version((await backend.client.model_info()).weight_version)
+        except BackendError:
+            return None
 
     async def _rejoin(self, backend: Backend) -> None:
+        """Put a backend back once it reports the current version, loading it if needed."""
         async with self._update_lock:
-            if backend.version != self.version and self.weights_path is not None:
-                try:
+            if backend.healthy:
+                return  # brought back meanwhile
+            version = self.version
+            try:
+                reported = reported_version((await backend.client.model_info()).weight_version)
+                if reported != version and self.weights_path is not None:
                     await backend.client.update_weights_from_disk(
-                        model_path=self.weights_path, weight_version=str(self.version)
+                        model_path=self.weights_path, weight_version=str(version)
                     )
-                except BackendError as exc:
-                    logger.warning(
-                        "backend %s could not load v%s: %s", backend.url, self.version, exc
-                    )
-                    return
-            backend.version = self.version
+                    reported = reported_version((await backend.client.model_info()).weight_version)
+            except BackendError as exc:
+                logger.warning("backend %s could not load v%s: %s", backend.url, version, exc)
+                return
+            backend.version = reported
+            if reported != version:
+                backend.last_error = f"reports version {reported}, current is {version}"
+                logger.error(
+                    "backend %s reports version %s and no weights of version %s are known to "
+                    "load on it: kept out of the pool",
+                    backend.url,
+                    reported,
+                    version,
+                )
+                return
             backend.healthy = True
-            logger.info("backend %s is back in the pool at version %s", backend.url, self.version)
+            logger.info("backend %s is back in the pool at version %s", backend.url, version)
 
     def start_health_checks(self, interval: float) -> None:
         async def loop() -> None:
@@ -229,8 +311,9 @@ class BackendPool:
                     if isinstance(result, BackendConnectionError):
                         self.mark_failed(backend, result)
                     elif isinstance(result, BaseException):
-                        # It answered but refused (bad path, wrong shapes): keep it
-                        # serving the weights it has.
+                        # It answered but refused (bad path, wrong shapes): it still serves
+                        # the weights it has, which are no longer current once another
+                        # backend loaded these. ``_rejoin`` retries below if so.
                         logger.error("backend %s refused v%s: %s", backend.url, version, result)
                     else:
                         backend.version = version
@@ -240,6 +323,9 @@ class BackendPool:
                     raise first
                 self.version = version
                 self.weights_path = path
+                for backend in targets:
+                    if backend.url not in loaded and backend.healthy:
+                        self.mark_stale(backend, backend.version or 0)
             finally:
                 self._ready.set()
             update = WeightUpdate(version, path, time.monotonic() - started, loaded)

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from proxima.proxy.chat import ChatRenderer, PromptPlan
+from proxima.proxy.chat import ChatRenderer, PromptPlan, RenderedTexts
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
@@ -74,6 +74,10 @@ class Prepared:
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    # The record of ``parent_id``, from the session's history: the store keeps only what
+    # each completion adds to it (``proxima.proxy.store.chains``).
+    parent: CompletionRecord | None = None
+    rendered: str | None = None  # the template's text of ``messages`` (chat input only)
 
     @property
     def completion_ids(self) -> list[str]:
@@ -95,11 +99,13 @@ class PromptPreparer:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)  # used on the event loop only
+        # The parent's prompt text of a turn, kept from when the parent was prepared.
+        self.rendered = RenderedTexts()
+        self.renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # event loop only
         self.context_length = context_length
         self.tool_parser = tool_parser
         self.offload_chars = offload_chars
-        self._worker_renderer = ChatRenderer(tokenizer)  # used on the worker only
+        self._worker_renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
 
     def close(self) -> None:
@@ -109,11 +115,20 @@ class PromptPreparer:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def render(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> PromptPlan:
-        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation."""
-        if _chat_chars(chat) > self.offload_chars:
+        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation
+        that is not a turn extending a parent whose prompt text was kept (such a turn
+        renders the conversation once and tokenizes only its new messages: less work
+        than a thread hop costs)."""
+        if _chat_chars(chat) > self.offload_chars and not self._extends_kept(chat, history):
             build = self._worker_renderer.build_prompt
             return await self._off_loop(build, chat.messages, chat.tools, list(history))
         return self.renderer.build_prompt(chat.messages, chat.tools, history)
+
+    def _extends_kept(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> bool:
+        if not history:
+            return False
+        parent = self.renderer.find_parent(chat.messages, chat.tools, history)
+        return parent is not None and self.rendered.get(parent.id) is not None
 
     async def chat(
         self,
@@ -133,6 +148,7 @@ class PromptPreparer:
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
         prepared.tools = chat.tools
+        prepared.rendered = plan.text
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
         return prepared
@@ -169,8 +185,12 @@ class PromptPreparer:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
         return ids
 
-    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """The completion budget: ``requested``, or what the context leaves; else an error."""
+    def max_tokens(
+        self, requested: int | None, prompt_len: int, *, fill_context: bool = False
+    ) -> int:
+        """The completion budget: ``requested``; without it the server's default (or, with
+        ``fill_context``, what the context leaves). Too large: an error, or with
+        ``clamp_max_tokens`` what the context and the limit leave."""
         ctx = self.context_length
         if prompt_len >= ctx:
             raise ContextTooLong(
@@ -178,9 +198,14 @@ class PromptPreparer:
                 f"messages resulted in {prompt_len} tokens. Please reduce the length "
                 "of the messages.",
                 param="messages",
+                prompt_tokens=prompt_len,
+                context_length=ctx,
             )
+        left = min(ctx - prompt_len, self.settings.max_tokens_limit)
         if requested is None:
-            return min(self.settings.default_max_tokens, ctx - prompt_len)
+            return left if fill_context else min(self.settings.default_max_tokens, left)
+        if self.settings.clamp_max_tokens:
+            return min(requested, left)
         if requested > self.settings.max_tokens_limit:
             raise BadRequest(
                 f"max_tokens is too large: {requested}. This server accepts at most "
@@ -194,6 +219,9 @@ class PromptPreparer:
                 f"{requested} in the completion). Please reduce the length of the messages "
                 "or completion.",
                 param="max_tokens",
+                prompt_tokens=prompt_len,
+                max_tokens=requested,
+                context_length=ctx,
             )
         return requested
 
@@ -238,7 +266,11 @@ class PromptPreparer:
         session: SessionRecord | None,
         grammar: Grammar | None = None,
     ) -> Prepared:
-        max_tokens = self.max_tokens(request.sampling.max_tokens, len(prompt_ids))
+        max_tokens = self.max_tokens(
+            request.sampling.max_tokens,
+            len(prompt_ids),
+            fill_context=request.max_tokens_fills_context,
+        )
         params = self._params(request.sampling, max_tokens, request.top_logprobs)
         params.grammar = grammar
         return Prepared(

@@ -14,6 +14,7 @@ import time
 from datetime import UTC, datetime
 
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.chat import RenderedTexts
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import assistant_message
@@ -32,8 +33,10 @@ class CompletionCommitter:
         recorder: CompletionRecorder,
         cache: SessionCache,
         metrics: Metrics,
+        rendered: RenderedTexts | None = None,
     ) -> None:
         self.model_name = model_name
+        self.rendered = rendered  # the prompt texts of chat completions, for their next turn
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
         self.recorder = recorder
         self.cache = cache
@@ -46,8 +49,10 @@ class CompletionCommitter:
         if prep.session is None:
             return
         records = [self.record(prep, run, finish) for run, finish in finished]
-        await self.recorder.record(records)
+        await self.recorder.record(records, parent=prep.parent)
         self.cache.add_completions(records)
+        if self.rendered is not None and prep.rendered is not None:
+            self.rendered.add([r.id for r in records], prep.rendered)
         current = self.pool.version
         m = self.metrics
         for r in records:

@@ -72,6 +72,7 @@ class CompletionService:
             recorder=recorder,
             cache=cache,
             metrics=metrics,
+            rendered=self.preparer.rendered,
         )
 
     def close(self) -> None:
@@ -118,6 +119,8 @@ class CompletionService:
             assert text_ids is not None
             prep = self.preparer.text(request, text_ids, session, history)
         prep.deployment = deployment
+        if prep.parent_id is not None:
+            prep.parent = next((r for r in reversed(history) if r.id == prep.parent_id), None)
         return prep
 
     def _route(

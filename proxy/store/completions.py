@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
 from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import CompletionRow, SessionRow
@@ -30,13 +31,30 @@ class CompletionsMixin(StoreBase):
         """
         await self.record_completions(completions=[completion])
 
-    async def record_completions(self, *, completions: Sequence[CompletionRecord]) -> None:
+    async def record_completions(
+        self,
+        *,
+        completions: Sequence[CompletionRecord],
+        parents: Mapping[str, CompletionRecord] | None = None,
+    ) -> None:
         """Store several completions in one transaction: all are committed, or none.
 
         The proxy's recorder uses this for group commit under load; errors are
-        those of ``record_completion``.
+        those of ``record_completion``. A completion with a ``parent_id`` is stored
+        as what it adds to its parent (``chains.py``): ``parents`` may hand in the
+        parents' records (whole, as this store returns them), else they are read.
         """
-        rows = [completion_values(c) for c in completions]
+        known = dict(parents or {})
+        for c in completions:
+            if c.parent_id is not None and c.parent_id not in known:
+                parent = await self.get_completion(completion_id=c.parent_id)
+                if parent is not None:
+                    known[parent.id] = parent
+            known.setdefault(c.id, c)  # a parent committed in the same batch
+        rows = [
+            completion_values(c, known.get(c.parent_id) if c.parent_id else None)
+            for c in completions
+        ]
         writer = self._sqlite_writer
         try:
             if writer is not None:
@@ -52,20 +70,41 @@ class CompletionsMixin(StoreBase):
             raise Conflict(f"completion already recorded (one of: {ids})") from exc
 
     async def get_completion(self, *, completion_id: str) -> CompletionRecord | None:
-        """The completion with this id, or ``None``."""
+        """The completion with this id (its whole prompt and messages), or ``None``."""
         async with self._read() as db:
             row = await db.get(CompletionRow, completion_id)
-            return None if row is None else completion_record(row)
+            if row is None:
+                return None
+            if not (row.prompt_prefix or row.messages_prefix or row.tools_from_parent):
+                return completion_record(row)
+            # Stored against its parent: the session's rows rebuild the chain.
+            query = select(CompletionRow).where(CompletionRow.session_id == row.session_id)
+            rows = list((await db.execute(query)).scalars())
+        return _rebuild(rows, [completion_id])[completion_id]
 
     async def list_completions(self, *, session_id: str) -> list[CompletionRecord]:
-        """The session's completions, oldest first (ties: choice index, then id)."""
+        """The session's completions, oldest first (ties: choice index, then id), each
+        with its whole prompt and messages."""
         query = (
             select(CompletionRow)
             .where(CompletionRow.session_id == session_id)
             .order_by(CompletionRow.created_at, CompletionRow.choice_index, CompletionRow.id)
         )
         async with self._read() as db:
-            return [completion_record(row) for row in (await db.execute(query)).scalars()]
+            rows = list((await db.execute(query)).scalars())
+        ids = [row.id for row in rows]
+        built = _rebuild(rows, ids)
+        return [built[cid] for cid in ids]
+
+
+def _rebuild(rows: Sequence[CompletionRow], ids: list[str]) -> dict[str, CompletionRecord]:
+    """Records of ``ids`` (and of their ancestors) from one session's ``rows``."""
+    by_id = {row.id: row for row in rows}
+    return resolve_all(
+        ids,
+        {row.id: row.parent_id for row in rows},
+        lambda cid, parent: completion_record(by_id[cid], parent),
+    )
 
 
 # Built once: a statement built per call costs more than the insert itself (construction,

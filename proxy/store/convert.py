@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxima.proxy.store.chains import rebuild, split
 from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
 from proxima.proxy.store.models import (
     ApiKeyRow,
@@ -44,10 +45,13 @@ def session_record(row: SessionRow) -> SessionRecord:
     )
 
 
-def completion_values(record: CompletionRecord) -> dict[str, Any]:
+def completion_values(
+    record: CompletionRecord, parent: CompletionRecord | None = None
+) -> dict[str, Any]:
     """The column values of a new completion row, token arrays packed.
 
-    A plain dict for a Core insert: the recording hot path never builds an
+    With ``parent`` (the record of ``record.parent_id``, whole), the row stores only
+    what ``record`` adds to it (``chains.split``). A plain dict for a Core insert: the recording hot path never builds an
     ORM object for a row it will not read back.
 
     Raises:
@@ -62,18 +66,22 @@ def completion_values(record: CompletionRecord) -> dict[str, Any]:
     for name, value in (("created_at", record.created_at), ("finished_at", record.finished_at)):
         if value is not None and value.tzinfo is None:
             raise ValueError(f"completion {name} is a naive datetime; use an aware UTC time")
+    stored = split(record, parent)
     return {
         "id": record.id,
         "session_id": record.session_id,
         "parent_id": record.parent_id,
-        "prompt_ids": encode_int32(record.prompt_ids),
+        "prompt_prefix": stored.prompt_prefix,
+        "prompt_ids": encode_int32(stored.prompt_ids),
+        "messages_prefix": stored.messages_prefix,
+        "tools_from_parent": stored.tools_from_parent,
         "output_ids": encode_int32(record.output_ids),
         "output_logprobs": encode_float32(record.output_logprobs),
         "output_versions": encode_int32(record.output_versions),
         "finish_reason": record.finish_reason,
         "created_at": record.created_at,
-        "request_messages": record.request_messages,
-        "request_tools": record.request_tools,
+        "request_messages": stored.request_messages,
+        "request_tools": stored.request_tools,
         "response_message": record.response_message,
         "response_text": record.response_text,
         "sampling": dict(record.sampling),
@@ -87,20 +95,37 @@ def completion_values(record: CompletionRecord) -> dict[str, Any]:
     }
 
 
-def completion_record(row: CompletionRow) -> CompletionRecord:
-    """Build the record of a completion row, unpacking its token arrays."""
+def completion_record(
+    row: CompletionRow, parent: CompletionRecord | None = None
+) -> CompletionRecord:
+    """Build the record of a completion row, unpacking its token arrays.
+
+    ``parent`` is the (rebuilt) record of the row's parent, needed when the row
+    stores only what it adds to it (``chains.rebuild`` raises ``StoreError`` if so
+    and it is missing).
+    """
+    prompt_ids, request_messages, request_tools = rebuild(
+        parent,
+        completion_id=row.id,
+        prompt_prefix=row.prompt_prefix,
+        prompt_ids=decode_int32(row.prompt_ids),
+        messages_prefix=row.messages_prefix,
+        request_messages=row.request_messages,
+        tools_from_parent=row.tools_from_parent,
+        request_tools=row.request_tools,
+    )
     return CompletionRecord(
         id=row.id,
         session_id=row.session_id,
         parent_id=row.parent_id,
-        prompt_ids=decode_int32(row.prompt_ids),
+        prompt_ids=prompt_ids,
         output_ids=decode_int32(row.output_ids),
         output_logprobs=decode_float32(row.output_logprobs),
         output_versions=decode_int32(row.output_versions),
         finish_reason=row.finish_reason,
         created_at=row.created_at,
-        request_messages=row.request_messages,
-        request_tools=row.request_tools,
+        request_messages=request_messages,
+        request_tools=request_tools,
         response_message=row.response_message,
         response_text=row.response_text,
         sampling=dict(row.sampling or {}),

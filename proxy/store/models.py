@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -119,7 +120,8 @@ class SessionRow(Base):
 
 
 class CompletionRow(Base):
-    """One generated sequence; token arrays are packed bytes (see ``codec.py``)."""
+    """One generated sequence; token arrays are packed bytes (see ``codec.py``), prompt,
+    messages and tools stored as what they add to the parent's (see ``chains.py``)."""
 
     __tablename__ = "completions"
 
@@ -128,6 +130,12 @@ class CompletionRow(Base):
         String(64), ForeignKey("sessions.id", ondelete="CASCADE"), index=True
     )
     parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # What the row adds to its parent (see ``chains.py``): the first ``prompt_prefix``
+    # prompt tokens, the first ``messages_prefix`` request messages and, with
+    # ``tools_from_parent``, the tools are the parent's; the columns hold the rest.
+    prompt_prefix: Mapped[int] = mapped_column(Integer, server_default="0")
+    messages_prefix: Mapped[int] = mapped_column(Integer, server_default="0")
+    tools_from_parent: Mapped[bool] = mapped_column(Boolean, server_default=false())
     prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
     output_ids: Mapped[bytes] = mapped_column(LargeBinary)
     output_logprobs: Mapped[bytes] = mapped_column(LargeBinary)

@@ -18,6 +18,8 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens, as in Qwen: they stay visible in decoded text.
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# A thinking tokenizer's reasoning markers: added (non-special) tokens, as in Qwen3.
+THINK_TOKENS = ["<think>", "</think>"]
 
 CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -54,8 +56,50 @@ CHAT_TEMPLATE = """\
 """
 
 
-def build_tiny_tokenizer():
-    """Byte-level tokenizer: 256 byte tokens + chat specials, no merges."""
+# A Qwen3-style thinking template (written for these tests): the Qwen2.5 layout above, and
+# an assistant reply as ``<think>\nR\n</think>\n\nA`` when it is after the last user message
+# (an agent's tool loop), or just ``A`` when a later user message follows (earlier turns'
+# reasoning is dropped from the history). The reasoning is ``reasoning_content`` or, when the
+# content holds ``</think>``, what the content has before it. ``enable_thinking=False`` puts an
+# empty think block in the generation prompt.
+THINKING_CHAT_TEMPLATE = (
+    CHAT_TEMPLATE.replace(
+        """{%- for message in messages %}""",
+        """{%- set ns = namespace(last_query=-1) %}
+{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}""",
+        1,
+    )
+    .replace(
+        """{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}""",
+        """{%- set content = message.content or '' %}
+{%- set reasoning = '' %}
+{%- if message.reasoning_content is string %}{%- set reasoning = message.reasoning_content %}
+{%- elif '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}{%- endif %}
+{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
+{{- '<|im_start|>assistant' }}
+{%- if loop.index0 > ns.last_query %}{{- '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n' }}{%- endif %}
+{%- if content %}{{- '\\n' + content }}{%- endif %}""",
+        1,
+    )
+    .replace(
+        """{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}""",
+        """{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}""",
+        1,
+    )
+)
+assert THINKING_CHAT_TEMPLATE.count("<think>") == 3, "the base template changed"
+
+
+def build_tiny_tokenizer(*, thinking: bool = False):
+    """Byte-level tokenizer: 256 byte tokens + chat specials, no merges.
+
+    ``thinking``: the think markers are added tokens and the template is
+    ``THINKING_CHAT_TEMPLATE`` (a Qwen3-style reasoning model).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,8 +119,8 @@ def build_tiny_tokenizer():
     tokenizer.add_tokens(
         [t for t in SPECIAL_TOKENS if t not in tokenizer.get_vocab()], special_tokens=True
     )
-    tokenizer.add_tokens(ADDED_TOKENS, special_tokens=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_tokens(ADDED_TOKENS + (THINK_TOKENS if thinking else []), special_tokens=False)
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE
     return tokenizer
 
 
@@ -87,6 +131,7 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     max_position_embeddings: int = 2048,
+    thinking: bool = False,
 ) -> Path:
     """Write a tiny random Qwen2ForCausalLM + tokenizer to ``path`` (HF layout)."""
     import torch
@@ -94,7 +139,7 @@ def build_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(thinking=thinking)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(

@@ -3,13 +3,16 @@
 Docker is not needed: the file is parsed with PyYAML, variables are resolved
 with their defaults the way Compose interpolates them, and every command
 that starts with ``proxima`` is parsed by the real ``proxima`` argument
-parser, so a renamed flag breaks this test, not a deployment.
+parser, so a renamed flag breaks this test, not a deployment. The load
+balancer's configuration is checked by the real haproxy (``haproxy -c``).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,7 +24,10 @@ from proxima.trainer.config import load_config
 from proxima.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"postgres", "sglang", "proxy", "trainer"}
+SERVICES = {"postgres", "sglang", "proxy", "lb", "trainer"}
+HAPROXY_CFG = ROOT / "docker" / "haproxy.cfg"
+# An exact release: name:MAJOR.MINOR[.PATCH][-variant] or name:vX.Y.Z (never a bare major, never latest).
+PINNED_IMAGE = re.compile(r"^[a-z0-9./-]+:v?\d+\.\d+(\.\d+)?(-[a-z0-9.-]+)?$")
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
 
@@ -102,7 +108,19 @@ def test_services_and_dependencies(services: dict[str, Any]) -> None:
                     f"{name} waits for {dep}'s health, which has no check"
                 )
     assert set(services["proxy"]["depends_on"]) == {"postgres", "sglang"}
-    assert set(services["trainer"]["depends_on"]) >= {"proxy", "postgres"}
+    assert set(services["lb"]["depends_on"]) == {"proxy"}
+    assert set(services["trainer"]["depends_on"]) >= {"proxy", "postgres", "lb"}
+
+
+def test_images_are_pinned(services: dict[str, Any]) -> None:
+    for name, service in services.items():
+        if "build" in service:
+            continue  # our own image, built from docker/Dockerfile
+        assert PINNED_IMAGE.match(service["image"]), f"{name}: {service['image']} is not pinned"
+    # The Postgres major the tests run against (Debian's postgresql-15).
+    assert services["postgres"]["image"].startswith("postgres:15.")
+    base = (ROOT / "docker" / "Dockerfile").read_text().split("FROM ", 1)[1].split()[0]
+    assert PINNED_IMAGE.match(base) and base.startswith("python:3.11."), base
 
 
 def test_healthchecks(services: dict[str, Any]) -> None:
@@ -182,12 +200,52 @@ def test_proxy_wiring(services: dict[str, Any]) -> None:
     assert db.path == "/" + services["postgres"]["environment"]["POSTGRES_DB"]
     assert db.username == services["postgres"]["environment"]["POSTGRES_USER"]
     assert db.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
-    published = services["proxy"]["ports"][0].rsplit(":", 1)[1]
-    assert str(args.port) == published
-    env = services["proxy"]["environment"]
+    # Replicas: no host port and no container name, either of which stops `--scale proxy=N`.
+    proxy = services["proxy"]
+    assert "ports" not in proxy and "container_name" not in proxy
+    assert proxy["expose"] == [str(args.port)] and proxy["deploy"]["replicas"] >= 2
+    # The load balancer publishes the port agents use, and forwards to every replica's.
+    published = services["lb"]["ports"][0].rsplit(":", 1)[1]
+    lb = _haproxy_config()
+    assert lb["bind"] == f":{published}"
+    assert lb["server"] == f"proxy:{args.port}" and lb["health"] == "/health"
+    env = proxy["environment"]
     # The admin token is required, never a default baked into the file.
     assert env["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
-    assert env["PROXIMA_PUBLIC_BASE_URL"].endswith(":8000/v1")
+    assert env["PROXIMA_PUBLIC_BASE_URL"] == f"http://localhost:{published}/v1"
+
+
+def _haproxy_config() -> dict[str, str]:
+    """The facts the compose file relies on, read from docker/haproxy.cfg."""
+    facts: dict[str, str] = {}
+    for raw in HAPROXY_CFG.read_text().splitlines():
+        words = raw.split("#", 1)[0].split()
+        if words[:1] == ["bind"]:
+            facts["bind"] = words[1]
+        elif words[:1] == ["server-template"]:
+            facts["server"] = words[3]
+            assert int(words[2]) >= 8, "room for --scale proxy=N"
+            assert "check" in words and "resolvers" in words, "replicas found in Docker's DNS"
+        elif words[:2] == ["option", "httpchk"]:
+            facts["health"] = words[-1]
+        elif words[:1] == ["balance"]:
+            facts["balance"] = words[1]
+    return facts
+
+
+def test_haproxy_config_is_valid_for_haproxy(services: dict[str, Any]) -> None:
+    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    assert Path(haproxy).exists(), "haproxy (Debian package) is installed by `make test`"
+    check = subprocess.run(
+        [haproxy, "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    # Affinity by session (X-Session-Id, else the key): consistent hashing keeps most sessions
+    # on their replica when one is added or removed.
+    assert _haproxy_config()["balance"] == "hdr(X-Proxima-Affinity)"
+    assert "hash-type consistent" in HAPROXY_CFG.read_text()
+    mount = next(v for v in services["lb"]["volumes"] if "haproxy.cfg" in v)
+    assert mount.startswith("./docker/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg")
 
 
 def test_trainer_wiring(services: dict[str, Any]) -> None:
@@ -195,7 +253,8 @@ def test_trainer_wiring(services: dict[str, Any]) -> None:
     args = _parse_proxima(_command(services["trainer"]))
     assert args.command == "trainer"
     url = urlsplit(args.proxy)
-    assert url.hostname == "proxy" and url.port == proxy_args.port
+    # Through the load balancer: a weight push through any replica reaches them all.
+    assert url.hostname == "lb" and f":{url.port}" == _haproxy_config()["bind"]
     assert args.db == proxy_args.db
     assert services["trainer"]["environment"]["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
     # The mounted config file is a valid trainer config that leaves the staleness rule's
@@ -212,10 +271,12 @@ def test_trainer_wiring(services: dict[str, Any]) -> None:
 def test_dockerfile() -> None:
     lines = [ln.strip() for ln in (ROOT / "docker" / "Dockerfile").read_text().splitlines()]
     steps = [ln for ln in lines if ln and not ln.startswith("#")]
-    assert steps[0] == "FROM python:3.11-slim"
+    assert steps[0].startswith("FROM python:3.11.") and steps[0].endswith("-slim-bookworm")
     torch_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install torch==2.13.0"))
-    project_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install ."))
+    project_at = next(i for i, s in enumerate(steps) if s.startswith('RUN pip install ".'))
     assert torch_at < project_at
+    # Tensor-parallel training (torchrun + megatron-core) and Ray agent workers run from the image.
+    assert steps[project_at].startswith('RUN pip install ".[megatron,ray]"')
     copied = {s.split()[1] for s in steps if s.startswith("COPY")}
     for package in (
         "proxima",

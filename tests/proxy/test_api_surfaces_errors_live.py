@@ -66,7 +66,7 @@ def _response_body(proxy: LiveProxy, **over: Any) -> dict[str, Any]:
     ("over", "status", "param"),
     [
         ({"model": "gpt-17"}, 404, "model"),
-        ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+        ({"tools": [{"type": "file_search"}]}, 400, "tools[0].type"),
         ({"tools": [{"type": "computer_use_preview", "display_width": 1}]}, 400, "tools[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, 400, None),
         ({"input": None}, 400, "input"),
@@ -97,7 +97,7 @@ def test_responses_auth_json_and_sdk_errors(live_proxy: LiveProxy, session: dict
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(
-            model=live_proxy.model_name, input="hi", tools=[{"type": "web_search"}]
+            model=live_proxy.model_name, input="hi", tools=[{"type": "file_search"}]
         )
     assert "built-in tools" in info.value.message
 

@@ -140,3 +140,87 @@ async def test_weight_update_interrupts_and_generation_resumes() -> None:
             assert len(result.output_ids) == len(result.versions) == len(result.logprobs) == 60
             assert result.versions[0] == 0 and result.versions[-1] == 1
             assert result.interruptions >= 1 and result.finish_reason == "length"
+
+
+async def _generate_versions(pool: BackendPool, n: int = 8) -> list[int]:
+    result = GenerationResult()
+    params = GenerationParams(max_new_tokens=n, ignore_eos=True)
+    async for _ in generate(pool, prompt_ids=[1, 2], params=params, result=result):
+        pass
+    assert len(result.output_ids) == n
+    return result.versions
+
+
+async def test_backend_restarted_between_probes_is_reloaded_before_it_serves() -> None:
+    """A backend that restarts between two health checks comes back with its start-up
+    weights (it reports version 0); the next generation must not be served by them."""
+    fakes = [FakeBackend(seed=1), FakeBackend(seed=2)]
+    with (
+        ThreadedServer(create_fake_app(fakes[0])) as a,
+        ThreadedServer(create_fake_app(fakes[1])) as b,
+    ):
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([a.url, b.url], http=http)
+            await pool.update_weights(version=1, path="/weights/v1")
+            assert [f.weight_version for f in fakes] == ["1", "1"]
+            fakes[0].weight_version = "0"  # restarted: it serves the model it started with
+            for session in range(6):  # every new session, wherever it is routed
+                versions = await _generate_versions(pool)
+                assert set(versions) == {1}, f"session {session} got tokens of {set(versions)}"
+            # The stale backend was taken out by the first of its tokens, and a health
+            # check loads the current weights on it before it serves again.
+            await pool.check_health()
+            assert fakes[0].weight_version == "1"
+            assert all(backend.healthy and backend.version == 1 for backend in pool.backends)
+
+
+async def test_health_check_reloads_an_idle_restarted_backend() -> None:
+    fake = FakeBackend(seed=1)
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([server.url], http=http)
+            await pool.update_weights(version=3, path="/weights/v3")
+            fake.weight_version = "default"  # SGLang's own label when started without one
+            await pool.check_health()
+            assert fake.weight_version == "3"
+            (backend,) = pool.backends
+            assert backend.healthy and backend.version == 3
+            assert set(await _generate_versions(pool)) == {3}
+
+
+async def test_single_restarted_backend_is_reloaded_by_generation_itself() -> None:
+    """With one backend, the stale one is taken out, reloaded and serves the current version."""
+    fake = FakeBackend(seed=1)
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([server.url], http=http)
+            await pool.update_weights(version=2, path="/weights/v2")
+            fake.weight_version = "0"
+            assert set(await _generate_versions(pool)) == {2}
+            assert fake.weight_version == "2"
+
+
+async def test_backend_that_refuses_a_push_is_kept_out() -> None:
+    """A backend that answers but refuses new weights still serves old ones: out of the pool."""
+    fakes = [FakeBackend(seed=1), FakeBackend(seed=2)]
+    with (
+        ThreadedServer(create_fake_app(fakes[0])) as a,
+        ThreadedServer(create_fake_app(fakes[1])) as b,
+    ):
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([a.url, b.url], http=http)
+            refusing = pool.backends[1]
+
+            async def refuse(**_: Any) -> None:
+                raise BackendOperationFailed("cannot load", url=refusing.url)
+
+            real_update = refusing.client.update_weights_from_disk
+            refusing.client.update_weights_from_disk = refuse  # type: ignore[method-assign]
+            update = await pool.update_weights(version=1, path="/weights/v1")
+            assert update.backends == [a.url]
+            assert not refusing.healthy and refusing.version == 0
+            for _ in range(4):
+                assert set(await _generate_versions(pool)) == {1}
+            refusing.client.update_weights_from_disk = real_update  # type: ignore[method-assign]
+            await pool.check_health()  # it can load now: back at the current version
+            assert refusing.healthy and fakes[1].weight_version == "1"

@@ -152,7 +152,13 @@ def test_tool_choice_and_sampling_translate_to_chat(
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages[0].content[0].type",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        (
+            {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+            "context_management.edits[0].type",
+        ),
         (
             {
                 "messages": [

@@ -148,7 +148,11 @@ def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "Q", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "Q", "tools": [{"type": "image_generation"}]}, "tools[0].type"),
+        (
+            {"input": "Q", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "x"}]}]},
+            "tools[0].tools[0].type",
+        ),
         (
             {"input": "Q", "tools": [{"type": "file_search", "vector_store_ids": []}]},
             "tools[0].type",
@@ -167,7 +171,8 @@ def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
         ({"input": "Q", "background": True}, "background"),
         ({"input": "Q", "conversation": "conv_1"}, "conversation"),
         ({"input": "Q", "truncation": "auto"}, "truncation"),
-        ({"input": "Q", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "Q", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "Q", "reasoning": {"summary": "everything"}}, "reasoning.summary"),
         ({"input": "Q", "text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": "Q", "n": 2}, "n"),
         ({"input": "Q", "seed": 1}, "seed"),

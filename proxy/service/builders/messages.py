@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.errors import ProximaError
+from proxima.proxy.errors import ContextTooLong, ProximaError
 from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
@@ -57,6 +57,14 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def error_of(exc: ProximaError) -> dict[str, Any]:
+    if isinstance(exc, ContextTooLong) and exc.max_tokens is not None:
+        # Anthropic's own wording for a prompt plus max_tokens over the context window.
+        message = (
+            f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + "
+            f"{exc.max_tokens} > {exc.context_length}, decrease input length or `max_tokens` "
+            "and try again (or serve with --clamp-max-tokens)"
+        )
+        return error_body(exc.status_code, message)
     message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
     return error_body(exc.status_code, message)
 

@@ -52,6 +52,14 @@ class ResponseHead:
     created_at: int
     model: str
     settings: dict[str, Any]
+    tool_namespaces: dict[str, str] = field(default_factory=dict)
+    """Tool name -> the ``namespace`` tool that declared it; its calls name that namespace."""
+
+    def call_item(self, item_id: str, status: str, call_id: str, name: str, args: str) -> dict:
+        item = _call_item(item_id, status, call_id, name, args)
+        if name in self.tool_namespaces:
+            item["namespace"] = self.tool_namespaces[name]
+        return item
 
     def snapshot(
         self,
@@ -116,7 +124,10 @@ def _status(finish_reason: str) -> str:
 
 
 def output_items(
-    parsed: ParsedOutput, finish_reason: str, logprobs: list[dict[str, Any]] | None = None
+    head: ResponseHead,
+    parsed: ParsedOutput,
+    finish_reason: str,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The output items of a finished reply: its text (if any), then its calls."""
     status = _status(finish_reason)
@@ -124,7 +135,9 @@ def output_items(
     if parsed.content or not parsed.tool_calls:
         items.append(_message_item(_item_id("msg"), status, parsed.content or "", logprobs))
     for call in parsed.tool_calls:
-        items.append(_call_item(_item_id("fc"), "completed", call.id, call.name, call.arguments))
+        items.append(
+            head.call_item(_item_id("fc"), "completed", call.id, call.name, call.arguments)
+        )
     return items
 
 
@@ -140,7 +153,7 @@ def response_object(
     """The non-streaming ``response`` for one finished reply."""
     return head.snapshot(
         _status(finish_reason),
-        output_items(parsed, finish_reason, logprobs),
+        output_items(head, parsed, finish_reason, logprobs),
         usage(input_tokens, output_tokens),
     )
 
@@ -227,7 +240,7 @@ class ResponsesStream:
         out: list[bytes] = []
         if ev.id is not None:
             out += self._close()
-            item = _call_item(_item_id("fc"), "in_progress", ev.id, ev.name or "", "")
+            item = self.head.call_item(_item_id("fc"), "in_progress", ev.id, ev.name or "", "")
             out += self._add(item)
         if ev.arguments:
             assert self._open is not None and self._open.item["type"] == "function_call"
