@@ -377,7 +377,7 @@ def test_a_promotion_whose_canary_cannot_load_changes_nothing(env: Env) -> None:
     resp = admin(env, "POST", "/admin/weights", {"version": 3, "path": str(path)})
     assert resp.status_code == 200, resp.text
     shutil.rmtree(path)  # registered, but its weights are gone: the canary cannot load it
-    before = admin(env, "GET", "/admin/production").json()
+    before = cli(env, "promote", "1")
     assert (before["version"], before["canary"]) == (1, None)
 
     resp = admin(

@@ -269,17 +269,6 @@ def test_bad_integers_and_tool_names_on_messages(
     assert words in _anthropic_error(resp, 400, "invalid_request_error")
 
 
-def test_a_long_anthropic_tool_name_is_served(
-    live_proxy: LiveProxy, session: dict[str, Any]
-) -> None:
-    name = "mcp__server__" + "t" * 100  # within Anthropic's 128, past OpenAI's 64
-    tools = [{"name": name, "input_schema": {"type": "object", "properties": {}}}]
-    resp = _post(
-        live_proxy, "/v1/messages", session["api_key"], _message_body(live_proxy, tools=tools)
-    )
-    assert resp.status_code == 200, resp.text
-
-
 def test_a_bug_on_the_messages_routes_is_a_500_in_anthropics_envelope() -> None:
     """Issue 19, 2.10: an unexpected exception (a bug) under ``/v1/messages`` is answered in
     Anthropic's envelope, by the app's own error handlers and route classes."""

@@ -704,3 +704,18 @@ def test_previous_response_id_with_a_production_key(proxy: LiveProxy) -> None:
         404,
     )
     assert err["param"] == "previous_response_id"
+
+
+def test_tool_names_as_long_as_each_api_allows_are_served(proxy: LiveProxy) -> None:
+    """Anthropic allows 128 characters (Claude Code's MCP tools use them), OpenAI 64."""
+    session = proxy.new_session()
+    name = "mcp__server__" + "t" * 100
+    tools = [{"name": name, "input_schema": {"type": "object", "properties": {}}}]
+    body = {"model": proxy.model_name, "max_tokens": 2, "tools": tools}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    r = _post(proxy, "/v1/messages", body, session["api_key"])
+    assert r.status_code == 200, r.text
+    r = _post(
+        proxy, "/v1/chat/completions", _chat(proxy, tools=_tool(name="t" * 64)), session["api_key"]
+    )
+    assert r.status_code == 200, r.text
