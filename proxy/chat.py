@@ -591,6 +591,9 @@ def _find_parent(
                 continue
             request: list[Message] = []
             for index in range(size - 2, -1, -1):
+                if stored_request[index] == messages[index]:  # equal to a canonical one
+                    request.append(messages[index])
+                    continue
                 stored = normalize_message(stored_request[index], index)
                 if not messages_equivalent(messages[index], stored):
                     break
