@@ -25,8 +25,11 @@ edit that clears anything else (e.g. ``clear_tool_uses_*`` rewrites the prompt),
 values the real APIs reject.
 
 Every surface calls the functions here, so this module is the one place that
-decides what reasoning options mean; a model that does think replaces these
-judgements (and only these) with what it does with them.
+decides what reasoning options mean. For a model that does think (a reasoning
+parser other than ``none``), ``messages_thinking`` decides instead: thinking
+enabled (with its budget), adaptive, or disabled (the template's
+``enable_thinking: false``); ``reasoning_effort`` maps Responses' effort
+``none`` to the same switch.
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ def check_responses_reasoning(reasoning: dict[str, Any] | None) -> None:
                 f"{', '.join(sorted(allowed))}.",
                 param=f"reasoning.{key}",
             )
+
+
+def reasoning_effort_kwargs(
+    reasoning: dict[str, Any] | None, *, thinks: bool
+) -> dict[str, Any] | None:
+    """Responses ``reasoning.effort`` ``none`` turns a thinking model's thinking off."""
+    if thinks and reasoning and reasoning.get("effort") == "none":
+        return {"enable_thinking": False}
+    return None
 
 
 def check_messages_thinking(thinking: dict[str, Any] | None) -> None:

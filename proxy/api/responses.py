@@ -54,7 +54,9 @@ async def create_response(
                 param="previous_response_id",
             )
     prep = await service.prepare(
-        translate.canonical_request(body, previous, service.seal), principal, x_session_id
+        translate.canonical_request(body, previous, service.seal, thinks=service.thinks),
+        principal,
+        x_session_id,
     )
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
     head = ResponseHead(

@@ -457,7 +457,11 @@ def input_messages(
 
 
 def to_chat_request(
-    req: ResponsesRequest, previous: list[Message] | None = None, seal: ReasoningSeal | None = None
+    req: ResponsesRequest,
+    previous: list[Message] | None = None,
+    seal: ReasoningSeal | None = None,
+    *,
+    thinks: bool = False,
 ) -> dict[str, Any]:
     """The Chat Completions request body equivalent to ``req``."""
     _refuse_unsupported(req)
@@ -475,6 +479,9 @@ def to_chat_request(
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": translate_text_format(req.text),
         "user": req.user,
+        "chat_template_kwargs": reasoning_options.reasoning_effort_kwargs(
+            req.reasoning, thinks=thinks
+        ),
     }
     if req.wants_logprobs or req.top_logprobs:
         optional["logprobs"] = True
@@ -488,10 +495,18 @@ _PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_outpu
 
 
 def canonical_request(
-    req: ResponsesRequest, previous: list[Message] | None = None, seal: ReasoningSeal | None = None
+    req: ResponsesRequest,
+    previous: list[Message] | None = None,
+    seal: ReasoningSeal | None = None,
+    *,
+    thinks: bool = False,
 ) -> CanonicalRequest:
-    """``req`` as the service's canonical request (recorded under a ``resp_`` id)."""
-    chat = chat_request_of(to_chat_request(req, previous, seal), _PARAMS)
+    """``req`` as the service's canonical request (recorded under a ``resp_`` id).
+
+    ``seal`` verifies reasoning items' ``encrypted_content``; ``thinks``: the
+    served model may think (``reasoning.effort: "none"`` then turns it off).
+    """
+    chat = chat_request_of(to_chat_request(req, previous, seal, thinks=thinks), _PARAMS)
     # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API does
     # (Codex CLI never sends it, and a reply cut short is an error to it).
     return replace(chat, id_prefix="resp_", max_tokens_fills_context=True)

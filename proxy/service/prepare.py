@@ -44,7 +44,7 @@ from proxima.proxy.generation import GenerationParams, ReasoningBudget
 from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, output_grammar
+from proxima.proxy.structured import Grammar, ReasoningFirst, output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
@@ -147,12 +147,19 @@ class PromptPreparer:
         history: Sequence[CompletionRecord],
     ) -> Prepared:
         plan = await self.render(chat, history)
+        parser, in_reasoning, first = self.reasoning_parser, False, None
+        if parser is not None:
+            tail = self.tokenizer.decode(plan.prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+            in_reasoning = parser.starts_in_reasoning(tail)
+            if in_reasoning or not tail.rstrip().endswith(parser.end):  # thinking not off
+                first = ReasoningFirst(parser.start, parser.end, opened=in_reasoning)
         grammar = output_grammar(
             response_format=chat.response_format,
             tool_choice=chat.tool_choice,
             tools=chat.tools,
             tool_parser=self.tool_parser.name,
             parallel_tool_calls=chat.parallel_tool_calls,
+            reasoning=first,
         )
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
@@ -160,13 +167,11 @@ class PromptPreparer:
         prepared.rendered = plan.text
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
-        if self.reasoning_parser is not None:
-            prepared.reasoning = self.reasoning_parser
-            tail = self.tokenizer.decode(plan.prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
-            prepared.in_reasoning = self.reasoning_parser.starts_in_reasoning(tail)
+        if parser is not None:
+            prepared.reasoning, prepared.in_reasoning = parser, in_reasoning
             if chat.reasoning_budget is not None:
                 prepared.params.reasoning_budget = self._budget(
-                    chat.reasoning_budget, self.reasoning_parser, prepared.in_reasoning
+                    chat.reasoning_budget, parser, in_reasoning
                 )
         return prepared
 

@@ -237,7 +237,26 @@ class CompletionService:
         return session
 
     async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
+        """The session's completions, from this process's cache when it is still whole.
+
+        Replicas on one PostgreSQL database (``store.shared``) serve turns of one
+        conversation in any order, so before a turn is rendered the cached history
+        is checked against the store in one indexed read (status and completion
+        count; completions are only ever appended): a turn recorded by another
+        replica reloads it, and a session finished through another replica is a
+        409 here at once. On SQLite (one process) the cache is the truth.
+        """
         history = self.cache.history(session.id)
+        if self.store.shared:
+            state = await self.store.session_state(session_id=session.id)
+            if state.status is not SessionStatus.OPEN:
+                self.cache.forget_session(session.id)
+                raise Conflict(
+                    f"Session {session.id} is {state.status.value}; open a new session.",
+                    code="session_closed",
+                )
+            if history is not None and len(history) != state.completions:
+                history = None
         if history is None:
             history = await self.store.list_completions(session_id=session.id)
             self.cache.remember_history(session.id, history)

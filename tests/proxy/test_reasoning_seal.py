@@ -128,3 +128,13 @@ def test_bad_thinking_options_are_400s(thinking: dict[str, Any], param: str) -> 
         reasoning_options.messages_thinking(
             {"type": "enabled", "budget_tokens": 1024}, thinks=False, max_tokens=2000
         )
+
+
+def test_responses_effort_none_turns_thinking_off() -> None:
+    from proxima.proxy.api.responses_translate import to_chat_request as responses_chat
+
+    req = ResponsesRequest.model_validate(
+        {"model": "m", "input": "Q", "reasoning": {"effort": "none", "summary": "auto"}}
+    )
+    assert responses_chat(req, thinks=True)["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in responses_chat(req, thinks=False)

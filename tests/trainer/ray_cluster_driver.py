@@ -64,7 +64,13 @@ def agent(data: dict[str, Any]) -> float:
     if kind == "hang":
         time.sleep(600)
     if kind == "slow":
-        time.sleep(4)  # still running when its node is taken away
+        # Still running when its node is taken away: the marker says it got this far, and
+        # it returns only once the driver has removed the node (or after two minutes).
+        markers = Path(data["marker_dir"])
+        (markers / data["session_id"]).touch()
+        deadline = time.monotonic() + 120
+        while not (markers / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     return reward_of(data)
 
 
@@ -125,16 +131,22 @@ async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[st
         model=proxy.model_name,
         group_tag="node-loss",
     )
-    dataset = [{"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow"} for i in range(runs)]
+    markers = Path(tempfile.mkdtemp(prefix="pxmark-"))
+    dataset = [
+        {"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow", "marker_dir": str(markers)}
+        for i in range(runs)
+    ]
     rollout = asyncio.create_task(controller.run(dataset))
-    # Every slot busy with a sleeping agent, then the victim's raylet and workers are killed.
-    deadline = time.monotonic() + 60
-    while controller.progress.sessions_started < controller.max_concurrency:
-        assert time.monotonic() < deadline, "the node-loss runs never started"
+    # Every slot (one CPU of every node each) holds a sleeping agent: then the victim's raylet
+    # and workers are killed, with the runs it holds.
+    deadline = time.monotonic() + 120
+    while len(list(markers.iterdir())) < controller.max_concurrency:
+        assert time.monotonic() < deadline, "the node-loss runs never all started"
         await asyncio.sleep(0.1)
-    await asyncio.sleep(1.5)
     await asyncio.to_thread(cluster.remove_node, victim)
+    (markers / "release").touch()
     report = await rollout
+    shutil.rmtree(markers, ignore_errors=True)
     return {
         "summary": report.summary(),
         "victim": victim.node_id,
