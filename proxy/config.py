@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -128,6 +128,16 @@ class Settings(BaseSettings):
                 f"--model {self.model}: no config.json there; pass an HF model directory"
             )
         return self
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        from proxima.proxy.reasoning import known_reasoning_parsers
+
+        if name is not None and name not in known_reasoning_parsers():
+            known = ", ".join(known_reasoning_parsers())
+            raise ValueError(f"unknown reasoning parser {name!r}; known parsers: {known}")
+        return name
 
     @model_validator(mode="after")
     def _check_deployments(self) -> Settings:
