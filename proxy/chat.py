@@ -268,6 +268,30 @@ def messages_equivalent(a: Message, b: Message) -> bool:
     return True
 
 
+# Arguments of the renderer itself: never a template variable a client may set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversations",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "tokenize",
+        "return_dict",
+    }
+)
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` less the renderer's own arguments (checked with a 400 earlier)."""
+    if not kwargs:
+        return {}
+    return {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
+
+
 def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     """JSON of a tool list in its own key order (absent and empty are the same).
 
@@ -303,13 +327,15 @@ class RenderedTexts:
     was prepared, so that text is kept here (and used only when the new request's
     messages and tools up to the parent are identical to the parent's, so it is
     exactly what rendering them again would give) instead of rendering the whole
-    conversation a second time every turn. Bounded (least recently used dropped);
-    shared by the renderers of the event loop and of the worker thread.
+    conversation a second time every turn. Bounded in characters (least recently
+    added dropped first; a dropped text is rendered again when needed); shared by
+    the renderers of the event loop and of the worker thread.
     """
 
-    def __init__(self, capacity: int = 512) -> None:
-        self.capacity = capacity
+    def __init__(self, max_chars: int = 32 * 2**20) -> None:
+        self.max_chars = max_chars  # 32 Mi characters: 32-128 MiB of str by default
         self._texts: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def get(self, completion_id: str) -> str | None:
@@ -319,10 +345,14 @@ class RenderedTexts:
     def add(self, completion_ids: Sequence[str], text: str) -> None:
         with self._lock:
             for cid in completion_ids:
-                self._texts[cid] = text
-                self._texts.move_to_end(cid)
-            while len(self._texts) > self.capacity:
-                self._texts.popitem(last=False)
+                old = self._texts.pop(cid, None)
+                if old is not None:
+                    self._chars -= len(old)
+                self._texts[cid] = text  # choices of one request share the string
+                self._chars += len(text)
+            while self._chars > self.max_chars and self._texts:
+                _, dropped = self._texts.popitem(last=False)
+                self._chars -= len(dropped)
 
 
 class ChatRenderer:
@@ -363,6 +393,7 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None,
         *,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` and the OpenAI ``tools`` list.
 
@@ -380,7 +411,7 @@ class ChatRenderer:
                 tools=tool_list,
                 chat_template=self._tokenizer.get_chat_template(None, tool_list),
                 add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
+                **{**_template_variables(template_kwargs), **self._special_tokens},
             )
             return str(rendered[0])
         except TemplateError as exc:
@@ -403,6 +434,7 @@ class ChatRenderer:
         messages: Sequence[Message],
         tools: Sequence[dict[str, Any]] | None,
         history: Sequence[CompletionRecord],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan:
         """The prompt for canonical ``messages``, reusing the session's tokens if possible.
 
@@ -411,12 +443,14 @@ class ChatRenderer:
         strictly extend, with the same tools: the longest such prefix, then
         the most recent. Messages are compared before anything is rendered;
         the conversation is rendered once, and the parent's request too unless
-        its text was kept (``RenderedTexts``).
+        its text was kept (``RenderedTexts``). ``template_kwargs`` are extra
+        variables of the template (``enable_thinking``).
         """
-        full = self.render_text(messages, tools, add_generation_prompt=True)
+        kwargs = template_kwargs or None
+        full = self.render_text(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
         parent = _find_parent(messages, tools, history)
         if parent is not None:
-            plan = self._extend(parent, messages, full, tools)
+            plan = self._extend(parent, messages, full, tools, kwargs)
             if plan is not None:
                 return plan
         prompt_ids = self.encode(full)
@@ -437,6 +471,7 @@ class ChatRenderer:
         record: CompletionRecord,
         request: list[Message],
         tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text of ``request`` with a generation prompt: the parent's prompt
         text. Kept from when the parent was prepared if ``request`` and ``tools`` are
@@ -448,7 +483,7 @@ class ChatRenderer:
             and identical(list(tools or []), list(record.request_tools or []))
         ):
             return kept
-        return self.render_text(request, tools, add_generation_prompt=True)
+        return self.render_text(request, tools, add_generation_prompt=True, template_kwargs=kwargs)
 
     def _extend(
         self,
@@ -456,6 +491,7 @@ class ChatRenderer:
         messages: Sequence[Message],
         full: str,
         tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan | None:
         """Parent tokens plus the new messages' tokens, or None if the template forbids it.
 
@@ -474,7 +510,7 @@ class ChatRenderer:
         record = parent.record
         size = len(parent.request) + 1
         try:
-            opened = self._opened(record, list(messages[: size - 1]), tools)
+            opened = self._opened(record, list(messages[: size - 1]), tools, kwargs)
         except InvalidMessages:
             logger.debug("template rejects the parent's messages", extra={"parent": record.id})
             return None
@@ -561,6 +597,9 @@ def _find_parent(
                 continue
             request: list[Message] = []
             for index in range(size - 2, -1, -1):
+                if stored_request[index] == messages[index]:  # equal to a canonical one
+                    request.append(messages[index])
+                    continue
                 stored = normalize_message(stored_request[index], index)
                 if not messages_equivalent(messages[index], stored):
                     break

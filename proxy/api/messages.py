@@ -100,9 +100,15 @@ async def create_message(
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
     _check_tool_names(body.tools)
-    prep = await service.prepare(translate.canonical_request(body), principal, x_session_id)
+    canonical = translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
+    prep = await service.prepare(canonical, principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
-    head = MessageHead(prep.response_id, service.settings.model_name)
+    seal, response_id = service.seal, prep.response_id
+    head = MessageHead(
+        prep.response_id,
+        service.settings.model_name,
+        seal=lambda thinking: seal.seal(response_id, thinking),
+    )
     if body.stream:
         return EventStreamResponse(
             message_events(head, len(prep.prompt_ids), service.stream(prep)),
@@ -119,7 +125,11 @@ async def count_tokens(
     """The prompt's size as the chat template renders it (a fresh render: no session reuse)."""
     service.check_model(body.model)
     _check_tool_names(body.tools)
-    return {"input_tokens": await service.count_prompt_tokens(translate.canonical_request(body))}
+    return {
+        "input_tokens": await service.count_prompt_tokens(
+            translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
+        )
+    }
 
 
 def _check_tool_names(tools: list[dict[str, Any]] | None) -> None:

@@ -12,6 +12,7 @@ key (the new turn is recorded in that response's session, with or without
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,8 +25,19 @@ from proxima.proxy.api.responses_translate import ResponsesRequest
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.api.schemas import OPENAI_TOOL_NAME, check_tool_names
 from proxima.proxy.errors import BadRequest, NotFound
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.builders.responses import ResponseHead, response_events, response_from
 from proxima.proxy.unicode import InvalidString, check_unicode
+
+
+def _sealer(
+    seal: ReasoningSeal, response_id: str, include: list[str] | None
+) -> Callable[[str], str] | None:
+    """Reasoning text -> ``encrypted_content``, when the request ``include``s it."""
+    if "reasoning.encrypted_content" not in (include or []):
+        return None
+    return lambda text: seal.seal(response_id, text)
+
 
 router = APIRouter(prefix="/v1", tags=["responses"], route_class=GenerationRoute)
 
@@ -51,7 +63,10 @@ async def create_response(
             )
         previous, session = found
     prep = await service.prepare(
-        translate.canonical_request(body, previous), principal, x_session_id, session=session
+        translate.canonical_request(body, previous, service.seal, thinks=service.thinks),
+        principal,
+        x_session_id,
+        session=session,
     )
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
     head = ResponseHead(
@@ -60,6 +75,7 @@ async def create_response(
         service.settings.model_name,
         translate.echoed_settings(body),
         translate.tool_namespaces(body.tools),
+        seal=_sealer(service.seal, prep.response_id, body.include),
     )
     if body.stream:
         return EventStreamResponse(

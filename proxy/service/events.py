@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proxima.proxy.errors import ProximaError
+from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
 
-# A piece of a reply: content text, or a piece of a tool call.
-Part = ContentDelta | ToolCallDelta
+# A piece of a reply: reasoning, content text, or a piece of a tool call.
+Part = ReasoningDelta | ContentDelta | ToolCallDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning
 
     @property
     def total_tokens(self) -> int:

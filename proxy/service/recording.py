@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.chat import RenderedTexts
@@ -80,7 +81,7 @@ class CompletionCommitter:
             if finish.parsed is not None
             else None,
             response_text=finish.text,
-            sampling=prep.sampling,
+            sampling=_sampling_of(prep.sampling, r.logit_transforms),
             model=self.model_name,
             choice_index=run.index,
             finished_at=_now(),
@@ -100,3 +101,10 @@ class CompletionCommitter:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _sampling_of(sampling: dict[str, Any], transforms: list[str]) -> dict[str, Any]:
+    """The request's sampling record plus what this choice's generation added to it."""
+    if not transforms:
+        return sampling
+    return {**sampling, "logit_transforms": [*sampling.get("logit_transforms", []), *transforms]}

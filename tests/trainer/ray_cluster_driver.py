@@ -16,9 +16,12 @@ their worker die (``os._exit``), raise, or hang past the timeout.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -61,7 +64,13 @@ def agent(data: dict[str, Any]) -> float:
     if kind == "hang":
         time.sleep(600)
     if kind == "slow":
-        time.sleep(4)  # still running when its node is taken away
+        # Still running when its node is taken away: the marker says it got this far, and
+        # it returns only once the driver has removed the node (or after two minutes).
+        markers = Path(data["marker_dir"])
+        (markers / data["session_id"]).touch()
+        deadline = time.monotonic() + 120
+        while not (markers / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     return reward_of(data)
 
 
@@ -122,16 +131,22 @@ async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[st
         model=proxy.model_name,
         group_tag="node-loss",
     )
-    dataset = [{"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow"} for i in range(runs)]
+    markers = Path(tempfile.mkdtemp(prefix="pxmark-"))
+    dataset = [
+        {"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow", "marker_dir": str(markers)}
+        for i in range(runs)
+    ]
     rollout = asyncio.create_task(controller.run(dataset))
-    # Every slot busy with a sleeping agent, then the victim's raylet and workers are killed.
-    deadline = time.monotonic() + 60
-    while controller.progress.sessions_started < controller.max_concurrency:
-        assert time.monotonic() < deadline, "the node-loss runs never started"
+    # Every slot (one CPU of every node each) holds a sleeping agent: then the victim's raylet
+    # and workers are killed, with the runs it holds.
+    deadline = time.monotonic() + 120
+    while len(list(markers.iterdir())) < controller.max_concurrency:
+        assert time.monotonic() < deadline, "the node-loss runs never all started"
         await asyncio.sleep(0.1)
-    await asyncio.sleep(1.5)
     await asyncio.to_thread(cluster.remove_node, victim)
+    (markers / "release").touch()
     report = await rollout
+    shutil.rmtree(markers, ignore_errors=True)
     return {
         "summary": report.summary(),
         "victim": victim.node_id,
@@ -147,8 +162,24 @@ async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[st
     }
 
 
+def loopback_only() -> None:
+    """Bring ``lo`` up in this fresh network namespace, and check it is the only interface.
+
+    An ioctl rather than ``ip link set lo up``: no iproute2 needed.
+    """
+    assert socket.if_nameindex() == [(1, "lo")], (
+        f"not a loopback-only netns: {socket.if_nameindex()}"
+    )
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
 def main() -> int:
     model_dir, out_path, runs = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    loopback_only()
     import ray
     from proxima.proxy.testing.live import LiveProxy
     from ray.cluster_utils import Cluster
