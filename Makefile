@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo lint bench postgres haproxy clean
+.PHONY: venv test demo lint typecheck bench postgres haproxy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,14 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy checks the package as it installs (proxima.proxy is proxy/, ...): it reads a tree of
+# links that mirrors the package-dir mapping, so a plain path run cannot see proxima.proxy as Any.
+typecheck: venv
+	@rm -rf build/typecheck && mkdir -p build/typecheck/proxima
+	@ln -s $(CURDIR)/proxima/*.py build/typecheck/proxima/
+	@for d in proxy trainer agents_examples migrations; do ln -s $(CURDIR)/$$d build/typecheck/proxima/$$d; done
+	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p proxima
 
 bench: venv
 	$(PY) bench/engine_batching.py

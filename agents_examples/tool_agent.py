@@ -77,8 +77,9 @@ def evaluate(expression: str) -> float:
         raise CalculatorError(f"not an arithmetic expression: {expression!r}") from exc
 
     def walk(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            value = node.value
+        number = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(number, int | float) and not isinstance(number, bool):
+            value: float = number
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = walk(node.left), walk(node.right)
             if isinstance(node.op, ast.Div) and right == 0:

@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
             "admin_token": args.admin_token,
             "served_model_name": args.served_model_name,
             "tool_parser": args.tool_parser,
+            "reasoning_parser": args.reasoning_parser,
             "max_staleness": args.max_staleness,
             "train_batch_size": args.train_batch_size,
             "context_length": args.context_length,
@@ -190,7 +191,7 @@ def _production(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_production(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_production(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("production", help="promote, canary, roll back the production deployment")
     psub = p.add_subparsers(dest="production_command", required=True)
     q = psub.add_parser("promote", help="serve version V to production keys")
@@ -230,7 +231,7 @@ def _trainer(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _add_trainer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_trainer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Imported lazily where it runs; the flags themselves are the trainer's own.
     from proxima.trainer.cli import add_arguments
 
@@ -337,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
     p.add_argument(
         "--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)"
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="qwen3 | deepseek-r1 | none: a thinking model's reasoning markers (default: detect)",
     )
     p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
     p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")

@@ -25,6 +25,7 @@ from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.fleet import FleetFollower
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.middleware import BodyLimitMiddleware
@@ -181,15 +182,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             logger.error("proxima serve: %s", exc)
             raise
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
-        versions = await store.list_policy_versions()
-        latest = versions[-1] if versions else None
-        if latest is not None and latest.version > 0 and latest.path:
-            # Restarted proxy: serve the newest policy, not the base model.
-            await pool.update_weights(version=latest.version, path=latest.path)
         production = ProductionController(
             deployments=deployments, store=store, base_model_path=str(settings.model)
         )
-        await production.restore()
+        if store.shared:  # replicas on one PostgreSQL: load weights once in the fleet
+            for deployment in deployments.all():
+                deployment.pool.fleet_lock = store.publish_lock
+        # A restarted proxy, or one more replica, serves the newest policy and production
+        # state in the store: what the backends report is adopted, only those behind load.
+        follower = FleetFollower(store=store, pool=pool, production=production)
+        await follower.sync()
+        if store.shared:
+            follower.start()
+        app.state.follower = follower
         app.state.deployments = deployments
         app.state.production = production
         app.state.store = store
@@ -220,6 +225,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             {d.name: [b.url for b in d.pool.backends] for d in deployments.all()},
         )
         yield
+        await follower.close()
         await recorder.close()
         app.state.service.close()
     finally:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from proxima.proxy import errors
+from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.unicode import InvalidString, check_unicode
 
@@ -266,6 +268,30 @@ def messages_equivalent(a: Message, b: Message) -> bool:
     return True
 
 
+# Arguments of the renderer itself: never a template variable a client may set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversations",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_assistant_tokens_mask",
+        "tokenize",
+        "return_dict",
+    }
+)
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` less the renderer's own arguments (checked with a 400 earlier)."""
+    if not kwargs:
+        return {}
+    return {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
+
+
 def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     """JSON of a tool list in its own key order (absent and empty are the same).
 
@@ -290,6 +316,37 @@ class PromptPlan:
     prompt_ids: list[int]
     parent_id: str | None
     appended_ids: list[int]
+    text: str = ""  # the template's text of the whole conversation (generation prompt included)
+
+
+class RenderedTexts:
+    """The template's text of recent completions' requests, by completion id.
+
+    A turn extends its parent by checking that the parent's own prompt text starts
+    the new conversation's text; the parent's request was rendered when the parent
+    was prepared, so that text is kept here (and used only when the new request's
+    messages and tools up to the parent are identical to the parent's, so it is
+    exactly what rendering them again would give) instead of rendering the whole
+    conversation a second time every turn. Bounded (least recently used dropped);
+    shared by the renderers of the event loop and of the worker thread.
+    """
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, completion_id: str) -> str | None:
+        with self._lock:
+            return self._texts.get(completion_id)
+
+    def add(self, completion_ids: Sequence[str], text: str) -> None:
+        with self._lock:
+            for cid in completion_ids:
+                self._texts[cid] = text
+                self._texts.move_to_end(cid)
+            while len(self._texts) > self.capacity:
+                self._texts.popitem(last=False)
 
 
 class ChatRenderer:
@@ -299,7 +356,13 @@ class ChatRenderer:
     template; it defaults to the tokenizer's eos token and must be one token.
     """
 
-    def __init__(self, tokenizer: Any, *, end_of_turn: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        end_of_turn: str | None = None,
+        rendered: RenderedTexts | None = None,
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; chat completions need one")
         marker = end_of_turn or tokenizer.eos_token
@@ -312,6 +375,7 @@ class ChatRenderer:
         self.end_of_turn: str = marker
         self.end_of_turn_id: int = marker_ids[0]
         self._encodings: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.rendered = rendered if rendered is not None else RenderedTexts()
         from transformers.utils.chat_template_utils import render_jinja_template
 
         self._render = render_jinja_template
@@ -323,6 +387,7 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None,
         *,
         add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` and the OpenAI ``tools`` list.
 
@@ -340,7 +405,7 @@ class ChatRenderer:
                 tools=tool_list,
                 chat_template=self._tokenizer.get_chat_template(None, tool_list),
                 add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
+                **{**_template_variables(template_kwargs), **self._special_tokens},
             )
             return str(rendered[0])
         except TemplateError as exc:
@@ -363,23 +428,56 @@ class ChatRenderer:
         messages: Sequence[Message],
         tools: Sequence[dict[str, Any]] | None,
         history: Sequence[CompletionRecord],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan:
         """The prompt for canonical ``messages``, reusing the session's tokens if possible.
 
         ``history`` is the session's completions, oldest first. The parent is
         the completion whose request messages plus reply the new messages
         strictly extend, with the same tools: the longest such prefix, then
-        the most recent. Messages are compared before anything is rendered,
-        and only the chosen parent is rendered.
+        the most recent. Messages are compared before anything is rendered;
+        the conversation is rendered once, and the parent's request too unless
+        its text was kept (``RenderedTexts``). ``template_kwargs`` are extra
+        variables of the template (``enable_thinking``).
         """
-        full = self.render_text(messages, tools, add_generation_prompt=True)
+        kwargs = template_kwargs or None
+        full = self.render_text(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
         parent = _find_parent(messages, tools, history)
         if parent is not None:
-            plan = self._extend(parent, messages, full, tools)
+            plan = self._extend(parent, messages, full, tools, kwargs)
             if plan is not None:
                 return plan
         prompt_ids = self.encode(full)
-        return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids)
+        return PromptPlan(prompt_ids=prompt_ids, parent_id=None, appended_ids=prompt_ids, text=full)
+
+    def find_parent(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        history: Sequence[CompletionRecord],
+    ) -> CompletionRecord | None:
+        """The completion ``build_prompt`` would try to extend (compares, renders nothing)."""
+        parent = _find_parent(messages, tools, history)
+        return None if parent is None else parent.record
+
+    def _opened(
+        self,
+        record: CompletionRecord,
+        request: list[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The template's text of ``request`` with a generation prompt: the parent's prompt
+        text. Kept from when the parent was prepared if ``request`` and ``tools`` are
+        identical to the parent's (same values, types and key order), else rendered."""
+        kept = self.rendered.get(record.id)
+        if (
+            kept is not None
+            and identical(request, record.request_messages)
+            and identical(list(tools or []), list(record.request_tools or []))
+        ):
+            return kept
+        return self.render_text(request, tools, add_generation_prompt=True, template_kwargs=kwargs)
 
     def _extend(
         self,
@@ -387,46 +485,50 @@ class ChatRenderer:
         messages: Sequence[Message],
         full: str,
         tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None = None,
     ) -> PromptPlan | None:
         """Parent tokens plus the new messages' tokens, or None if the template forbids it.
 
         ``full`` is the whole new conversation rendered with a generation
         prompt. The parent's tokens are reused only when the template renders
         the parent's turn, in this conversation, as exactly those tokens: the
-        conversation up to the reply must start ``full``, and the reply must
-        render as the generated text. A template that rewrites the reply (one
-        that drops earlier turns' reasoning, as Qwen3's and DeepSeek-R1's do)
-        fails the second test, and the prompt is the template's own rendering.
+        parent's prompt text (its request rendered with a generation prompt)
+        must start ``full``, and the reply, up to the first end-of-turn marker
+        after it, must be the generated text. A template that rewrites the reply
+        (one that drops earlier turns' reasoning, as Qwen3's and DeepSeek-R1's
+        do) fails the second test, and the prompt is the template's own
+        rendering. Then ``full`` is exactly the parent's text, its reply, and
+        what follows: only that last part is tokenized, and no other rendering
+        of the conversation is needed when the parent's text was kept.
         """
         record = parent.record
         size = len(parent.request) + 1
-        request, reply = list(messages[: size - 1]), messages[size - 1]
         try:
-            opened = self.render_text(request, tools, add_generation_prompt=True)
-            previous = self.render_text([*request, reply], tools, add_generation_prompt=False)
+            opened = self._opened(record, list(messages[: size - 1]), tools, kwargs)
         except InvalidMessages:
             logger.debug("template rejects the parent's messages", extra={"parent": record.id})
             return None
-        marker_at = previous.rfind(self.end_of_turn)
-        if not (previous.startswith(opened) and full.startswith(previous)):
+        if not full.startswith(opened):
             logger.debug("template rewrites history; rendering fresh", extra={"parent": record.id})
             return None
-        if marker_at < len(opened):
+        marker_at = full.find(self.end_of_turn, len(opened))
+        if marker_at < 0:
             logger.debug("reply has no end-of-turn marker; rendering fresh")
             return None
         generated_marker = bool(record.output_ids) and record.output_ids[-1] == self.end_of_turn_id
-        if not self._renders_as_generated(record, opened, previous[len(opened) : marker_at]):
+        if not self._renders_as_generated(record, opened, full[len(opened) : marker_at]):
             logger.debug(
                 "template renders the reply unlike the generated tokens; rendering fresh",
                 extra={"parent": record.id},
             )
             return None
         cut = marker_at + len(self.end_of_turn) if generated_marker else marker_at
-        appended = self.encode(previous[cut:] + full[len(previous) :])
+        appended = self.encode(full[cut:])
         return PromptPlan(
             prompt_ids=[*record.prompt_ids, *record.output_ids, *appended],
             parent_id=record.id,
             appended_ids=appended,
+            text=full,
         )
 
     def _renders_as_generated(self, record: CompletionRecord, opened: str, reply: str) -> bool:

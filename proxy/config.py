@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +54,17 @@ class Settings(BaseSettings):
         None,
         description="Tool-call parser (hermes, llama3_json, none); default: detected "
         "from the chat template.",
+    )
+    signing_key: SecretStr | None = Field(
+        None,
+        description="Key that signs the reasoning handed to clients (Responses "
+        "encrypted_content, Messages thinking signatures); the same on every replica. "
+        "Default: derived from the admin token, else random per process.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="Reasoning parser (qwen3, deepseek-r1, none): splits a thinking model's "
+        "reasoning from its answer; default: detected from the chat template.",
     )
     context_length: int | None = Field(
         None,
@@ -117,6 +128,16 @@ class Settings(BaseSettings):
                 f"--model {self.model}: no config.json there; pass an HF model directory"
             )
         return self
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        from proxima.proxy.reasoning import known_reasoning_parsers
+
+        if name is not None and name not in known_reasoning_parsers():
+            known = ", ".join(known_reasoning_parsers())
+            raise ValueError(f"unknown reasoning parser {name!r}; known parsers: {known}")
+        return name
 
     @model_validator(mode="after")
     def _check_deployments(self) -> Settings:

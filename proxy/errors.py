@@ -147,6 +147,8 @@ def as_proxima_error(exc: Exception) -> ProximaError:
         return exc
     if isinstance(exc, store_errors.RewardAlreadySet):
         return Conflict(str(exc), param="reward", code="reward_already_set")
+    if isinstance(exc, store_errors.SessionClosed):
+        return Conflict(str(exc), code="session_closed")
     if isinstance(exc, store_errors.Conflict):
         return Conflict(str(exc))
     if isinstance(exc, store_errors.NotFound):
@@ -213,6 +215,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_envelope(str(exc), "conflict_error", param="reward", code="reward_already_set"),
             status_code=409,
+        )
+
+    @app.exception_handler(store_errors.SessionClosed)
+    async def _session_closed(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            error_envelope(str(exc), "conflict_error", code="session_closed"), status_code=409
         )
 
     @app.exception_handler(store_errors.Conflict)

@@ -67,6 +67,21 @@ MAX_INTERRUPTIONS = 64
 FAILOVER_WAIT_S = 30.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningBudget:
+    """At most ``limit`` tokens of reasoning, then ``close_ids`` are forced.
+
+    ``is_open(output_ids)`` says whether a reply still reasons (it opened its
+    reasoning and has not closed it). A reply cut at ``limit`` while reasoning
+    gets the closing marker appended (as serving engines do with a thinking
+    budget) and goes on generating its answer from there.
+    """
+
+    limit: int
+    close_ids: list[int]
+    is_open: Callable[[list[int]], bool]
+
+
 @dataclass(slots=True)
 class GenerationParams:
     max_new_tokens: int
@@ -83,6 +98,7 @@ class GenerationParams:
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     grammar: Grammar | None = None
+    reasoning_budget: ReasoningBudget | None = None
     # Text of token ids, to find stop strings that straddle an interruption.
     decode: Callable[[list[int]], str] | None = None
 
@@ -143,6 +159,12 @@ class GenerationResult:
     matched_stop: int | str | None = None
     interruptions: int = 0
     backend: str | None = None
+    forced: int = 0  # tokens appended by a reasoning budget, not sampled
+
+    @property
+    def logit_transforms(self) -> list[str]:
+        """What this choice's generation did beyond its request's transforms."""
+        return ["reasoning_budget"] if self.forced else []
 
     def extend(self, chunk: TokenChunk) -> None:
         self.output_ids.extend(chunk.token_ids)
@@ -267,6 +289,21 @@ class _Attempt:
         )
 
 
+def _close_reasoning(
+    params: GenerationParams, result: GenerationResult, version: int
+) -> TokenChunk | None:
+    """The forced closing marker of a reply whose reasoning budget is spent (None if closed)."""
+    budget = params.reasoning_budget
+    assert budget is not None
+    if not budget.is_open(result.output_ids):
+        return None
+    ids = budget.close_ids[: params.max_new_tokens - len(result.output_ids)]
+    result.forced += len(ids)
+    # Forced, not sampled: probability 1 under the forcing (the record says so, and the
+    # trainer keeps the completion as context: ``trainer/logit_transforms.py``).
+    return TokenChunk(ids, [0.0] * len(ids), [version] * len(ids), [[] for _ in ids])
+
+
 async def generate(
     pool: BackendPool,
     *,
@@ -284,11 +321,23 @@ async def generate(
     """
     base_rid = request_id or uuid.uuid4().hex
     attempt = 0
+    budget = params.reasoning_budget if params.grammar is None else None
     while True:
         remaining = params.max_new_tokens - len(result.output_ids)
         if remaining <= 0:
             result.finish_reason = "length"
             return
+        capped = False
+        if budget is not None:
+            left = budget.limit - len(result.output_ids)
+            if left < remaining:
+                remaining, capped = max(left, 0), True
+            if remaining == 0:  # the budget is spent: close the reasoning if it is open
+                budget, chunk = None, _close_reasoning(params, result, pool.version)
+                if chunk is not None:
+                    result.extend(chunk)
+                    yield chunk
+                continue
         await pool.wait_ready()
         version = pool.version
         try:
@@ -301,7 +350,9 @@ async def generate(
         boundary = None
         if params.stop and params.decode is not None and result.output_ids:
             boundary = BoundaryStops(params.stop, params.decode, list(result.output_ids))
-        request = GenerateRequest(
+        # Not validated again: the ids are the prompt's (checked when it was prepared) and
+        # the backend's own; validating tens of thousands costs milliseconds per turn.
+        request = GenerateRequest.model_construct(
             input_ids=prompt_ids + result.output_ids,
             sampling_params=params.sampling(remaining),
             return_logprob=True,
@@ -362,6 +413,8 @@ async def generate(
         for chunk in held:
             result.extend(chunk)
             yield chunk
+        if capped and finish.type == "length":
+            continue  # the budget's cap, not the request's: close the reasoning, go on
         result.finish_reason = "length" if finish.type == "length" else "stop"
         result.matched_stop = finish.matched
         return

@@ -155,23 +155,32 @@ class ProductionController:
             )
 
     # ------------------------------------------------------------------ actions
-    async def restore(self) -> None:
-        """At start-up: serve the newest recorded production state."""
-        if self.deployments.production is None:
+    async def follow(self) -> None:
+        """Serve the newest production state in the store, which any replica may have set.
+
+        The backends are shared by the fleet: those that serve the state's
+        versions already are adopted (``BackendPool.follow``); only the ones
+        behind are loaded. Called at start-up and by the fleet follower.
+        """
+        d = self.deployments
+        if d.production is None:
             return
         history = await self.store.list_promotions()
         if not history:
             return
         last = history[-1]
-        canary = (
-            None
-            if last.canary_version is None or last.canary_fraction is None
-            else CanarySplit(last.canary_version, last.canary_fraction)
-        )
-        if canary is not None and not self.deployments.can_canary:
-            logger.warning("the recorded canary needs canary backends; serving without it")
-            canary = None
-        await self._apply(last.version, canary)
+        async with self._lock:
+            await d.production.pool.follow(last.version, await self.path_of(last.version))
+            if last.canary_version is None or last.canary_fraction is None:
+                d.split = None
+                return
+            if not d.can_canary:
+                logger.warning("the recorded canary needs canary backends; serving without it")
+                d.split = None
+                return
+            canary = await d.canary_deployment()
+            await canary.pool.follow(last.canary_version, await self.path_of(last.canary_version))
+            d.split = CanarySplit(last.canary_version, last.canary_fraction)
 
     async def promote(
         self, version: int, canary: CanarySplit | None = None, *, require_eval: bool = False
@@ -181,7 +190,7 @@ class ProductionController:
             raise BadRequest(
                 "The canary version must differ from the promoted version.", param="canary"
             )
-        async with self._lock:
+        async with self.store.publish_lock(), self._lock:
             if require_eval:
                 await self._check_eval(version)
             await self._apply(version, canary)
@@ -195,7 +204,7 @@ class ProductionController:
 
     async def rollback(self) -> dict[str, Any]:
         self._production()
-        async with self._lock:
+        async with self.store.publish_lock(), self._lock:
             target = rollback_target(await self.store.list_promotions())
             if target is None:
                 raise Conflict(

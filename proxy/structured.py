@@ -186,6 +186,32 @@ def _calls_format(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningFirst:
+    """A thinking model's reasoning, left unconstrained before the constrained answer.
+
+    ``opened``: the prompt already opened the reasoning (the reply starts
+    inside it); otherwise the reply may open it with ``start`` or answer at
+    once. Either way the answer follows the ``end`` marker and the blank line
+    the template writes after it.
+    """
+
+    start: str
+    end: str
+    opened: bool
+
+    def wrap(self, answer: dict[str, Any]) -> dict[str, Any]:
+        think = {
+            "type": "tag",
+            "begin": "" if self.opened else self.start,
+            "content": {"type": "any_text"},
+            "end": self.end,
+        }
+        gap = {"type": "const_string", "value": "\n\n"}
+        thought = {"type": "sequence", "elements": [think, gap, answer]}
+        return thought if self.opened else {"type": "or", "elements": [thought, answer]}
+
+
 def output_grammar(
     *,
     response_format: dict[str, Any] | None,
@@ -193,12 +219,14 @@ def output_grammar(
     tools: Sequence[dict[str, Any]] | None,
     tool_parser: str,
     parallel_tool_calls: bool | None = None,
+    reasoning: ReasoningFirst | None = None,
 ) -> Grammar | None:
     """The grammar that enforces a canonical chat request's output, or None if unconstrained.
 
     Raises :class:`BadRequest` (param ``response_format`` or ``tool_choice``)
     for a schema that cannot be enforced, or a forced tool call with a tool
-    parser that has no call format (``none``).
+    parser that has no call format (``none``). With ``reasoning``, the
+    constraint starts after the reasoning closes: thinking is not constrained.
     """
     schema = response_format_schema(response_format)
     if schema is not None:
@@ -207,6 +235,10 @@ def output_grammar(
     if not forced and not (schema is not None and tool_choice.mode == "auto" and tools):
         if schema is None:
             return None
+        if reasoning is not None:
+            answer = {"type": "json_schema", "json_schema": schema}
+            tag = {"type": "structural_tag", "format": reasoning.wrap(answer)}
+            return _checked(Grammar("structural_tag", json.dumps(tag)), "response_format")
         return _checked(Grammar("json_schema", json.dumps(schema)), "response_format")
     call = _CALL_FORMATS.get(tool_parser)
     if call is None:
@@ -225,6 +257,8 @@ def output_grammar(
         assert schema is not None
         answer = {"type": "json_schema", "json_schema": schema}
         fmt = {"type": "or", "elements": [fmt, answer]}
+    if reasoning is not None:
+        fmt = reasoning.wrap(fmt)
     param = "tool_choice" if forced else "response_format"
     return _checked(
         Grammar("structural_tag", json.dumps({"type": "structural_tag", "format": fmt})), param

@@ -140,24 +140,24 @@ def group_advantages(
         sid: [] for sid, returns in returns_by_session.items() if not returns
     }
     for session_ids in members.values():
-        returns = {sid: [float(g) for g in returns_by_session[sid]] for sid in session_ids}
+        group_returns = {sid: [float(g) for g in returns_by_session[sid]] for sid in session_ids}
         n = len(session_ids)
-        session_mean = {sid: math.fsum(g) / len(g) for sid, g in returns.items()}  # m_i
+        session_mean = {sid: math.fsum(g) / len(g) for sid, g in group_returns.items()}  # m_i
         mu = math.fsum(session_mean.values()) / n  # mu_g
         variance = (
             math.fsum(
-                math.fsum((g - mu) ** 2 for g in returns[sid]) / len(returns[sid])
+                math.fsum((g - mu) ** 2 for g in group_returns[sid]) / len(group_returns[sid])
                 for sid in session_ids
             )
             / n
         )  # sigma_g^2, each session weighing 1
-        all_equal = len({g for gs in returns.values() for g in gs}) == 1  # exact, no rounding
+        all_equal = len({g for gs in group_returns.values() for g in gs}) == 1  # exact, no rounding
         no_signal = baseline != "none" and (all_equal or (baseline == "leave_one_out" and n == 1))
         sigma = math.sqrt(variance) if normalize_std else 1.0
         total = math.fsum(session_mean.values())
         for sid in session_ids:
             if no_signal:
-                advantages[sid] = [0.0] * len(returns[sid])
+                advantages[sid] = [0.0] * len(group_returns[sid])
                 continue
             if baseline == "group_mean":
                 b = mu  # b_i = mu_g
@@ -165,5 +165,7 @@ def group_advantages(
                 b = (total - session_mean[sid]) / (n - 1)  # b_i = mean_{j != i} m_j
             else:
                 b = 0.0
-            advantages[sid] = [(g - b) / sigma for g in returns[sid]]  # A_t = (G_t - b_i) / sigma
+            advantages[sid] = [
+                (g - b) / sigma for g in group_returns[sid]
+            ]  # A_t = (G_t - b_i) / sigma
     return advantages

@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 DEFAULT_EPS_CLIP = 0.2
 
@@ -261,7 +261,10 @@ class ConnectionConfig(_Section):
     """Where the trainer finds the proxy, the store and the initial model (CLI flags override)."""
 
     proxy_url: str | None = Field(
-        None, description="Base URL of the proxy, e.g. http://127.0.0.1:8000 (--proxy)."
+        None,
+        description="Base URL of the proxy, e.g. http://127.0.0.1:8000 (--proxy); for a fleet "
+        "of replicas on one database, their load balancer's URL or several replica URLs "
+        "separated by commas (tried in turn: a push through any one reaches them all).",
     )
     db_url: str | None = Field(
         None, description="SQLAlchemy URL of the trajectory store the proxy writes (--db)."
@@ -273,6 +276,29 @@ class ConnectionConfig(_Section):
         None,
         description="Admin bearer token of the proxy (--admin-token or PROXIMA_ADMIN_TOKEN).",
     )
+
+    @field_validator("proxy_url", mode="before")
+    @classmethod
+    def _proxy_urls(cls, value: Any) -> Any:
+        """One URL, or several (a list, or comma-separated): each an http(s) base URL."""
+        if value is None:
+            return None
+        parts = value if isinstance(value, list) else str(value).split(",")
+        urls = [str(u).strip().rstrip("/") for u in parts if str(u).strip()]
+        if not urls:
+            raise ValueError("proxy_url is empty")
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or "://" in url.split("://", 1)[1]:
+                raise ValueError(
+                    f"proxy_url {url!r} is not an http(s) base URL (several replicas: "
+                    "separate their URLs with commas)"
+                )
+        return ",".join(urls)
+
+    @property
+    def proxy_urls(self) -> list[str]:
+        """The proxy URLs to try, in order (empty when unset)."""
+        return self.proxy_url.split(",") if self.proxy_url else []
 
     def missing(self) -> list[str]:
         """Names of the settings a run needs but that are unset (admin_token is optional)."""

@@ -182,6 +182,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     model.config.pad_token_id = ids[IM_END]
     # Stop at the end of the assistant turn, and at the end of text.
     eos_ids = [ids[IM_END], ids[END_OF_TEXT]]
+    assert model.generation_config is not None  # a causal LM always has one
     model.generation_config.bos_token_id = ids[IM_START]
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = ids[IM_END]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 
 from .batching import PackedBatch
 from .loss import token_logprobs
@@ -90,7 +90,7 @@ def varlen_sdpa_attention(
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
 
 
-def use_varlen_attention(model: nn.Module) -> None:
+def use_varlen_attention(model: PreTrainedModel) -> None:
     """Switch an HF model to :func:`varlen_sdpa_attention` (in place) for packed training."""
     model.set_attn_implementation(VARLEN_SDPA)
 
@@ -127,7 +127,7 @@ def _block_mask_for(implementation: str, packed: PackedBatch, dtype: torch.dtype
 
 
 def forward_logprobs(
-    model: nn.Module,
+    model: PreTrainedModel,
     packed: PackedBatch,
     temperature: float | Tensor | None = None,
     *,
@@ -166,7 +166,7 @@ def forward_logprobs(
             "max_length_k": max_length,
         }
     else:
-        dtype = model.get_input_embeddings().weight.dtype
+        dtype = model.dtype
         attention = {"attention_mask": _block_mask_for(implementation, packed, dtype)}
     temps = packed.temperatures if temperature is None else temperature
     keep: Tensor | None = None

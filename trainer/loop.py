@@ -375,7 +375,7 @@ class Trainer:
             if await _stopped_within(stop, self.cfg.loop.poll_interval_s):
                 return None
 
-    async def _claim(self, limit: int, kinds: list[SessionKind]) -> list[SessionRecord]:
+    async def _claim(self, limit: int, kinds: Sequence[SessionKind]) -> list[SessionRecord]:
         if limit <= 0 or not kinds:
             return []
         return await self.store.claim_groups(

@@ -46,7 +46,22 @@ class ProxySettings:
 async def fetch_proxy_settings(
     proxy_url: str, *, admin_token: str | None, timeout_s: float = 30.0
 ) -> ProxySettings:
-    """``GET /admin/config`` of the proxy; raises :class:`ProxySettingsError` when it cannot."""
+    """``GET /admin/config`` of the proxy; raises :class:`ProxySettingsError` when it cannot.
+
+    ``proxy_url`` may name several replicas (comma-separated): they share one
+    configuration, and the first that answers is asked.
+    """
+    urls = [u for u in proxy_url.split(",") if u.strip()]
+    for url in urls[:-1]:
+        try:
+            return await _fetch_one(url.strip(), admin_token=admin_token, timeout_s=timeout_s)
+        except ProxySettingsError as exc:
+            if not isinstance(exc.__cause__, httpx.TransportError):
+                raise
+    return await _fetch_one(urls[-1].strip(), admin_token=admin_token, timeout_s=timeout_s)
+
+
+async def _fetch_one(proxy_url: str, *, admin_token: str | None, timeout_s: float) -> ProxySettings:
     url = proxy_url.rstrip("/") + CONFIG_ROUTE
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     try:

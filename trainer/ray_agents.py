@@ -28,7 +28,10 @@ already holds the first attempt's. Past ``timeout_s`` (counted from submission,
 queueing in Ray included) the task is cancelled with ``force=True``, which
 kills its worker.
 
-Ray is imported lazily: without the extra, only ``mode="ray"`` is unavailable.
+What the agents print stays in Ray's worker logs (the controller joins with
+``log_to_driver=False``: thousands of runs would flood its console); their
+errors are in the report. Ray is imported lazily: without the extra, only
+``mode="ray"`` is unavailable.
 """
 
 from __future__ import annotations
@@ -150,18 +153,30 @@ class RayAgentRunner:
         self.model = model
         self._remote: Any = None
 
-    def _task(self) -> Any:
+    def connect(self) -> None:
+        """Join the cluster (unless this process already has) and register the task.
+
+        Blocking (``ray.init`` may wait long for an unreachable cluster): the controller
+        calls it on a worker thread before its first run. A failure is a
+        :class:`RolloutError`: without a cluster no run can start.
+        """
         ray = import_ray()
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False)
+            try:
+                ray.init(address=self.address, log_to_driver=False)
+            except Exception as exc:  # noqa: BLE001 - Ray raises several types for this
+                raise RolloutError(
+                    f"cannot join the Ray cluster at {self.address or '$RAY_ADDRESS'}: {exc}"
+                ) from exc
         if self._remote is None:
             self._remote = ray.remote(run_in_worker)
-        return self._remote
 
     async def call(self, data: dict[str, Any], binding: SessionBinding) -> RayOutcome:
         """Run the agent on ``data`` in a Ray task; cancelling this kills the task's worker."""
         ray = import_ray()
-        task = self._task()
+        if self._remote is None:
+            await asyncio.to_thread(self.connect)
+        task = self._remote
         env = {**session_env(binding, self.model), **self.env}
         ref = task.options(**self.options).remote(self.agent, data, binding, env)
         try:

@@ -292,6 +292,8 @@ class RolloutController:
         executor = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="agent")
         headers = {"Authorization": f"Bearer {self.admin_token}"}
         try:
+            if self._ray is not None:
+                await asyncio.to_thread(self._ray.connect)  # off the event loop: may block long
             async with (
                 httpx.AsyncClient(
                     base_url=self.proxy_url, headers=headers, timeout=self.http_timeout_s

@@ -107,7 +107,7 @@ class Sample:
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        lists = {
+        lists: dict[str, Sequence[object]] = {
             "loss_mask": self.loss_mask,
             "behav_logprobs": self.behav_logprobs,
             "versions": self.versions,

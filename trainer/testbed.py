@@ -249,7 +249,11 @@ async def _agent(
     )
     resp.raise_for_status()
     session = resp.json()
-    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], http_client=http)
+    client = AsyncOpenAI(
+        base_url=session["base_url"],
+        api_key=session["api_key"],
+        http_client=http,  # type: ignore[arg-type]  # the SDK's stubs name its own httpx fork
+    )
     reply = await client.chat.completions.create(
         model=proxy.model_name,
         messages=[{"role": "user", "content": prompt_of(*pair)}],
@@ -271,7 +275,10 @@ async def _evaluate(
 ) -> float:
     """Mean reward over ``prompts``, one sample each at T = 1 (admin token: unrecorded)."""
     client = AsyncOpenAI(
-        base_url=proxy.base_url, api_key=proxy.admin_token, http_client=http, max_retries=0
+        base_url=proxy.base_url,
+        api_key=proxy.admin_token,
+        http_client=http,  # type: ignore[arg-type]  # the SDK's stubs name its own httpx fork
+        max_retries=0,
     )
     sem = asyncio.Semaphore(32)
 

@@ -299,6 +299,25 @@ def _scored(section: EvalSection, items: list[dict[str, Any]]) -> int:
     return min(section.items, len(items)) if section.items else len(items)
 
 
+def rollout_controller(
+    cfg: TrainRunConfig, url: str, token: str, model_name: str
+) -> RolloutController:
+    """The controller of the run's training rollouts, as its ``rollout`` section says."""
+    r = cfg.rollout
+    return RolloutController(
+        url,
+        token,
+        r.agent,
+        group_size=r.group_size,
+        max_concurrency=r.max_concurrency,
+        timeout_s=r.timeout_s,
+        model=model_name,
+        mode=r.mode,
+        ray_address=r.ray_address,
+        ray_options=r.ray_options,
+    )
+
+
 def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
     return [
         sys.executable,
@@ -385,15 +404,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             stderr=subprocess.STDOUT,
         )
 
-        controller = RolloutController(
-            run.url,
-            run.token,
-            cfg.rollout.agent,
-            group_size=cfg.rollout.group_size,
-            max_concurrency=cfg.rollout.max_concurrency,
-            timeout_s=cfg.rollout.timeout_s,
-            model=run.model_name,
-        )
+        controller = rollout_controller(cfg, run.url, run.token, run.model_name)
         bar = tqdm(
             total=cfg.steps, desc="PPO steps", unit="step", disable=not progress, dynamic_ncols=True
         )

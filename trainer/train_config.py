@@ -65,6 +65,18 @@ class RolloutSection(_Section):
     group_size: int = Field(4, ge=1, description="Sessions per item (one advantage group).")
     max_concurrency: int = Field(16, ge=1, description="Agent runs in flight.")
     timeout_s: float = Field(300.0, gt=0, description="An agent run slower than this fails.")
+    mode: Literal["inprocess", "subprocess", "ray"] = Field(
+        "inprocess",
+        description="Where agents run: this process, a subprocess each, or Ray tasks on a "
+        "cluster (pip install 'proxima[ray]'; with [proxy] url the proxy agents reach).",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join in ray mode ('auto', 'ray://head:10001'...)."
+    )
+    ray_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray task options of every run in ray mode (num_cpus, resources, runtime_env).",
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of training runs.")
     seed: int | None = Field(
         None,

@@ -208,39 +208,58 @@ class WeightSink(Protocol):
 class ProxyWeightSink:
     """``POST {proxy}/admin/weights {version, path}`` with the admin token.
 
+    ``proxy_url`` is one proxy, a fleet's load balancer, or several replicas
+    (comma-separated). Replicas on one database share the pushed version: a
+    push goes through one replica (the first that answers; a transport error
+    moves to the next), and the others follow it through the store within a
+    second; the push then waits (``confirm_s``) until every listed replica
+    reports the version, warning about any that does not.
+
     Transport errors (including a timeout) are retried; a 409 answer is
     success if the proxy already serves ``version`` (an earlier attempt
     landed) and an error otherwise (another trainer is pushing).
     """
 
     def __init__(
-        self, proxy_url: str, *, admin_token: str | None, timeout_s: float = 600.0
+        self,
+        proxy_url: str,
+        *,
+        admin_token: str | None,
+        timeout_s: float = 600.0,
+        confirm_s: float = 10.0,
     ) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self.proxy_url = proxy_url.rstrip("/")
+        self.proxy_urls = [u.strip().rstrip("/") for u in proxy_url.split(",") if u.strip()]
+        if not self.proxy_urls:
+            raise ValueError("ProxyWeightSink needs a proxy URL")
+        self.proxy_url = self.proxy_urls[0]
+        self.confirm_s = confirm_s
         self._client = httpx.AsyncClient(
-            base_url=self.proxy_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
         )
 
     async def push(self, *, version: int, path: Path) -> PushResult:
         """Push ``version`` and wait until every backend of the proxy loaded it."""
         started = time.monotonic()
         body = {"version": version, "path": str(path)}
-        for attempt in range(1, _PUSH_ATTEMPTS + 1):
+        urls = self.proxy_urls
+        tries = _PUSH_ATTEMPTS * len(urls)
+        for attempt in range(1, tries + 1):
+            url = urls[(attempt - 1) % len(urls)]
             try:
-                resp = await self._client.post("/admin/weights", json=body)
+                resp = await self._client.post(url + "/admin/weights", json=body)
             except httpx.TransportError as exc:
-                if attempt == _PUSH_ATTEMPTS:
+                if attempt == tries:
                     raise WeightPushError(
-                        f"POST {self.proxy_url}/admin/weights failed {attempt} times: {exc!r}"
+                        f"POST /admin/weights failed {attempt} times on {', '.join(urls)}: {exc!r}"
                     ) from exc
-                logger.warning("weight push failed, retrying: %r", exc)
-                await asyncio.sleep(2.0**attempt)
+                logger.warning("weight push to %s failed, retrying: %r", url, exc)
+                if attempt % len(urls) == 0:  # every URL failed this round: back off
+                    await asyncio.sleep(2.0 ** (attempt // len(urls)))
                 continue
             if resp.status_code == 200:
                 answer = resp.json()
+                await self._confirm(version, pushed_to=url)
                 return PushResult(
                     version=version,
                     path=str(path),
@@ -248,7 +267,7 @@ class ProxyWeightSink:
                     http_seconds=time.monotonic() - started,
                 )
             if resp.status_code == 409:
-                served = await self.served_version()
+                served = await self.served_version(url)
                 if served == version:
                     return PushResult(version, str(path), 0.0, time.monotonic() - started)
                 raise WeightPushError(
@@ -256,13 +275,34 @@ class ProxyWeightSink:
                     "trainer pushing to this proxy?"
                 )
             raise WeightPushError(
-                f"POST {self.proxy_url}/admin/weights answered {resp.status_code}: {resp.text}"
+                f"POST {url}/admin/weights answered {resp.status_code}: {resp.text}"
             )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def served_version(self) -> int:
-        """The version ``GET /health`` reports."""
-        resp = await self._client.get("/health")
+    async def _confirm(self, version: int, *, pushed_to: str) -> None:
+        """Wait until every other listed replica serves ``version`` (they follow the store)."""
+        waiting = [u for u in self.proxy_urls if u != pushed_to]
+        deadline = time.monotonic() + self.confirm_s
+        while waiting and time.monotonic() < deadline:
+            answers = await asyncio.gather(
+                *(self.served_version(u) for u in waiting), return_exceptions=True
+            )
+            waiting = [u for u, v in zip(waiting, answers, strict=True) if v != version]
+            if waiting:
+                await asyncio.sleep(0.05)
+        if waiting:
+            logger.warning(
+                "version %s was pushed through %s, but %s did not report it within %.0fs "
+                "(are they on the same database?)",
+                version,
+                pushed_to,
+                ", ".join(waiting),
+                self.confirm_s,
+            )
+
+    async def served_version(self, url: str | None = None) -> int:
+        """The version ``GET /health`` reports (of ``url``, default the first proxy URL)."""
+        resp = await self._client.get((url or self.proxy_url) + "/health")
         resp.raise_for_status()
         return int(resp.json()["version"])
 

@@ -85,10 +85,14 @@ def downgrade() -> None:
     for session_id in _session_ids(bind):
         rows = bind.execute(sa.select(_completions).where(_c.session_id == session_id)).mappings()
         by_id = {row["id"]: row for row in rows}
+
+        def record_of(
+            cid: str, parent: CompletionRecord | None, rows: dict[str, Any] = by_id
+        ) -> CompletionRecord:
+            return _record(rows[cid], parent)
+
         built = resolve_all(
-            list(by_id),
-            {cid: row["parent_id"] for cid, row in by_id.items()},
-            lambda cid, parent, rows=by_id: _record(rows[cid], parent),
+            list(by_id), {cid: row["parent_id"] for cid, row in by_id.items()}, record_of
         )
         for cid, row in by_id.items():
             if row["prompt_prefix"] or row["messages_prefix"] or row["tools_from_parent"]:

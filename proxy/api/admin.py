@@ -28,7 +28,9 @@ async def update_weights(
     first's version, so the store, the pool and every backend agree on which
     weights carry which number (a stale or duplicate version is 409, unloaded).
     """
-    async with pool.publish_lock:
+    # One push at a time in the fleet (replicas on one PostgreSQL share the backends), then
+    # in this process; the store's version is the fleet's, this pool may lag it a moment.
+    async with store.publish_lock(), pool.publish_lock:
         current = max(pool.version, await store.current_policy_version())
         if body.version <= current:
             raise Conflict(

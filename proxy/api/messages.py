@@ -96,9 +96,15 @@ async def create_message(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
-    prep = await service.prepare(translate.canonical_request(body), principal, x_session_id)
+    canonical = translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
+    prep = await service.prepare(canonical, principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
-    head = MessageHead(prep.response_id, service.settings.model_name)
+    seal, response_id = service.seal, prep.response_id
+    head = MessageHead(
+        prep.response_id,
+        service.settings.model_name,
+        seal=lambda thinking: seal.seal(response_id, thinking),
+    )
     if body.stream:
         return EventStreamResponse(
             message_events(head, len(prep.prompt_ids), service.stream(prep)),
@@ -114,4 +120,8 @@ async def count_tokens(
 ) -> dict[str, int]:
     """The prompt's size as the chat template renders it (a fresh render: no session reuse)."""
     service.check_model(body.model)
-    return {"input_tokens": await service.count_prompt_tokens(translate.canonical_request(body))}
+    return {
+        "input_tokens": await service.count_prompt_tokens(
+            translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
+        )
+    }

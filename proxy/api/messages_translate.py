@@ -13,13 +13,15 @@ What becomes what::
     user: tool_result blocks                 -> one tool message each, in order
     assistant: text blocks                   -> assistant content (joined as generated)
     assistant: tool_use blocks               -> the assistant message's tool_calls
+    assistant: thinking blocks               -> its reasoning_content (signature verified)
     tools [{name, description, input_schema}] -> function tools
     tool_choice auto / any / tool / none     -> "auto" / "required" / the named function / "none"
     max_tokens, stop_sequences, temperature, top_p, top_k -> the same sampling settings
 
-Images, documents, thinking blocks, server tools (web search, bash, text
-editor, computer use, ...) and ``thinking: {"type": "enabled"}`` are refused
-with a 400 in Anthropic's error shape. ``thinking: adaptive``,
+Images, documents, server tools (web search, bash, text editor, computer use,
+...) are refused with a 400 in Anthropic's error shape; so is ``thinking:
+{"type": "enabled"}`` for a model that does not think (for one that does, see
+``reasoning_options.messages_thinking``). ``thinking: adaptive``,
 ``output_config.effort`` and ``context_management`` clear-thinking edits are
 accepted as no-ops (``api.reasoning_options``); ``cache_control`` on blocks,
 ``metadata.user_id`` (it names a production session, as ``user`` does) and the
@@ -36,6 +38,7 @@ from typing import Any
 from proxima.proxy.api import reasoning_options
 from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.canonical import CanonicalRequest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -140,19 +143,21 @@ def _user_turn(content: Any, where: str) -> list[Message]:
     return out
 
 
-def _assistant_turn(content: Any, where: str) -> Message:
+def _assistant_turn(content: Any, where: str, seal: ReasoningSeal | None = None) -> Message:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
         raise BadRequest(
             f"{where}.content must be a string or a list of blocks.", param=f"{where}.content"
         )
-    text, calls = "", []
+    text, calls, thinking = "", [], None
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             text += block["text"]
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thinking = (thinking or "") + _verified_thinking(block, at, seal)
         elif kind == "tool_use":
             call_id, name, args = block.get("id"), block.get("name"), block.get("input")
             if not isinstance(call_id, str) or not isinstance(name, str) or not name:
@@ -171,10 +176,26 @@ def _assistant_turn(content: Any, where: str) -> Message:
     message: Message = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
+    if thinking is not None:
+        message["reasoning_content"] = thinking
     return message
 
 
-def chat_messages(req: MessagesRequest) -> list[Message]:
+def _verified_thinking(block: dict[str, Any], at: str, seal: ReasoningSeal | None) -> str:
+    """A thinking block's text, if its ``signature`` is the one this server gave it."""
+    if seal is None:
+        raise BadRequest(f"{at}: thinking blocks cannot be read here.", param=f"{at}.type")
+    sealed = seal.open(block.get("signature"), param=f"{at}.signature")
+    if sealed.reasoning != block["thinking"]:
+        raise BadRequest(
+            f"{at}.signature does not match the block's thinking: thinking blocks must be "
+            "sent back unmodified.",
+            param=f"{at}.signature",
+        )
+    return block["thinking"]
+
+
+def chat_messages(req: MessagesRequest, seal: ReasoningSeal | None = None) -> list[Message]:
     """The conversation as OpenAI chat messages."""
     messages: list[Message] = []
     if req.system is not None:
@@ -187,7 +208,7 @@ def chat_messages(req: MessagesRequest) -> list[Message]:
         if role == "user":
             messages += _user_turn(message["content"], where)
         elif role == "assistant":
-            messages.append(_assistant_turn(message["content"], where))
+            messages.append(_assistant_turn(message["content"], where, seal))
         elif role == "system":
             # A system message mid-conversation (the mid-conversation-system beta Claude Code
             # sends): a system message at that place, as the chat template renders one.
@@ -277,7 +298,9 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
 
 
-def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
+def to_chat_request(
+    req: MessagesRequest, *, thinks: bool = False, seal: ReasoningSeal | None = None
+) -> dict[str, Any]:
     """The Chat Completions request body equivalent to ``req``."""
     unknown = sorted(set(req.model_extra or {}) - ACCEPTED_WITHOUT_EFFECT)
     if unknown:
@@ -285,13 +308,15 @@ def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
             f"{unknown[0]}: not supported by this server (extra inputs are not permitted).",
             param=unknown[0],
         )
-    reasoning_options.check_messages_thinking(req.thinking)
+    template_kwargs, budget = reasoning_options.messages_thinking(
+        req.thinking, thinks=thinks, max_tokens=req.max_tokens
+    )
     reasoning_options.check_messages_context_management(req.context_management)
     tool_choice, parallel = translate_tool_choice(req.tool_choice)
     user = (req.metadata or {}).get("user_id")
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": chat_messages(req, seal),
         "max_tokens": req.max_tokens,
         "stream": req.stream,
     }
@@ -305,6 +330,8 @@ def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
         "top_k": req.top_k,
         "user": user if isinstance(user, str) else None,
         "response_format": _response_format(req.output_config),
+        "chat_template_kwargs": template_kwargs,
+        "reasoning_budget": budget,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
@@ -314,6 +341,13 @@ def to_chat_request(req: MessagesRequest) -> dict[str, Any]:
 _PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
 
 
-def canonical_request(req: MessagesRequest) -> CanonicalRequest:
-    """``req`` as the service's canonical request (recorded under a ``msg_`` id)."""
-    return replace(chat_request_of(to_chat_request(req), _PARAMS), id_prefix="msg_")
+def canonical_request(
+    req: MessagesRequest, *, thinks: bool = False, seal: ReasoningSeal | None = None
+) -> CanonicalRequest:
+    """``req`` as the service's canonical request (recorded under a ``msg_`` id).
+
+    ``thinks``: the served model may think (its reasoning parser is not
+    ``none``); ``seal`` verifies thinking blocks sent back.
+    """
+    chat = chat_request_of(to_chat_request(req, thinks=thinks, seal=seal), _PARAMS)
+    return replace(chat, id_prefix="msg_")

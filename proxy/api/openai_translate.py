@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from proxima.proxy.chat import normalize_messages
+from proxima.proxy.chat import RESERVED_TEMPLATE_KWARGS, normalize_messages
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling, TextInput
 from proxima.proxy.tools import resolve_tool_choice
@@ -67,6 +67,8 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
             resolve_tool_choice(tool_choice, tools),
             response_format=req.response_format.model_dump() if req.response_format else None,
             parallel_tool_calls=req.parallel_tool_calls,
+            template_kwargs=_template_kwargs(req.chat_template_kwargs),
+            reasoning_budget=req.reasoning_budget,
         ),
         sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
         id_prefix="chatcmpl-",
@@ -75,6 +77,17 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
         user=req.user,
         model=req.model,
     )
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (``{"enable_thinking": false}``), the renderer's own names refused."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise BadRequest(
+                f"chat_template_kwargs may not set '{key}': it is set from the request.",
+                param=f"chat_template_kwargs.{key}",
+            )
+    return kwargs or None
 
 
 def completion_request(req: CompletionRequest) -> CanonicalRequest:

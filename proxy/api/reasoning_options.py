@@ -25,8 +25,11 @@ edit that clears anything else (e.g. ``clear_tool_uses_*`` rewrites the prompt),
 values the real APIs reject.
 
 Every surface calls the functions here, so this module is the one place that
-decides what reasoning options mean; a model that does think replaces these
-judgements (and only these) with what it does with them.
+decides what reasoning options mean. For a model that does think (a reasoning
+parser other than ``none``), ``messages_thinking`` decides instead: thinking
+enabled (with its budget), adaptive, or disabled (the template's
+``enable_thinking: false``); ``reasoning_effort`` maps Responses' effort
+``none`` to the same switch.
 """
 
 from __future__ import annotations
@@ -64,6 +67,15 @@ def check_responses_reasoning(reasoning: dict[str, Any] | None) -> None:
             )
 
 
+def reasoning_effort_kwargs(
+    reasoning: dict[str, Any] | None, *, thinks: bool
+) -> dict[str, Any] | None:
+    """Responses ``reasoning.effort`` ``none`` turns a thinking model's thinking off."""
+    if thinks and reasoning and reasoning.get("effort") == "none":
+        return {"enable_thinking": False}
+    return None
+
+
 def check_messages_thinking(thinking: dict[str, Any] | None) -> None:
     """Messages ``thinking``: ``adaptive`` and ``disabled`` are no-ops; ``enabled`` a 400."""
     if not thinking:
@@ -81,6 +93,51 @@ def check_messages_thinking(thinking: dict[str, Any] | None) -> None:
         f"thinking.type {kind!r} is not one of 'enabled', 'adaptive', 'disabled'.",
         param="thinking.type",
     )
+
+
+# Anthropic's smallest thinking budget.
+MIN_BUDGET_TOKENS = 1024
+
+
+def messages_thinking(
+    thinking: dict[str, Any] | None, *, thinks: bool, max_tokens: int
+) -> tuple[dict[str, Any] | None, int | None]:
+    """Messages ``thinking`` for a model that may think: ``(template kwargs, budget)``.
+
+    ``enabled`` and ``adaptive`` let the model think as its template does;
+    ``disabled`` turns the template's own switch off (``enable_thinking:
+    false``, Qwen3's). ``enabled`` needs ``budget_tokens`` of at least 1024 and
+    below ``max_tokens`` (Anthropic's rules); the reasoning is then cut at that
+    many tokens and closed. A model that does not think: ``check_messages_thinking``.
+    """
+    if not thinks:
+        check_messages_thinking(thinking)
+        return None, None
+    if not thinking:
+        return None, None
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return {"enable_thinking": False}, None
+    if kind == "adaptive":
+        return None, None
+    if kind != "enabled":
+        raise BadRequest(
+            f"thinking.type {kind!r} is not one of 'enabled', 'adaptive', 'disabled'.",
+            param="thinking.type",
+        )
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_BUDGET_TOKENS:
+        raise BadRequest(
+            f"thinking.budget_tokens: Input should be an integer greater than or equal to "
+            f"{MIN_BUDGET_TOKENS}.",
+            param="thinking.budget_tokens",
+        )
+    if budget >= max_tokens:
+        raise BadRequest(
+            "`max_tokens` must be greater than `thinking.budget_tokens`.",
+            param="thinking.budget_tokens",
+        )
+    return None, budget
 
 
 def check_messages_effort(effort: Any) -> None:

@@ -9,6 +9,8 @@ The body is translated into the canonical chat request
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from proxima.proxy.api import responses_translate as translate
@@ -18,7 +20,18 @@ from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.responses_translate import ResponsesRequest
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.errors import NotFound
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.builders.responses import ResponseHead, response_events, response_from
+
+
+def _sealer(
+    seal: ReasoningSeal, response_id: str, include: list[str] | None
+) -> Callable[[str], str] | None:
+    """Reasoning text -> ``encrypted_content``, when the request ``include``s it."""
+    if "reasoning.encrypted_content" not in (include or []):
+        return None
+    return lambda text: seal.seal(response_id, text)
+
 
 router = APIRouter(prefix="/v1", tags=["responses"], route_class=GenerationRoute)
 
@@ -41,7 +54,9 @@ async def create_response(
                 param="previous_response_id",
             )
     prep = await service.prepare(
-        translate.canonical_request(body, previous), principal, x_session_id
+        translate.canonical_request(body, previous, service.seal, thinks=service.thinks),
+        principal,
+        x_session_id,
     )
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
     head = ResponseHead(
@@ -50,6 +65,7 @@ async def create_response(
         service.settings.model_name,
         translate.echoed_settings(body),
         translate.tool_namespaces(body.tools),
+        seal=_sealer(service.seal, prep.response_id, body.include),
     )
     if body.stream:
         return EventStreamResponse(

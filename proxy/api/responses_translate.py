@@ -43,6 +43,7 @@ from typing import Any
 from proxima.proxy.api import reasoning_options
 from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.canonical import CanonicalRequest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -297,18 +298,83 @@ class _Conversation:
     def __init__(self, messages: list[Message]) -> None:
         self.messages = messages
         self._open_assistant = False
+        # A reasoning item's text and place: it starts the assistant turn that follows it.
+        self._reasoning: tuple[str | None, str] | None = None
 
     def add(self, message: Message) -> None:
+        self.check_no_reasoning()
         self.messages.append(message)
         self._open_assistant = message["role"] == "assistant"
 
     def assistant(self) -> Message:
-        if not self._open_assistant:
+        if self._reasoning is not None:
+            text, _ = self._reasoning
+            self._reasoning = None
+            self.add({"role": "assistant", "content": ""})
+            if text is not None:
+                self.messages[-1]["reasoning_content"] = text
+        elif not self._open_assistant:
             self.add({"role": "assistant", "content": ""})
         return self.messages[-1]
 
+    def reasoning(self, text: str | None, where: str) -> None:
+        if self._reasoning is not None:
+            previous, _ = self._reasoning
+            if text is not None:
+                text = (previous or "") + text
+            elif previous is not None:
+                text = previous
+        self._reasoning = (text, where)
 
-def _add_item(conv: _Conversation, item: Any, where: str) -> None:
+    def check_no_reasoning(self) -> None:
+        """A reasoning item must be followed by the assistant output it came with."""
+        if self._reasoning is not None:
+            where = self._reasoning[1]
+            raise BadRequest(
+                f"{where}: a reasoning item must be followed by the assistant message or "
+                "function_call it came with.",
+                param=f"{where}.type",
+            )
+
+
+def _reasoning_text(item: dict[str, Any], where: str, seal: ReasoningSeal | None) -> str | None:
+    """A reasoning item's text: its verified ``encrypted_content``, else its ``content``.
+
+    An item with neither (a summary only) says nothing of the tokens; it
+    still opens the assistant turn it belongs to.
+    """
+    encrypted = item.get("encrypted_content")
+    if encrypted is not None:
+        if seal is None:
+            raise BadRequest(
+                f"{where}.encrypted_content cannot be read here.",
+                param=f"{where}.encrypted_content",
+            )
+        return seal.open(encrypted, param=f"{where}.encrypted_content").reasoning
+    content = item.get("content")
+    if not content:
+        return None
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a list.", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        text = part.get("text") if isinstance(part, dict) else None
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "reasoning_text"
+            or not isinstance(text, str)
+        ):
+            raise BadRequest(
+                f"{where}.content[{j}] must be {{'type': 'reasoning_text', 'text': ...}}.",
+                param=f"{where}.content[{j}]",
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
+def _add_item(
+    conv: _Conversation, item: Any, where: str, seal: ReasoningSeal | None = None
+) -> None:
     if not isinstance(item, dict):
         raise BadRequest(f"{where} must be an object.", param=where)
     kind = item.get("type", "message")
@@ -340,6 +406,9 @@ def _add_item(conv: _Conversation, item: Any, where: str) -> None:
         turn.setdefault("tool_calls", []).append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
+    elif kind == "reasoning":
+        # A reasoning item starts an assistant turn: the reply it came with follows it.
+        conv.reasoning(_reasoning_text(item, where, seal), where)
     elif kind == "function_call_output":
         call_id = item.get("call_id")
         if not isinstance(call_id, str) or not call_id:
@@ -354,12 +423,14 @@ def _add_item(conv: _Conversation, item: Any, where: str) -> None:
     else:
         raise BadRequest(
             f"Input item type {kind!r} ({where}) is not supported: send messages, "
-            "function_call and function_call_output items.",
+            "reasoning, function_call and function_call_output items.",
             param=f"{where}.type",
         )
 
 
-def input_messages(req: ResponsesRequest, previous: list[Message] | None = None) -> list[Message]:
+def input_messages(
+    req: ResponsesRequest, previous: list[Message] | None = None, seal: ReasoningSeal | None = None
+) -> list[Message]:
     """The conversation as OpenAI chat messages.
 
     ``previous`` is the conversation of ``previous_response_id`` (its request
@@ -378,18 +449,25 @@ def input_messages(req: ResponsesRequest, previous: list[Message] | None = None)
         conv.add({"role": "user", "content": req.input})
     else:
         for i, item in enumerate(req.input):
-            _add_item(conv, item, f"input[{i}]")
+            _add_item(conv, item, f"input[{i}]", seal)
+        conv.check_no_reasoning()
     if not messages or all(m["role"] == "system" for m in messages):
         raise BadRequest("'input' must contain at least one item.", param="input")
     return messages
 
 
-def to_chat_request(req: ResponsesRequest, previous: list[Message] | None = None) -> dict[str, Any]:
+def to_chat_request(
+    req: ResponsesRequest,
+    previous: list[Message] | None = None,
+    seal: ReasoningSeal | None = None,
+    *,
+    thinks: bool = False,
+) -> dict[str, Any]:
     """The Chat Completions request body equivalent to ``req``."""
     _refuse_unsupported(req)
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": input_messages(req, previous),
+        "messages": input_messages(req, previous, seal),
         "stream": req.stream,
     }
     optional = {
@@ -401,6 +479,9 @@ def to_chat_request(req: ResponsesRequest, previous: list[Message] | None = None
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": translate_text_format(req.text),
         "user": req.user,
+        "chat_template_kwargs": reasoning_options.reasoning_effort_kwargs(
+            req.reasoning, thinks=thinks
+        ),
     }
     if req.wants_logprobs or req.top_logprobs:
         optional["logprobs"] = True
@@ -414,10 +495,18 @@ _PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_outpu
 
 
 def canonical_request(
-    req: ResponsesRequest, previous: list[Message] | None = None
+    req: ResponsesRequest,
+    previous: list[Message] | None = None,
+    seal: ReasoningSeal | None = None,
+    *,
+    thinks: bool = False,
 ) -> CanonicalRequest:
-    """``req`` as the service's canonical request (recorded under a ``resp_`` id)."""
-    chat = chat_request_of(to_chat_request(req, previous), _PARAMS)
+    """``req`` as the service's canonical request (recorded under a ``resp_`` id).
+
+    ``seal`` verifies reasoning items' ``encrypted_content``; ``thinks``: the
+    served model may think (``reasoning.effort: "none"`` then turns it off).
+    """
+    chat = chat_request_of(to_chat_request(req, previous, seal, thinks=thinks), _PARAMS)
     # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API does
     # (Codex CLI never sends it, and a reply cut short is an error to it).
     return replace(chat, id_prefix="resp_", max_tokens_fills_context=True)

@@ -18,7 +18,9 @@ from proxima.proxy.api.schemas import (
 from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, PrincipalKind, hash_key, new_key
 from proxima.proxy.errors import NotFound, PermissionDenied, RateLimited
 from proxima.proxy.staleness import admit
-from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.errors import NotAdmitted
+from proxima.proxy.store.fleet import AdmissionState
+from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
 
 
@@ -58,38 +60,42 @@ async def create_session(
     pool: PoolDep,
     settings: SettingsDep,
 ) -> CreateSessionResponse:
-    lock: asyncio.Lock = request.app.state.admission_lock
-    async with lock:
-        counts = await store.count_sessions_by_status(kind=SessionKind.TRAIN)
+    def decide(state: AdmissionState) -> str | None:
         decision = admit(
             # Failed and dropped sessions never reach training: they must not use up
             # capacity, or the trainer would wait for batches that never fill.
-            admitted_so_far=sum(counts.values())
-            - counts[SessionStatus.FAILED]
-            - counts[SessionStatus.DROPPED],
-            open_sessions=counts.get(SessionStatus.OPEN, 0),
-            version=pool.version,
+            admitted_so_far=state.admitted,
+            open_sessions=state.open,
+            # The fleet's version is the store's (a push through another replica counts
+            # at once); this replica's pool is never ahead of it but may lag a moment.
+            version=max(state.version, pool.version),
             max_staleness=settings.max_staleness,
             batch_size=settings.train_batch_size,
             max_open_sessions=settings.max_open_sessions,
-            joins_admitted_group=body.group_id is not None
-            and await store.count_group_sessions(group_id=body.group_id) > 0,
+            joins_admitted_group=state.joins_admitted_group,
         )
-        if not decision.admitted:
+        return None if decision.admitted else decision.reason
+
+    key = new_key(SESSION_KEY_PREFIX)
+    key_hash = hash_key(key)
+    # The store decides under a lock every replica takes; this process's lock only keeps
+    # its own creates from each holding a database connection while they wait for it.
+    lock: asyncio.Lock = request.app.state.admission_lock
+    async with lock:
+        try:
+            session = await store.admit_train_session(
+                decide=decide,
+                api_key_hash=key_hash,
+                group_id=body.group_id,
+                data_id=body.data_id,
+                metadata=body.metadata or {},
+            )
+        except NotAdmitted as exc:
             raise RateLimited(
-                f"Session not admitted: {decision.reason}.",
+                f"Session not admitted: {exc.reason}.",
                 retry_after=1.0,
                 code="staleness_capacity",
-            )
-        key = new_key(SESSION_KEY_PREFIX)
-        key_hash = hash_key(key)
-        session = await store.create_session(
-            api_key_hash=key_hash,
-            kind=SessionKind.TRAIN,
-            group_id=body.group_id,
-            data_id=body.data_id,
-            metadata=body.metadata or {},
-        )
+            ) from exc
     # Its first turn then reads neither its key nor its history from the store.
     request.app.state.cache.remember_new_session(
         key_hash, Principal(PrincipalKind.SESSION, session=session)
@@ -130,6 +136,7 @@ def _completion_json(c: CompletionRecord) -> dict[str, Any]:
         "created_at": c.created_at.isoformat(),
         "time_to_first_token": c.time_to_first_token,
         "duration": c.duration,
+        "backend": c.backend,
     }
 
 

@@ -142,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's and vLLM's extension
+    reasoning_budget: int | None = Field(None, ge=1)  # Proxima's: Messages' budget_tokens
     _tool_dicts: list[dict[str, Any]] | None = PrivateAttr(None)
 
     @model_validator(mode="wrap")

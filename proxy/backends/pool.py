@@ -1,8 +1,17 @@
 """Backend pool: routing, session stickiness, health, and weight updates.
 
-Routing: requests carrying a sticky key (the session) go to the backend that
-served that key before while it is healthy, so its prefix cache is reused;
-others go to the least-loaded healthy backend.
+Routing: requests carrying a sticky key (the session) go to the healthy
+backend that rendezvous hashing of the key over the healthy backends' URLs
+picks, so its prefix cache is reused; every proxy replica computes the same
+choice without asking anyone, so a conversation whose turns go through
+different replicas stays on one backend. Others go to the least-loaded
+healthy backend.
+
+A fleet of replicas shares backends: the version they all serve is the
+store's (``follow``, called by ``proxima.proxy.fleet``); a replica that
+learns of a version another replica pushed adopts what the backends report
+and loads only those that do not report it, one replica at a time
+(``fleet_lock``), so a push is loaded once, not once per replica.
 
 Versions: a backend is routed to only while the weight version it reports
 (``/model_info``'s ``weight_version``, and the one on every generated chunk)
@@ -22,11 +31,11 @@ generation loop resumes each interrupted completion from its partial tokens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 
 import httpx
@@ -35,8 +44,6 @@ from proxima.proxy.backends.sglang import SGLangClient
 from proxima.proxy.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
-
-_STICKY_CAPACITY = 100_000
 
 
 @dataclass(eq=False)
@@ -69,6 +76,16 @@ def reported_version(raw: str | None) -> int:
         return 0
 
 
+def rendezvous_score(key: str, url: str) -> int:
+    """Highest-random-weight hashing: the backend with the top score serves ``key``.
+
+    The same on every replica and across restarts (no per-process seed); when a
+    backend leaves, only its keys move, spread over the others.
+    """
+    digest = hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 @dataclass(slots=True)
 class WeightUpdate:
     version: int
@@ -91,7 +108,9 @@ class BackendPool:
         # "newer than current" check, ``update_weights`` and recording the version,
         # so concurrent pushes cannot both pass the check.
         self.publish_lock = asyncio.Lock()
-        self._sticky: OrderedDict[str, Backend] = OrderedDict()
+        # Held fleet-wide around loading weights on a backend (the store's publish lock on
+        # PostgreSQL; nothing to share in one process). Taken before ``_update_lock``.
+        self.fleet_lock: Callable[[], AbstractAsyncContextManager[None]] = nullcontext
         self._health_task: asyncio.Task[None] | None = None
         self._rejoining: set[Backend] = set()  # stale backends being brought up to date
         self._updates_begun = 0  # weight updates started; health probes that overlap one are void
@@ -113,17 +132,11 @@ class BackendPool:
         healthy = self.healthy_backends()
         if not healthy:
             raise BackendUnavailable("No healthy inference backend is available; retry shortly.")
+        if sticky_key is not None and len(healthy) > 1:
+            return max(healthy, key=lambda b: rendezvous_score(sticky_key, b.url))
         if sticky_key is not None:
-            pinned = self._sticky.get(sticky_key)
-            if pinned is not None and pinned.healthy:
-                self._sticky.move_to_end(sticky_key)
-                return pinned
-        backend = min(healthy, key=lambda b: b.in_flight)
-        if sticky_key is not None:
-            self._sticky[sticky_key] = backend
-            if len(self._sticky) > _STICKY_CAPACITY:
-                self._sticky.popitem(last=False)
-        return backend
+            return healthy[0]
+        return min(healthy, key=lambda b: b.in_flight)
 
     @contextmanager
     def lease(self, backend: Backend) -> Iterator[Backend]:
@@ -231,15 +244,32 @@ class BackendPool:
         except BackendError:
             return None
 
+    @staticmethod
+    async def _reported(backend: Backend) -> int | None:
+        """The version a backend reports, or None when it does not answer."""
+        try:
+            return reported_version((await backend.client.model_info()).weight_version)
+        except BackendError:
+            return None
+
     async def _rejoin(self, backend: Backend) -> None:
-        """Put a backend back once it reports the current version, loading it if needed."""
-        async with self._update_lock:
+        """Put a backend back once it reports the current version, loading it if needed.
+
+        Loading happens under ``fleet_lock``: of several replicas that find the
+        same backend behind, the first loads it and the others find it current.
+        A backend that reports a *newer* version than this replica knows was
+        loaded by another replica: it is never taken back to an older one; it
+        rejoins once this replica follows the store to that version.
+        """
+        if backend.healthy:
+            return
+        async with self.fleet_lock(), self._update_lock:
             if backend.healthy:
                 return  # brought back meanwhile
             version = self.version
             try:
                 reported = reported_version((await backend.client.model_info()).weight_version)
-                if reported != version and self.weights_path is not None:
+                if reported < version and self.weights_path is not None:
                     await backend.client.update_weights_from_disk(
                         model_path=self.weights_path, weight_version=str(version)
                     )
@@ -250,16 +280,57 @@ class BackendPool:
             backend.version = reported
             if reported != version:
                 backend.last_error = f"reports version {reported}, current is {version}"
-                logger.error(
-                    "backend %s reports version %s and no weights of version %s are known to "
-                    "load on it: kept out of the pool",
+                logger.log(
+                    logging.INFO if reported > version else logging.ERROR,
+                    "backend %s reports version %s, not this replica's %s: kept out of the "
+                    "pool (%s)",
                     backend.url,
                     reported,
                     version,
+                    "until this replica follows the store"
+                    if reported > version
+                    else "no weights of that version are known to load on it",
                 )
                 return
             backend.healthy = True
             logger.info("backend %s is back in the pool at version %s", backend.url, version)
+
+    async def follow(self, version: int, path: str | None) -> bool:
+        """Serve ``version`` (at ``path``), which another replica published to the store.
+
+        The backends are shared: those that report ``version`` already are
+        adopted as they are; the others are taken out and brought to it (loaded
+        under ``fleet_lock``, so once in the fleet), as after a restart. Returns
+        whether this pool's version changed.
+        """
+        async with self._update_lock:
+            if version == self.version and path == self.weights_path:
+                return False
+            changed = version != self.version
+            self.version = version
+            if path is not None:
+                self.weights_path = path
+        if changed:
+            logger.info("following the fleet to version %s", version)
+        # ``/model_info`` only: SGLang's ``/health`` generates a token and answers at a
+        # one-second poll, too slow for a fleet that follows a push within a second.
+        reported = await asyncio.gather(*(self._reported(b) for b in self.backends))
+        behind = []
+        for backend, seen in zip(self.backends, reported, strict=True):
+            if seen is None:
+                if backend.healthy:
+                    self.mark_failed(backend, BackendError("health check failed", url=backend.url))
+                continue
+            backend.version = seen
+            if seen != version:
+                if backend.healthy:
+                    backend.healthy = False
+                    backend.last_error = f"reports version {seen}, current is {version}"
+                behind.append(backend)
+            elif not backend.healthy:
+                behind.append(backend)  # down or stale before, current now: back in
+        await asyncio.gather(*(self._rejoin(b) for b in behind))
+        return changed
 
     def start_health_checks(self, interval: float) -> None:
         async def loop() -> None:

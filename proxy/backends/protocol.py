@@ -114,8 +114,14 @@ class GenerateRequest(BaseModel):
         return self
 
     def wire(self, *, stream: bool) -> dict[str, Any]:
-        """The JSON body to send (unset optional fields left out, as SGLang's defaults)."""
-        body = self.model_dump(exclude_none=True)
+        """The JSON body to send (unset optional fields left out, as SGLang's defaults).
+
+        ``input_ids`` goes in as the list it is: dumping tens of thousands of ids through
+        the model costs milliseconds a turn of a long session, for a plain copy.
+        """
+        body = self.model_dump(exclude_none=True, exclude={"input_ids"})
+        if self.input_ids is not None:
+            body = {"input_ids": self.input_ids, **body}
         body["stream"] = stream
         return body
 

@@ -254,7 +254,7 @@ class SGLangClient:
     async def pause_generation(self, *, mode: str = "abort") -> None:
         await self._post(
             "/pause_generation", PauseGenerationBody(mode=mode).model_dump(), ADMIN_TIMEOUT
-        )  # type: ignore[arg-type]
+        )
 
     async def continue_generation(self) -> None:
         await self._post("/continue_generation", {}, ADMIN_TIMEOUT)

@@ -31,7 +31,7 @@ from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationD
 from proxima.proxy.embedded.sampling import make_generator
 from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
 from proxima.proxy.embedded.worker import EngineWorker, WorkerStats
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class Engine:
             torch.get_num_threads(),
         )
 
-    def _eos_token_ids(self, model: torch.nn.Module) -> frozenset[int]:
+    def _eos_token_ids(self, model: PreTrainedModel) -> frozenset[int]:
         """Eos ids of the generation config, the model config and the tokenizer."""
         ids: set[int] = set()
         generation_config: GenerationConfig | None = getattr(model, "generation_config", None)

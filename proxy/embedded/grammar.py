@@ -70,7 +70,12 @@ STRING_FORMATS = frozenset(
     {"date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "json-pointer"}
     | {"relative-json-pointer", "time", "uri", "uri-reference", "uri-template", "uuid"}
 )
-_ONE_SUBSCHEMA = ("additionalItems", "additionalProperties", "contains", "contentSchema")
+_ONE_SUBSCHEMA: tuple[str, ...] = (
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "contentSchema",
+)
 _ONE_SUBSCHEMA += ("else", "if", "items", "not", "propertyNames", "then")
 _ONE_SUBSCHEMA += ("unevaluatedItems", "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
@@ -113,7 +118,7 @@ def unenforceable_schema_reason(schema: Any) -> str | None:
             continue
         if "format" in sub and sub["format"] not in STRING_FORMATS:
             return f"{pointer}: string format {sub['format']!r} is not supported"
-        groups = [g for g in ("format", "pattern") if g in sub]
+        groups: list[str] = [g for g in ("format", "pattern") if g in sub]
         if "minLength" in sub or "maxLength" in sub:
             groups.append("minLength/maxLength")
         if len(groups) > 1:

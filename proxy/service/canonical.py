@@ -53,6 +53,10 @@ class ChatInput:
     """OpenAI chat's shape (``{"type": "json_schema", "json_schema": {"schema": ...}}``);
     enforced with ``tool_choice`` by constrained decoding (``proxima.proxy.structured``)."""
     parallel_tool_calls: bool | None = None
+    template_kwargs: dict[str, Any] | None = None
+    reasoning_budget: int | None = None
+    """Most reasoning tokens; then the reasoning is closed (Messages ``budget_tokens``)."""
+    """Extra variables of the chat template (``chat_template_kwargs``: ``enable_thinking``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,4 +93,6 @@ def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
     return message

@@ -31,13 +31,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.detokenize import IncrementalDetokenizer
 from proxima.proxy.errors import as_proxima_error
 from proxima.proxy.generation import GenerationResult, TokenChunk, generate
+from proxima.proxy.reasoning import ReasoningDelta, ReasoningStream
 from proxima.proxy.service.events import (
     Completion,
     Delta,
@@ -228,7 +229,14 @@ class GenerationDriver:
         finish = r.finish_reason or "stop"
         if prep.parser is not None:
             assert prep.tool_choice is not None
-            parsed = apply_tool_choice(prep.parser.parse(text), prep.tool_choice)
+            reasoning = None
+            if prep.reasoning is not None:
+                split = prep.reasoning.parse(text, in_reasoning=prep.in_reasoning)
+                reasoning, answer = split.reasoning, split.content
+            else:
+                answer = text
+            parsed = apply_tool_choice(prep.parser.parse(answer), prep.tool_choice)
+            parsed = replace(parsed, reasoning=reasoning)
             finish = finish_reason_for(finish, parsed)
         logprobs = (
             self._logprob_list(r.output_ids, r.logprobs, r.top_logprobs) if prep.logprobs else None
@@ -270,17 +278,34 @@ class GenerationDriver:
 
 
 class _StreamState:
-    """One streamed choice: incremental text, then tool-call parsing of that text."""
+    """One streamed choice: incremental text, its reasoning split off, then tool-call parsing."""
 
     def __init__(self, tokenizer: Any, prep: Prepared) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, stop=prep.params.stop)
         self.calls: ToolCallStream | None = prep.parser.stream() if prep.parser else None
+        self.reasoning: ReasoningStream | None = (
+            prep.reasoning.stream(in_reasoning=prep.in_reasoning)
+            if prep.reasoning is not None and prep.parser is not None
+            else None
+        )
 
     def feed(self, token_ids: list[int]) -> list[Part]:
-        text = self.detok.add(token_ids)
-        if self.calls is not None:
-            return self.calls.feed(text)
-        return [ContentDelta(text)] if text else []
+        return self._parts(self.detok.add(token_ids))
+
+    def _parts(self, text: str, *, last: bool = False) -> list[Part]:
+        if self.reasoning is None:
+            pieces: list[ReasoningDelta | str] = [text] if text else []
+        else:
+            pieces = self.reasoning.feed(text) + (self.reasoning.finish() if last else [])
+        out: list[Part] = []
+        for piece in pieces:
+            if isinstance(piece, ReasoningDelta):
+                out.append(piece)
+            elif self.calls is not None:
+                out += self.calls.feed(piece)
+            else:
+                out.append(ContentDelta(piece))
+        return out
 
     def finish(self, prep: Prepared, run: ChoiceRun) -> Finish:
         r = run.result
@@ -289,8 +314,10 @@ class _StreamState:
         parsed = None
         if self.calls is not None:
             assert prep.tool_choice is not None
-            parts = self.calls.feed(tail) + self.calls.finish()
+            parts = self._parts(tail, last=True) + self.calls.finish()
             parsed = apply_tool_choice(self.calls.result(), prep.tool_choice)
+            if self.reasoning is not None and self.reasoning.saw_reasoning:
+                parsed = replace(parsed, reasoning="".join(self.reasoning.reasoning))
             finish = finish_reason_for(finish, parsed)
         else:
             parts = [ContentDelta(tail)] if tail else []

@@ -36,18 +36,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from proxima.proxy.chat import ChatRenderer, PromptPlan
+from proxima.proxy.chat import ChatRenderer, PromptPlan, RenderedTexts
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
-from proxima.proxy.generation import GenerationParams
+from proxima.proxy.generation import GenerationParams, ReasoningBudget
+from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, output_grammar
+from proxima.proxy.structured import Grammar, ReasoningFirst, output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
+# Tokens at a prompt's end read to tell whether it leaves a reasoning block open.
+_PROMPT_TAIL = 16
 
 T = TypeVar("T")
 
@@ -74,9 +77,12 @@ class Prepared:
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    reasoning: ReasoningParser | None = None  # a thinking model's (chat input only)
+    in_reasoning: bool = False  # the reply starts inside the reasoning (the prompt opened it)
     # The record of ``parent_id``, from the session's history: the store keeps only what
     # each completion adds to it (``proxima.proxy.store.chains``).
     parent: CompletionRecord | None = None
+    rendered: str | None = None  # the template's text of ``messages`` (chat input only)
 
     @property
     def completion_ids(self) -> list[str]:
@@ -94,15 +100,19 @@ class PromptPreparer:
         tokenizer: Any,
         context_length: int,
         tool_parser: ToolCallParser,
+        reasoning_parser: ReasoningParser | None = None,
         offload_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)  # used on the event loop only
+        # The parent's prompt text of a turn, kept from when the parent was prepared.
+        self.rendered = RenderedTexts()
+        self.renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # event loop only
         self.context_length = context_length
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.offload_chars = offload_chars
-        self._worker_renderer = ChatRenderer(tokenizer)  # used on the worker only
+        self._worker_renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
 
     def close(self) -> None:
@@ -112,11 +122,22 @@ class PromptPreparer:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def render(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> PromptPlan:
-        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation."""
-        if _chat_chars(chat) > self.offload_chars:
+        """``ChatRenderer.build_prompt``, on the worker thread for a long conversation
+        that is not a turn extending a parent whose prompt text was kept (such a turn
+        renders the conversation once and tokenizes only its new messages: less work
+        than a thread hop costs)."""
+        if _chat_chars(chat) > self.offload_chars and not self._extends_kept(chat, history):
             build = self._worker_renderer.build_prompt
-            return await self._off_loop(build, chat.messages, chat.tools, list(history))
-        return self.renderer.build_prompt(chat.messages, chat.tools, history)
+            return await self._off_loop(
+                build, chat.messages, chat.tools, list(history), chat.template_kwargs
+            )
+        return self.renderer.build_prompt(chat.messages, chat.tools, history, chat.template_kwargs)
+
+    def _extends_kept(self, chat: ChatInput, history: Sequence[CompletionRecord]) -> bool:
+        if not history:
+            return False
+        parent = self.renderer.find_parent(chat.messages, chat.tools, history)
+        return parent is not None and self.rendered.get(parent.id) is not None
 
     async def chat(
         self,
@@ -126,19 +147,44 @@ class PromptPreparer:
         history: Sequence[CompletionRecord],
     ) -> Prepared:
         plan = await self.render(chat, history)
+        parser, in_reasoning, first = self.reasoning_parser, False, None
+        if parser is not None:
+            tail = self.tokenizer.decode(plan.prompt_ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+            in_reasoning = parser.starts_in_reasoning(tail)
+            if in_reasoning or not tail.rstrip().endswith(parser.end):  # thinking not off
+                first = ReasoningFirst(parser.start, parser.end, opened=in_reasoning)
         grammar = output_grammar(
             response_format=chat.response_format,
             tool_choice=chat.tool_choice,
             tools=chat.tools,
             tool_parser=self.tool_parser.name,
             parallel_tool_calls=chat.parallel_tool_calls,
+            reasoning=first,
         )
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
         prepared.tools = chat.tools
+        prepared.rendered = plan.text
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
+        if parser is not None:
+            prepared.reasoning, prepared.in_reasoning = parser, in_reasoning
+            if chat.reasoning_budget is not None:
+                prepared.params.reasoning_budget = self._budget(
+                    chat.reasoning_budget, parser, in_reasoning
+                )
         return prepared
+
+    def _budget(self, limit: int, parser: ReasoningParser, in_reasoning: bool) -> ReasoningBudget:
+        """``limit`` reasoning tokens, then ``\n</think>\n\n`` (the template's own closing)."""
+        decode = self.tokenizer.decode
+
+        def is_open(ids: list[int]) -> bool:
+            split = parser.parse(decode(ids, skip_special_tokens=True), in_reasoning=in_reasoning)
+            return split.reasoning is not None and not split.closed
+
+        close = self.tokenizer.encode(f"\n{parser.end}\n\n", add_special_tokens=False)
+        return ReasoningBudget(limit=limit, close_ids=close, is_open=is_open)
 
     async def text_prompt(self, prompt: Any) -> list[int]:
         """``text_prompt_ids``, on the worker thread for a long prompt."""

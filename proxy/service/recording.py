@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.chat import RenderedTexts
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import assistant_message
@@ -32,8 +34,10 @@ class CompletionCommitter:
         recorder: CompletionRecorder,
         cache: SessionCache,
         metrics: Metrics,
+        rendered: RenderedTexts | None = None,
     ) -> None:
         self.model_name = model_name
+        self.rendered = rendered  # the prompt texts of chat completions, for their next turn
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
         self.recorder = recorder
         self.cache = cache
@@ -48,6 +52,8 @@ class CompletionCommitter:
         records = [self.record(prep, run, finish) for run, finish in finished]
         await self.recorder.record(records, parent=prep.parent)
         self.cache.add_completions(records)
+        if self.rendered is not None and prep.rendered is not None:
+            self.rendered.add([r.id for r in records], prep.rendered)
         current = self.pool.version
         m = self.metrics
         for r in records:
@@ -75,7 +81,7 @@ class CompletionCommitter:
             if finish.parsed is not None
             else None,
             response_text=finish.text,
-            sampling=prep.sampling,
+            sampling=_sampling_of(prep.sampling, r.logit_transforms),
             model=self.model_name,
             choice_index=run.index,
             finished_at=_now(),
@@ -95,3 +101,10 @@ class CompletionCommitter:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _sampling_of(sampling: dict[str, Any], transforms: list[str]) -> dict[str, Any]:
+    """The request's sampling record plus what this choice's generation added to it."""
+    if not transforms:
+        return sampling
+    return {**sampling, "logit_transforms": [*sampling.get("logit_transforms", []), *transforms]}

@@ -23,6 +23,8 @@ from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_m
 from proxima.proxy.errors import Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
+from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
+from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
@@ -59,19 +61,29 @@ class CompletionService:
         parser_name = settings.tool_parser or detect_tool_parser(
             template if isinstance(template, str) else None
         )
+        reasoning_name = settings.reasoning_parser or detect_reasoning_parser(
+            template if isinstance(template, str) else None
+        )
         self.preparer = PromptPreparer(
             settings=settings,
             tokenizer=tokenizer,
             context_length=context_length,
             tool_parser=get_tool_parser(parser_name),
+            reasoning_parser=get_reasoning_parser(reasoning_name),
         )
         self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
+        self.thinks = reasoning_name != "none"
+        self.seal = ReasoningSeal.from_secrets(
+            settings.signing_key.get_secret_value() if settings.signing_key else None,
+            settings.admin_token.get_secret_value() if settings.admin_token else None,
+        )
         self.commit = CompletionCommitter(
             model_name=settings.model_name,
             pool=pool,
             recorder=recorder,
             cache=cache,
             metrics=metrics,
+            rendered=self.preparer.rendered,
         )
 
     def close(self) -> None:
@@ -225,7 +237,26 @@ class CompletionService:
         return session
 
     async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
+        """The session's completions, from this process's cache when it is still whole.
+
+        Replicas on one PostgreSQL database (``store.shared``) serve turns of one
+        conversation in any order, so before a turn is rendered the cached history
+        is checked against the store in one indexed read (status and completion
+        count; completions are only ever appended): a turn recorded by another
+        replica reloads it, and a session finished through another replica is a
+        409 here at once. On SQLite (one process) the cache is the truth.
+        """
         history = self.cache.history(session.id)
+        if self.store.shared:
+            state = await self.store.session_state(session_id=session.id)
+            if state.status is not SessionStatus.OPEN:
+                self.cache.forget_session(session.id)
+                raise Conflict(
+                    f"Session {session.id} is {state.status.value}; open a new session.",
+                    code="session_closed",
+                )
+            if history is not None and len(history) != state.completions:
+                history = None
         if history is None:
             history = await self.store.list_completions(session_id=session.id)
             self.cache.remember_history(session.id, history)

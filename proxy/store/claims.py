@@ -234,6 +234,7 @@ async def _complete_groups(db: AsyncSession, locked: dict[str, list[SessionRow]]
     total: dict[str, int] = {}
     open_: dict[str, int] = {}
     for group_id, status, count in counts:
+        assert group_id is not None  # selected by group id above
         total[group_id] = total.get(group_id, 0) + int(count)
         if status == SessionStatus.OPEN.value:
             open_[group_id] = int(count)

@@ -9,7 +9,7 @@ from typing import Any
 from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
-from proxima.proxy.store.errors import Conflict, NotFound
+from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
@@ -147,10 +147,19 @@ def insert_completions_sqlite(
 
 
 def _check_sessions(session_ids: list[str], status: dict[str, str]) -> None:
+    """Only OPEN sessions take completions, checked where the completion is committed.
+
+    The status is read in the inserting transaction (row-locked on PostgreSQL),
+    so a finish through any replica, however recent, is seen: a finished
+    session never gains a completion.
+    """
     for session_id in session_ids:
         if session_id not in status:
             raise NotFound(f"session {session_id} not found")
-        if SessionStatus(status[session_id]) in CONSUMED_STATUSES:
-            raise Conflict(
+        current = SessionStatus(status[session_id])
+        if current in CONSUMED_STATUSES:
+            raise SessionClosed(
                 f"session {session_id} was already taken by a trainer ({status[session_id]})"
             )
+        if current is not SessionStatus.OPEN:
+            raise SessionClosed(f"Session {session_id} is {current.value}; open a new session.")

@@ -7,6 +7,8 @@ statuses (``NotFound`` -> 404, ``RewardAlreadySet`` and ``Conflict`` -> 409)::
      +-- NotFound              a session / completion / key / version does not exist
      +-- Conflict              the request contradicts the stored state
           +-- RewardAlreadySet  a reward was already posted for this target
+          +-- SessionClosed     the session is no longer open (finished, failed, taken)
+          +-- NotAdmitted       admission refused a new training session (capacity)
 """
 
 from __future__ import annotations
@@ -26,3 +28,15 @@ class Conflict(StoreError):
 
 class RewardAlreadySet(Conflict):
     """A reward was already posted; rewards are write-once."""
+
+
+class SessionClosed(Conflict):
+    """The session is not OPEN: it takes no more completions."""
+
+
+class NotAdmitted(Conflict):
+    """Admission refused a new training session; ``reason`` says which limit."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

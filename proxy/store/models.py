@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -97,6 +98,7 @@ class SessionRow(Base):
         UniqueConstraint("api_key_id", "external_id"),
         Index("ix_sessions_status_finished_at", "status", "finished_at"),
         Index("ix_sessions_kind_status", "kind", "status"),
+        Index("ix_sessions_group_id", "group_id"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -191,3 +193,17 @@ class PromotionRow(Base):
     canary_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     canary_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class FleetCounterRow(Base):
+    """A count kept exact by database triggers, read in O(1) by every replica.
+
+    ``admitted_train_sessions``: training sessions neither FAILED nor DROPPED
+    (the ``N`` of the staleness rule); maintained by triggers on ``sessions``
+    (migration 0005).
+    """
+
+    __tablename__ = "fleet_counters"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)

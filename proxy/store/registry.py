@@ -8,14 +8,14 @@ served (each promotion or rollback is one row holding the state it set).
 
 from __future__ import annotations
 
-from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.convert import promotion_record, version_eval_record
+from proxima.proxy.store.fleet import FleetMixin
 from proxima.proxy.store.models import PromotionRow, VersionEvalRow, utcnow
 from proxima.proxy.store.records import PromotionRecord, VersionEvalRecord
 from sqlalchemy import select
 
 
-class RegistryMixin(StoreBase):
+class RegistryMixin(FleetMixin):
     """Eval scores of versions and the production promotion history."""
 
     async def record_version_eval(
@@ -62,6 +62,7 @@ class RegistryMixin(StoreBase):
             )
             db.add(row)
             await db.flush()
+            await self.notify_change(db, f"production:{row.id}")
             return promotion_record(row)
 
     async def list_promotions(self) -> list[PromotionRecord]:

@@ -79,7 +79,7 @@ class SessionsMixin(StoreBase):
         writer = self._sqlite_writer
         if writer is not None:
             try:
-                found = writer.read_one(SessionRow, "api_key_hash", api_key_hash)  # type: ignore[arg-type]
+                found = writer.read_one(SessionRow, "api_key_hash", api_key_hash)
             except SqliteBusy:
                 pass
             else:

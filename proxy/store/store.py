@@ -16,6 +16,7 @@ from proxima.proxy.store.claims import ClaimsMixin
 from proxima.proxy.store.completions import CompletionsMixin
 from proxima.proxy.store.database import create_engine, normalize_db_url
 from proxima.proxy.store.errors import StoreError
+from proxima.proxy.store.fleet import FleetMixin
 from proxima.proxy.store.keys import ApiKeysMixin
 from proxima.proxy.store.migrate import head_revision
 from proxima.proxy.store.registry import RegistryMixin
@@ -28,7 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 class Store(
-    SessionsMixin, CompletionsMixin, ApiKeysMixin, PolicyVersionsMixin, ClaimsMixin, RegistryMixin
+    SessionsMixin,
+    CompletionsMixin,
+    ApiKeysMixin,
+    PolicyVersionsMixin,
+    ClaimsMixin,
+    RegistryMixin,
+    FleetMixin,
 ):
     """Async repository of the trajectory database (SQLite or PostgreSQL)."""
 

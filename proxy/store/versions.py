@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.convert import policy_version_record
 from proxima.proxy.store.errors import Conflict
+from proxima.proxy.store.fleet import FleetMixin
 from proxima.proxy.store.models import PolicyVersionRow, utcnow
 from proxima.proxy.store.records import PolicyVersionRecord
 from sqlalchemy import func, select
@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 logger = logging.getLogger(__name__)
 
 
-class PolicyVersionsMixin(StoreBase):
+class PolicyVersionsMixin(FleetMixin):
     """The history of policy (weights) versions pushed to the backends."""
 
     async def record_policy_version(self, *, version: int, path: str | None) -> PolicyVersionRecord:
@@ -45,6 +45,7 @@ class PolicyVersionsMixin(StoreBase):
             row = PolicyVersionRow(version=version, path=path, created_at=utcnow())
             db.add(row)
             await db.flush()
+            await self.notify_change(db, f"policy:{version}")
         logger.info("policy version recorded", extra={"version": version, "path": path})
         return policy_version_record(row)
 

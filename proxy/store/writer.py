@@ -46,6 +46,7 @@ from proxima.proxy.store.database import configure_sqlite, is_sqlite_busy
 from sqlalchemy import Table, create_engine
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import URL, Connection, Dialect
+from sqlalchemy.orm import Mapper
 from sqlalchemy.pool import StaticPool
 
 logger = logging.getLogger(__name__)
@@ -248,8 +249,8 @@ class RawSelect:
     back by SQLAlchemy's own column types (the result processors a Core select would use)
     and named as the class's attributes."""
 
-    def __init__(self, model: type, attribute: str, dialect: Dialect):
-        mapper = sa_inspect(model)
+    def __init__(self, model: type[Any], attribute: str, dialect: Dialect):
+        mapper: Mapper[Any] = sa_inspect(model)
         attrs = [(prop.key, prop.columns[0]) for prop in mapper.column_attrs]
         quote = dialect.identifier_preparer.quote
         self.keys = [key for key, _ in attrs]
@@ -259,7 +260,7 @@ class RawSelect:
         where = mapper.column_attrs[attribute].columns[0]
         self.sql = (
             f"SELECT {', '.join(quote(c.name) for _, c in attrs)} "
-            f"FROM {quote(mapper.local_table.name)} WHERE {quote(where.name)} = ?"
+            f"FROM {quote(model.__tablename__)} WHERE {quote(where.name)} = ?"
         )
 
     def values(self, row: tuple[Any, ...]) -> SimpleNamespace:

@@ -267,6 +267,9 @@ class FakeBackend:
             await asyncio.sleep(self.weight_load_s)
         if body.weight_version is not None:
             self.weight_version = body.weight_version
+        # One line per load in the server's log: tests count loads per version (a push
+        # through one proxy replica must load each backend once, not once per replica).
+        print(f"weights loaded: version={body.weight_version} path={body.model_path}", flush=True)
         counts: int | list[int] = paused
         if self.dp_size > 1:
             counts = [paused if rank == 0 else 0 for rank in range(self.dp_size)]

@@ -52,10 +52,13 @@ class ParsedOutput:
     """Generated text split into content and tool calls.
 
     ``content`` is ``None`` only when there are tool calls and no other text.
+    ``reasoning`` is a thinking model's reasoning (``proxima.proxy.reasoning``),
+    None when the reply has none.
     """
 
     content: str | None
     tool_calls: list[ToolCall]
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

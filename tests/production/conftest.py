@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.pg import postgres_cluster, select_postgres_items  # noqa: F401  (a fixture)
 from tests.production.procs import BackendProcess
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    select_postgres_items(config, items)
 
 
 @pytest.fixture

@@ -105,15 +105,24 @@ async def test_client_errors_are_typed() -> None:
 async def test_pool_sticky_and_least_loaded() -> None:
     async with _client({"http://a": create_fake_app(), "http://b": create_fake_app()}) as http:
         pool = BackendPool(["http://a", "http://b"], http=http)
-        first = pool.choose("session-1")
+        twin = BackendPool(["http://b", "http://a"], http=http)  # another replica, other order
+        keys = [f"session-{i}" for i in range(200)]
+        chosen = {k: pool.choose(k) for k in keys}
+        # Rendezvous hashing: every replica picks the same backend for a key, and the
+        # keys spread over both backends.
+        assert all(twin.choose(k).url == chosen[k].url for k in keys)
+        assert 60 < sum(b.url == "http://a" for b in chosen.values()) < 140
+        first = chosen["session-1"]
         with pool.lease(first):
-            # Least loaded: the other backend takes a new session...
-            other = pool.choose("session-2")
+            # Without a key: the least loaded backend...
+            other = pool.choose()
             assert other is not first
             # ...but session-1 stays where its prefix cache is.
             assert pool.choose("session-1") is first
         pool.mark_failed(first, RuntimeError("down"))
         assert pool.choose("session-1") is other  # failover
+        # Only the failed backend's keys moved.
+        assert all(pool.choose(k) is chosen[k] for k in keys if chosen[k] is other)
         await pool.check_health()  # the fake answers /health: it rejoins
         assert first.healthy
 

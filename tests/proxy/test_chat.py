@@ -453,13 +453,8 @@ _LOOP_TAIL = "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{
         _LOOP_HEAD
         + "{{ m.content }}{% if m.role != 'assistant' %}<|im_end|>{% endif %}\n"
         + _LOOP_TAIL,
-        # A template that refuses to render a conversation ending with the assistant.
-        "{% if messages[-1].role == 'assistant' %}{{ raise_exception('no prefill') }}{% endif %}"
-        + _LOOP_HEAD
-        + "{{ m.content }}<|im_end|>\n"
-        + _LOOP_TAIL,
     ],
-    ids=["rewrites-history", "no-end-marker", "rejects-prefix"],
+    ids=["rewrites-history", "no-end-marker"],
 )
 def test_templates_that_cannot_be_extended_render_fresh(template: str) -> None:
     tokenizer = build_tiny_tokenizer()
@@ -498,7 +493,21 @@ def test_only_the_chosen_parent_is_rendered(
     monkeypatch.setattr(renderer, "render_text", counting)
     plan = renderer.build_prompt(messages, TOOLS, history)
     assert plan.parent_id == history[-1].id
-    assert len(calls) == 3  # request, request + reply, and the new conversation
+    assert len(calls) == 2  # the parent's request, and the new conversation
+    assert plan.text == original(messages, TOOLS, add_generation_prompt=True)
+
+    # The proxy keeps each completion's prompt text (the committer does this): the
+    # conversation is then rendered once, to the same prompt.
+    renderer.rendered.add([history[-1].id], original(history[-1].request_messages, TOOLS,
+                                                     add_generation_prompt=True))  # fmt: skip
+    calls.clear()
+    kept = renderer.build_prompt(messages, TOOLS, history)
+    assert len(calls) == 1 and kept == plan
+    # Not when the request differs from the parent's, even only in key order.
+    reordered = [dict(reversed(m.items())) if m["role"] == "user" else m for m in messages]
+    calls.clear()
+    other = renderer.build_prompt(reordered, TOOLS, history)
+    assert len(calls) == 2 and other.parent_id == history[-1].id
 
 
 def test_template_errors_are_invalid_messages() -> None:
@@ -513,3 +522,28 @@ def test_renderer_needs_a_chat_template() -> None:
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         ChatRenderer(tokenizer)
+
+
+def test_a_template_refusing_a_trailing_reply_still_extends() -> None:
+    """Extension never renders the conversation ending with the reply: a template that
+    refuses one (no assistant prefill) extends token-exactly to its own text."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% if messages[-1].role == 'assistant' %}{{ raise_exception('no prefill') }}{% endif %}"
+        + _LOOP_HEAD
+        + "{{ m.content }}<|im_end|>\n"
+        + _LOOP_TAIL
+    )
+    renderer = ChatRenderer(tokenizer)
+    turn1 = normalize_messages([{"role": "user", "content": "Hi"}])
+    c1 = generate(renderer, turn1, renderer.build_prompt(turn1, None, []), "Hello!", tools=None)
+    turn2 = normalize_messages([*turn1, echo(c1), {"role": "user", "content": "Bye"}])
+    plan = renderer.build_prompt(turn2, None, [c1])
+    assert plan.parent_id == c1.id
+    assert plan.prompt_ids[: len(c1.prompt_ids) + len(c1.output_ids)] == [
+        *c1.prompt_ids,
+        *c1.output_ids,
+    ]
+    assert tokenizer.decode(plan.prompt_ids) == renderer.render_text(
+        turn2, None, add_generation_prompt=True
+    )

@@ -136,3 +136,11 @@ def test_detection_and_names() -> None:
     assert get_reasoning_parser("none") is None
     with pytest.raises(ValueError, match="known parsers: deepseek-r1, none, qwen3"):
         get_reasoning_parser("gpt-oss")
+
+
+def test_an_unknown_reasoning_parser_is_a_settings_error(tmp_path: object) -> None:
+    from proxima.proxy.config import Settings
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="unknown reasoning parser 'gpt-oss'"):
+        Settings(model=tmp_path, reasoning_parser="gpt-oss")  # type: ignore[arg-type]

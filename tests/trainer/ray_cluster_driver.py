@@ -16,9 +16,12 @@ their worker die (``os._exit``), raise, or hang past the timeout.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ CPUS_PER_NODE = 3
 RUN_TIMEOUT_S = 20.0
 # Fewer slots than failing runs (8): a slot a failed run kept would stall the rollout.
 MAX_CONCURRENCY = 6
+NODE_LOSS_RUNS = 18
 
 
 def reward_of(data: dict[str, Any]) -> float:
@@ -59,6 +63,14 @@ def agent(data: dict[str, Any]) -> float:
         raise ValueError("agent bug on a Ray worker")
     if kind == "hang":
         time.sleep(600)
+    if kind == "slow":
+        # Still running when its node is taken away: the marker says it got this far, and
+        # it returns only once the driver has removed the node (or after two minutes).
+        markers = Path(data["marker_dir"])
+        (markers / data["session_id"]).touch()
+        deadline = time.monotonic() + 120
+        while not (markers / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     return reward_of(data)
 
 
@@ -105,8 +117,69 @@ async def rollout(proxy: Any, runs: int, group_size: int) -> dict[str, Any]:
     }
 
 
+async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[str, Any]:
+    """``runs`` slow runs over every slot of the cluster; one worker node is removed mid-run."""
+    from proxima.trainer.rollout import RolloutController
+
+    controller = RolloutController(
+        proxy.url,
+        proxy.admin_token,
+        "ray_cluster_driver:agent",
+        mode="ray",
+        max_concurrency=CPUS_PER_NODE * (WORKER_NODES + 1),
+        timeout_s=60.0,
+        model=proxy.model_name,
+        group_tag="node-loss",
+    )
+    markers = Path(tempfile.mkdtemp(prefix="pxmark-"))
+    dataset = [
+        {"id": f"slow-{i}", "question": "hi", "n": i, "kind": "slow", "marker_dir": str(markers)}
+        for i in range(runs)
+    ]
+    rollout = asyncio.create_task(controller.run(dataset))
+    # Every slot (one CPU of every node each) holds a sleeping agent: then the victim's raylet
+    # and workers are killed, with the runs it holds.
+    deadline = time.monotonic() + 120
+    while len(list(markers.iterdir())) < controller.max_concurrency:
+        assert time.monotonic() < deadline, "the node-loss runs never all started"
+        await asyncio.sleep(0.1)
+    await asyncio.to_thread(cluster.remove_node, victim)
+    (markers / "release").touch()
+    report = await rollout
+    shutil.rmtree(markers, ignore_errors=True)
+    return {
+        "summary": report.summary(),
+        "victim": victim.node_id,
+        "runs": [
+            {
+                "session_id": r.session_id,
+                "status": r.status,
+                "error": r.error,
+                "node_id": r.node_id,
+            }
+            for r in report.runs
+        ],
+    }
+
+
+def loopback_only() -> None:
+    """Bring ``lo`` up in this fresh network namespace, and check it is the only interface.
+
+    An ioctl rather than ``ip link set lo up``: no iproute2 needed.
+    """
+    assert socket.if_nameindex() == [(1, "lo")], (
+        f"not a loopback-only netns: {socket.if_nameindex()}"
+    )
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
 def main() -> int:
     model_dir, out_path, runs = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    loopback_only()
     import ray
     from proxima.proxy.testing.live import LiveProxy
     from ray.cluster_utils import Cluster
@@ -137,8 +210,7 @@ def main() -> int:
         initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
     )
     try:
-        for _ in range(WORKER_NODES):
-            cluster.add_node(**node_args)
+        workers = [cluster.add_node(**node_args) for _ in range(WORKER_NODES)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         cluster_up = time.monotonic() - started - proxy_up
@@ -146,8 +218,11 @@ def main() -> int:
             n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]
         }  # id -> address
         result = asyncio.run(rollout(proxy, runs, group_size=2))
+        loss = asyncio.run(node_loss(proxy, cluster, workers[-1], runs=NODE_LOSS_RUNS))
+        result["node_loss"] = loss
         result["trajectories"] = {
-            r["session_id"]: proxy.trajectory(r["session_id"]) for r in result["runs"]
+            r["session_id"]: proxy.trajectory(r["session_id"])
+            for r in result["runs"] + loss["runs"]
         }
         result.update(
             nodes=nodes,

@@ -6,8 +6,8 @@ address otherwise, even when told 127.0.0.1) and a PID namespace (whatever
 it started dies with it). In there: ``proxima serve`` with the tiny model, a
 Ray cluster of three raylets (head + two worker nodes, ``ray.cluster_utils``),
 and the rollout controller in ``mode="ray"`` running 200 agent runs; some
-runs' workers die, raise or hang. This test checks what the driver read back
-from the proxy.
+runs' workers die, raise or hang. Then a second rollout loses a whole worker
+node mid-run. This test checks what the driver read back from the proxy.
 """
 
 from __future__ import annotations
@@ -22,23 +22,22 @@ from typing import Any
 import pytest
 from proxima.trainer.agents import RolloutError
 from proxima.trainer.rollout import RolloutController
+from proxima.trainer.rollout import main as rollout_main
+from proxima.trainer.train import rollout_controller
+from proxima.trainer.train_config import load_run_config
 
 HERE = Path(__file__).resolve().parent
 RUNS = 200
+NODE_LOSS_RUNS = 18
+# Proxy start, cluster start and both rollouts; on 2 busy cores it has taken 110 s.
+pytestmark = pytest.mark.timeout(600)
 FAILING = {"q-0": "died", "q-3": "died", "q-1": "raised", "q-2": "timed out"}
 
 
 def _in_loopback_namespace(argv: list[str]) -> list[str]:
-    """``argv`` in new network + PID namespaces whose only interface is ``lo`` (up)."""
+    """``argv`` in new network + PID namespaces (the driver brings their ``lo`` up itself)."""
     user_ns = [] if os.geteuid() == 0 else ["--map-root-user"]
-    script = 'ip link set lo up && exec "$@"'
-    return ["unshare", *user_ns, "--net", "--pid", "--fork", "--mount-proc"] + [
-        "sh",
-        "-c",
-        script,
-        "sh",
-        *argv,
-    ]
+    return ["unshare", *user_ns, "--net", "--pid", "--fork", "--mount-proc", *argv]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def ray_rollout(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=540,
     )
     assert proc.returncode == 0, f"driver failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -121,8 +120,61 @@ def test_dead_raising_and_hanging_tasks_fail_their_sessions(ray_rollout: dict[st
             assert run["timed_out"] and "timed out" in run["error"]
 
 
-def test_ray_mode_without_a_cluster_checks_its_agent() -> None:
+def test_a_lost_node_fails_only_the_runs_it_held(ray_rollout: dict[str, Any]) -> None:
+    loss, nodes = ray_rollout["node_loss"], ray_rollout["nodes"]
+    summary = loss["summary"]
+    assert summary["sessions_started"] == NODE_LOSS_RUNS
+    assert summary["sessions_rewarded"] + summary["sessions_failed"] == NODE_LOSS_RUNS
+    # Every slot (3 CPUs on each of 3 nodes) held a running agent when the node went: its 3
+    # runs failed; the rest, and the runs queued behind them, finished on the surviving nodes.
+    assert summary["sessions_failed"] == 3
+    assert summary["sessions_rewarded"] == NODE_LOSS_RUNS - 3
+    assert loss["victim"] in nodes
+    assert set(summary["runs_by_node"]) <= set(nodes) - {loss["victim"]}
+    for run in loss["runs"]:
+        stored = ray_rollout["trajectories"][run["session_id"]]
+        assert stored["status"] == run["status"]
+        if run["status"] == "failed":
+            assert run["error"].startswith("AgentError: agent task died: "), run["error"]
+            assert "NodeDiedError" in run["error"] or "WorkerCrashedError" in run["error"]
+            assert stored["reward"] is None
+        else:
+            assert run["node_id"] != loss["victim"] and stored["reward"] is not None
+
+
+def test_rollout_cli_takes_ray_mode_and_address(tmp_path: Path) -> None:
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text('{"id": "x"}\n')
+    argv = ["--proxy", "http://127.0.0.1:9", "--admin-token", "t", "--agent", "m:f"]
+    argv += ["--dataset", str(dataset), "--mode", "ray", "--ray-address", "no-such-cluster"]
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster at no-such-cluster"):
+        rollout_main(argv)
+
+
+async def test_train_run_config_puts_rollouts_on_ray(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[rollout]\nagent = "m:f"\nmode = "ray"\nray_address = "no-such-cluster"\n'
+        "ray_options = { num_cpus = 0.25, max_retries = 3 }\n"
+    )
+    ctl = rollout_controller(load_run_config(config), "http://127.0.0.1:9", "t", "tiny")
+    assert ctl.mode == "ray" and ctl._ray is not None
+    assert ctl._ray.address == "no-such-cluster"
+    # The run's task options, except retries: a retried run would add turns to its session.
+    assert ctl._ray.options["num_cpus"] == 0.25 and ctl._ray.options["max_retries"] == 0
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster"):
+        await ctl.run([{"id": "x"}])
+
+
+async def test_ray_mode_without_a_cluster() -> None:
     with pytest.raises(RolloutError, match="module:function"):
         RolloutController("http://127.0.0.1:9", "t", "no_colon", mode="ray")
     with pytest.raises(ValueError, match="'ray'"):
         RolloutController("http://127.0.0.1:9", "t", "m:f", mode="threads")  # type: ignore[arg-type]
+    # A cluster that cannot be joined stops the rollout before any session is opened.
+    ctl = RolloutController(
+        "http://127.0.0.1:9", "t", "m:f", mode="ray", ray_address="no-such-cluster"
+    )
+    with pytest.raises(RolloutError, match="cannot join the Ray cluster at no-such-cluster"):
+        await ctl.run([{"id": "x"}])
+    assert ctl.progress.sessions_started == 0

@@ -306,7 +306,9 @@ def clip_grad_norm(
     """
     with_grad = [p for p in params if p.grad is not None]
     if norm is None:
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grad]))
+        norm = float(
+            torch.nn.utils.get_total_norm([p.grad for p in with_grad if p.grad is not None])
+        )
     if max_norm is not None and with_grad:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, torch.tensor(norm))
     return norm

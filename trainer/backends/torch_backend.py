@@ -76,7 +76,7 @@ class TorchBackend:
         self.optim_config = optim
         self.device = resolve_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.to(self.device)
+        self.model.to(self.device)  # type: ignore[arg-type]  # HF's stub of .to() takes a model
         use_varlen_attention(self.model)
         if optim.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.sse import DONE, sse, usage
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.events import (
@@ -100,19 +101,27 @@ async def chat_stream(
 
 
 def message_deltas(parts: list[Part]) -> list[dict[str, Any]]:
-    """OpenAI chunk deltas for reply parts (consecutive content merged)."""
+    """OpenAI chunk deltas for reply parts (consecutive content, or reasoning, merged).
+
+    Reasoning goes in ``delta.reasoning_content``, as DeepSeek's API, SGLang
+    and vLLM stream it.
+    """
     out: list[dict[str, Any]] = []
-    text = ""
+    text, key = "", "content"
     for part in parts:
-        if isinstance(part, ContentDelta):
-            text += part.text
+        if isinstance(part, ContentDelta | ReasoningDelta):
+            kind = "reasoning_content" if isinstance(part, ReasoningDelta) else "content"
+            if text and kind != key:
+                out.append({key: text})
+                text = ""
+            text, key = text + part.text, kind
         elif isinstance(part, ToolCallDelta):
             if text:
-                out.append({"content": text})
+                out.append({key: text})
                 text = ""
             out.append({"tool_calls": [part.to_openai()]})
     if text:
-        out.append({"content": text})
+        out.append({key: text})
     return out
 
 

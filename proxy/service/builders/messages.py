@@ -7,9 +7,14 @@ requires)::
 
     message_start, ping
     per content block:
-      content_block_start (text: "" | tool_use: id, name, input {})
-      content_block_delta (text_delta... | one input_json_delta)
+      content_block_start (thinking: "", signature: "" | text: "" | tool_use: id, name, input {})
+      content_block_delta (thinking_delta... then one signature_delta | text_delta...
+                           | one input_json_delta)
       content_block_stop
+
+A thinking model's reasoning is a ``thinking`` block before the answer, with a
+``signature`` the proxy verifies when the block comes back
+(``proxima.proxy.reasoning_seal``).
     message_delta (stop_reason, stop_sequence, usage.output_tokens)
     message_stop
 
@@ -26,11 +31,12 @@ Errors use Anthropic's envelope ``{"type": "error", "error": {"type",
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.errors import ContextTooLong, ProximaError
+from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
 from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
@@ -90,6 +96,11 @@ def stop_reason(finish_reason: str, has_calls: bool, stop_sequence: str | None) 
 class MessageHead:
     message_id: str
     model: str
+    seal: Callable[[str], str] | None = None
+    """Thinking text -> its ``signature`` (``proxima.proxy.reasoning_seal``)."""
+
+    def signature(self, thinking: str) -> str:
+        return self.seal(thinking) if self.seal is not None else ""
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -101,8 +112,13 @@ def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     }
 
 
-def content_blocks(parsed: ParsedOutput) -> list[dict[str, Any]]:
+def content_blocks(parsed: ParsedOutput, head: MessageHead) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        thinking = parsed.reasoning
+        blocks.append(
+            {"type": "thinking", "thinking": thinking, "signature": head.signature(thinking)}
+        )
     if parsed.content:
         blocks.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
@@ -133,7 +149,7 @@ def message_object(
         "type": "message",
         "role": "assistant",
         "model": head.model,
-        "content": content_blocks(parsed),
+        "content": content_blocks(parsed, head),
         "stop_reason": stop_reason(finish_reason, bool(parsed.tool_calls), sequence),
         "stop_sequence": sequence,
         "usage": _usage(input_tokens, output_tokens),
@@ -148,6 +164,7 @@ class MessagesStream:
         self._blocks = 0
         self._open: str | None = None  # "text" or "tool_use"
         self._arguments: list[str] = []
+        self._thinking: list[str] = []
         self._saw_calls = False
 
     def start(self, input_tokens: int) -> list[bytes]:
@@ -169,7 +186,15 @@ class MessagesStream:
     def feed(self, events: list[StreamEvent]) -> list[bytes]:
         out: list[bytes] = []
         for ev in events:
-            if isinstance(ev, ContentDelta) and ev.text:
+            if isinstance(ev, ReasoningDelta) and ev.text:
+                if self._open != "thinking":
+                    out += self._close()
+                    out += self._begin(
+                        {"type": "thinking", "thinking": "", "signature": ""}, "thinking"
+                    )
+                self._thinking.append(ev.text)
+                out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
+            elif isinstance(ev, ContentDelta) and ev.text:
                 if self._open != "text":
                     out += self._close()
                     out += self._begin({"type": "text", "text": ""}, "text")
@@ -200,6 +225,10 @@ class MessagesStream:
         if self._open == "tool_use":
             arguments = json.dumps(tool_input("".join(self._arguments)), ensure_ascii=False)
             out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        elif self._open == "thinking":
+            signature = self.head.signature("".join(self._thinking))
+            out.append(self._delta({"type": "signature_delta", "signature": signature}))
+            self._thinking = []
         out.append(named_sse({"type": "content_block_stop", "index": self._blocks}))
         self._open = None
         self._blocks += 1

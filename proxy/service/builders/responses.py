@@ -24,11 +24,12 @@ is neither text nor calls is one empty message, as OpenAI returns it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxima.proxy.errors import ProximaError
+from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.chat import logprob_content
 from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
@@ -54,6 +55,21 @@ class ResponseHead:
     settings: dict[str, Any]
     tool_namespaces: dict[str, str] = field(default_factory=dict)
     """Tool name -> the ``namespace`` tool that declared it; its calls name that namespace."""
+    seal: Callable[[str], str] | None = None
+    """Reasoning text -> its ``encrypted_content`` (when the request ``include``s it)."""
+
+    def reasoning_item(self, item_id: str, status: str, text: str | None) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "id": item_id,
+            "type": "reasoning",
+            "summary": [],
+            "content": [] if text is None else [_reasoning_part(text)],
+            "encrypted_content": None,
+            "status": status,
+        }
+        if text is not None and self.seal is not None:
+            item["encrypted_content"] = self.seal(text)
+        return item
 
     def call_item(self, item_id: str, status: str, call_id: str, name: str, args: str) -> dict:
         item = _call_item(item_id, status, call_id, name, args)
@@ -97,6 +113,10 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, An
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _message_item(item_id: str, status: str, text: str | None, logprobs: Any) -> dict[str, Any]:
     content = [] if text is None else [_text_part(text, logprobs)]
     return {
@@ -129,9 +149,11 @@ def output_items(
     finish_reason: str,
     logprobs: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The output items of a finished reply: its text (if any), then its calls."""
+    """The output items of a finished reply: its reasoning and text (if any), then its calls."""
     status = _status(finish_reason)
     items = []
+    if parsed.reasoning:
+        items.append(head.reasoning_item(_item_id("rs"), status, parsed.reasoning))
     if parsed.content or not parsed.tool_calls:
         items.append(_message_item(_item_id("msg"), status, parsed.content or "", logprobs))
     for call in parsed.tool_calls:
@@ -204,6 +226,35 @@ class ResponsesStream:
                     out += self._text(ev.text)
             elif isinstance(ev, ToolCallDelta):
                 out += self._call(ev)
+            elif isinstance(ev, ReasoningDelta) and ev.text:
+                out += self._reasoning(ev.text)
+        return out
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self._open is None or self._open.item["type"] != "reasoning":
+            out += self._close()
+            out += self._add(self.head.reasoning_item(_item_id("rs"), "in_progress", None))
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=self._open_id(),
+                    output_index=self._open_index(),
+                    content_index=0,
+                    part=_reasoning_part(""),
+                )
+            )
+        assert self._open is not None
+        self._open.text.append(text)
+        out.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self._open_id(),
+                output_index=self._open_index(),
+                content_index=0,
+                delta=text,
+            )
+        )
         return out
 
     def _text(self, text: str) -> list[bytes]:
@@ -288,6 +339,13 @@ class ResponsesStream:
             )
             out.append(self._event("response.content_part.done", **ids, content_index=0, part=part))
             final = {**opened.item, "status": status, "content": [part]}
+        elif opened.item["type"] == "reasoning":
+            part = _reasoning_part(text)
+            out.append(
+                self._event("response.reasoning_text.done", **ids, content_index=0, text=text)
+            )
+            out.append(self._event("response.content_part.done", **ids, content_index=0, part=part))
+            final = self.head.reasoning_item(opened.item["id"], status, text)
         else:
             args = {"arguments": text, "name": opened.item["name"]}
             out.append(self._event("response.function_call_arguments.done", **ids, **args))
@@ -300,7 +358,8 @@ class ResponsesStream:
         """Close the open item and send the final response."""
         status = _status(finish_reason)
         out: list[bytes] = []
-        if not self._items:
+        if all(item["type"] == "reasoning" for item in self._items):
+            out += self._close(status)  # a reply that is only reasoning still has a message
             out += self._text_item_if_empty()
         if self._open is not None and self._open.item["type"] == "message":
             # Tokens that produced no more text (the end token) still count in the item's logprobs.

@@ -23,9 +23,10 @@ async def _finished(store: Store, *, reward: float | None = 1.0) -> str:
 
 async def test_only_finished_and_rewarded_sessions_are_claimed(store: Store) -> None:
     rewarded = await _finished(store)
-    turn_rewarded = await _finished(store, reward=None)
+    turn_rewarded = (await store.create_session(api_key_hash=key_hash())).id
     turn = completion(turn_rewarded)
     await store.record_completion(completion=turn)
+    await store.finish_session(session_id=turn_rewarded)
     await store.set_completion_reward(session_id=turn_rewarded, completion_id=turn.id, reward=0.0)
     await _finished(store, reward=None)  # finished, no reward anywhere
     open_session = await store.create_session(api_key_hash=key_hash())

@@ -6,6 +6,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from proxima.proxy.store import Conflict, NotFound, Store
+from proxima.proxy.store.errors import SessionClosed
+from proxima.proxy.store.records import SessionStatus
 
 from tests.proxy.store.factories import completion, key_hash
 
@@ -75,15 +77,24 @@ async def test_record_completion_errors(store: Store) -> None:
     assert [c.id for c in await store.list_completions(session_id=session.id)] == [record.id]
 
 
-async def test_no_completions_after_a_trainer_took_the_session(store: Store) -> None:
+async def test_only_open_sessions_gain_completions(store: Store) -> None:
+    # Checked in the inserting transaction: a finish (through any proxy replica) is
+    # seen by every later commit, so a finished session never gains a completion.
     session = await store.create_session(api_key_hash=key_hash())
+    await store.record_completion(completion=completion(session.id))
     await store.set_session_reward(session_id=session.id, reward=1.0)
     await store.finish_session(session_id=session.id)
-    await store.record_completion(completion=completion(session.id))  # late but unclaimed: kept
-    await store.claim_sessions(limit=1, trainer_id="t")
-    with pytest.raises(Conflict):
+    with pytest.raises(SessionClosed, match="finished"):
         await store.record_completion(completion=completion(session.id))
+    await store.claim_sessions(limit=1, trainer_id="t")
+    with pytest.raises(SessionClosed, match="taken by a trainer"):
+        await store.record_completion(completion=completion(session.id))
+    failed = await store.create_session(api_key_hash=key_hash())
+    await store.finish_session(session_id=failed.id, status=SessionStatus.FAILED)
+    with pytest.raises(SessionClosed, match="failed"):
+        await store.record_completions(completions=[completion(failed.id)])
     assert len(await store.list_completions(session_id=session.id)) == 1
+    assert await store.list_completions(session_id=failed.id) == []
 
 
 # Whatever a model can generate must record: NUL (a byte-level tokenizer decodes token

@@ -27,6 +27,7 @@ TABLES = {
     "api_keys",
     "version_evals",
     "production_promotions",
+    "fleet_counters",
 }
 
 

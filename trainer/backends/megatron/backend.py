@@ -108,7 +108,10 @@ def unpack_rows(
     for n, s in enumerate(segments):
         padded[n, : s.length] = input_ids[s.row, s.start : s.end]
     # (row, column) in the output and (segment, column) in the padded batch, per target.
-    out_rows, out_cols, seg_idx, seg_cols = [], [], [], []
+    out_rows: list[int] = []
+    out_cols: list[int] = []
+    seg_idx: list[int] = []
+    seg_cols: list[int] = []
     for n, s in enumerate(segments):
         count = s.length - 1
         out_rows += [s.row] * count

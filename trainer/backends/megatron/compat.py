@@ -237,4 +237,4 @@ def cpu_device_shim() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device = original

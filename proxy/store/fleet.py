@@ -1,0 +1,211 @@
+"""What proxy replicas share through the store: admission, session state, change notices.
+
+Several ``proxima serve`` processes on one PostgreSQL database behave as one
+proxy only if what each decides comes from the database, not from its memory:
+
+- **admission** (``admit_train_session``) is one transaction under a lock
+  every replica takes (a PostgreSQL transaction-level advisory lock): it reads
+  the admitted-session counter row (kept by triggers, migration 0005), the
+  open sessions (an index range) and the newest policy version, decides, and
+  inserts. N creates spread over any number of replicas admit exactly the
+  capacity, in time independent of how many sessions were ever created.
+- **session state** (``session_state``): a session's status and number of
+  completions in one indexed read, which a replica asks before rendering a
+  turn (its cached history is still whole iff the count matches).
+- **change notices** (``notify_change``): a new policy version or production
+  state is announced with ``pg_notify`` on ``FLEET_CHANNEL`` inside the
+  transaction that records it (delivered at commit); replicas listen (see
+  ``proxima.proxy.fleet``) and poll as a floor.
+- **publish lock** (``publish_lock``): one weight push at a time across the
+  fleet (a session-level advisory lock on a connection of its own).
+
+SQLite is the single-process default: the same calls work there (its write
+lock serializes admission), but replicas on one SQLite file are not
+supported; change notices are a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from proxima.proxy.store._base import StoreBase, new_id
+from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.errors import NotAdmitted, NotFound
+from proxima.proxy.store.models import (
+    CompletionRow,
+    FleetCounterRow,
+    PolicyVersionRow,
+    PromotionRow,
+    SessionRow,
+    utcnow,
+)
+from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+logger = logging.getLogger(__name__)
+
+FLEET_CHANNEL = "proxima_fleet"
+"""The PostgreSQL NOTIFY channel of policy-version and production-state changes."""
+
+ADMITTED_COUNTER = "admitted_train_sessions"
+
+# Advisory lock keys (any 64-bit numbers, fixed): admission, and weight publishing.
+_ADMISSION_LOCK = 0x50524F58494D4101
+_PUBLISH_LOCK = 0x50524F58494D4102
+
+_NOT_ADMITTED = (SessionStatus.FAILED.value, SessionStatus.DROPPED.value)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionState:
+    """What admission decides on, read in the admitting transaction."""
+
+    admitted: int  # training sessions admitted so far (not FAILED, not DROPPED)
+    open: int  # training sessions OPEN now
+    version: int  # the newest recorded policy version
+    joins_admitted_group: bool  # the session's group already has an admitted session
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    status: SessionStatus
+    completions: int
+
+
+@dataclass(frozen=True, slots=True)
+class FleetState:
+    """The shared state replicas follow: newest policy version and production change."""
+
+    version: int
+    path: str | None
+    promotion_id: int  # id of the newest production change (0: none)
+
+
+class FleetMixin(StoreBase):
+    @property
+    def shared(self) -> bool:
+        """Whether several processes may serve from this database (PostgreSQL)."""
+        return self._engine.dialect.name == "postgresql"
+
+    async def admit_train_session(
+        self,
+        *,
+        decide: Callable[[AdmissionState], str | None],
+        api_key_hash: str,
+        group_id: str | None = None,
+        data_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SessionRecord:
+        """Create a training session if ``decide`` admits it, atomically across replicas.
+
+        ``decide`` gets the ``AdmissionState`` read under the fleet-wide
+        admission lock and returns ``None`` to admit or the reason to refuse
+        (raised as ``NotAdmitted``). The insert commits before the lock is
+        released, so the next decision (in any replica) counts it.
+        """
+        async with self._write() as db:
+            if self.shared:
+                await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
+            state = await _admission_state(db, group_id)
+            reason = decide(state)
+            if reason is not None:
+                raise NotAdmitted(reason)
+            row = SessionRow(
+                id=new_id(),
+                kind=SessionKind.TRAIN.value,
+                status=SessionStatus.OPEN.value,
+                api_key_hash=api_key_hash,
+                group_id=group_id,
+                data_id=data_id,
+                metadata_=dict(metadata or {}),
+                reward=None,
+                created_at=utcnow(),
+            )
+            db.add(row)
+            await db.flush()
+            return session_record(row)
+
+    async def admission_state(self, *, group_id: str | None = None) -> AdmissionState:
+        """The numbers admission would decide on now (diagnostics, tests)."""
+        async with self._read() as db:
+            return await _admission_state(db, group_id)
+
+    async def session_state(self, *, session_id: str) -> SessionState:
+        """A session's status and completion count, in one indexed read."""
+        count = (
+            select(func.count()).where(CompletionRow.session_id == SessionRow.id).scalar_subquery()
+        )
+        query = select(SessionRow.status, count).where(SessionRow.id == session_id)
+        async with self._read() as db:
+            found = (await db.execute(query)).first()
+        if found is None:
+            raise NotFound(f"session {session_id} not found")
+        return SessionState(SessionStatus(found[0]), int(found[1]))
+
+    async def fleet_state(self) -> FleetState:
+        """The newest policy version (and its path) and production change id."""
+        newest = select(PolicyVersionRow.version, PolicyVersionRow.path).order_by(
+            PolicyVersionRow.version.desc()
+        )
+        async with self._read() as db:
+            row = (await db.execute(newest.limit(1))).first()
+            promotion = (await db.execute(select(func.max(PromotionRow.id)))).scalar()
+        return FleetState(
+            version=int(row[0]) if row else 0,
+            path=row[1] if row else None,
+            promotion_id=int(promotion or 0),
+        )
+
+    async def notify_change(self, db: AsyncSession, what: str) -> None:
+        """Announce ``what`` changed to every replica when ``db``'s transaction commits."""
+        if self.shared:
+            await db.execute(text("SELECT pg_notify(:c, :w)"), {"c": FLEET_CHANNEL, "w": what})
+
+    @asynccontextmanager
+    async def publish_lock(self) -> AsyncIterator[None]:
+        """Held by one weight push at a time in the whole fleet (no-op on SQLite)."""
+        if not self.shared:
+            yield
+            return
+        async with self._engine.connect() as conn:
+            await conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PUBLISH_LOCK})
+            await conn.commit()
+            try:
+                yield
+            finally:
+                await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PUBLISH_LOCK})
+                await conn.commit()
+
+
+async def _admission_state(db: AsyncSession, group_id: str | None) -> AdmissionState:
+    admitted = (
+        await db.execute(
+            select(FleetCounterRow.value).where(FleetCounterRow.name == ADMITTED_COUNTER)
+        )
+    ).scalar()
+    open_now = (
+        await db.execute(
+            select(func.count()).where(
+                SessionRow.kind == SessionKind.TRAIN.value,
+                SessionRow.status == SessionStatus.OPEN.value,
+            )
+        )
+    ).scalar_one()
+    version = (await db.execute(select(func.max(PolicyVersionRow.version)))).scalar()
+    joins = False
+    if group_id is not None:
+        member = select(SessionRow.id).where(
+            SessionRow.group_id == group_id, SessionRow.status.not_in(_NOT_ADMITTED)
+        )
+        joins = (await db.execute(member.limit(1))).first() is not None
+    return AdmissionState(
+        admitted=int(admitted or 0),
+        open=int(open_now),
+        version=int(version or 0),
+        joins_admitted_group=joins,
+    )
