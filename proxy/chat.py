@@ -328,13 +328,15 @@ class RenderedTexts:
     was prepared, so that text is kept here (and used only when the new request's
     messages and tools up to the parent are identical to the parent's, so it is
     exactly what rendering them again would give) instead of rendering the whole
-    conversation a second time every turn. Bounded (least recently used dropped);
-    shared by the renderers of the event loop and of the worker thread.
+    conversation a second time every turn. Bounded in characters (least recently
+    added dropped first; a dropped text is rendered again when needed); shared by
+    the renderers of the event loop and of the worker thread.
     """
 
-    def __init__(self, capacity: int = 512) -> None:
-        self.capacity = capacity
+    def __init__(self, max_chars: int = 32 * 2**20) -> None:
+        self.max_chars = max_chars  # 32 Mi characters: 32-128 MiB of str by default
         self._texts: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def get(self, completion_id: str) -> str | None:
@@ -344,10 +346,14 @@ class RenderedTexts:
     def add(self, completion_ids: Sequence[str], text: str) -> None:
         with self._lock:
             for cid in completion_ids:
-                self._texts[cid] = text
-                self._texts.move_to_end(cid)
-            while len(self._texts) > self.capacity:
-                self._texts.popitem(last=False)
+                old = self._texts.pop(cid, None)
+                if old is not None:
+                    self._chars -= len(old)
+                self._texts[cid] = text  # choices of one request share the string
+                self._chars += len(text)
+            while self._chars > self.max_chars and self._texts:
+                _, dropped = self._texts.popitem(last=False)
+                self._chars -= len(dropped)
 
 
 class ChatRenderer:
@@ -599,6 +605,9 @@ def _find_parent(
                 continue
             request: list[Message] = []
             for index in range(size - 2, -1, -1):
+                if stored_request[index] == messages[index]:  # equal to a canonical one
+                    request.append(messages[index])
+                    continue
                 stored = normalize_message(stored_request[index], index)
                 if not messages_equivalent(messages[index], stored):
                     break

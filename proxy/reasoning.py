@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxima.proxy.tools.calls import partial_marker_len
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 # What a reply's reasoning and answer are trimmed of (what Qwen3's template trims).
@@ -62,14 +64,6 @@ class ReasoningSplit:
     reasoning: str | None
     content: str
     closed: bool = False
-
-
-def _partial_len(text: str, marker: str) -> int:
-    """Length of the longest proper prefix of ``marker`` that ``text`` ends with."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningParser:
@@ -202,7 +196,7 @@ class ReasoningStream:
                 self._state, self._buffer = "answer_lead", buffer[at + len(end) :]
                 self.closed = True
                 return True
-            keep = _partial_len(buffer, end)
+            keep = partial_marker_len(buffer, end)
             body = buffer[: len(buffer) - keep]
             held = len(body) - len(body.rstrip(_NEWLINES))  # newlines that may precede the end
             self._reasoning(out, body[: len(body) - held])

@@ -35,7 +35,11 @@ ADMIN_TOKEN_ENV = "PROXIMA_ADMIN_TOKEN"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The trainer's flags (shared with the ``proxima`` CLI's ``trainer`` subcommand)."""
-    parser.add_argument("--proxy", help="base URL of the proxy, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--proxy",
+        help="base URL of the proxy, e.g. http://127.0.0.1:8000; a fleet: its load balancer's "
+        "URL, or the replicas' URLs separated by commas",
+    )
     parser.add_argument("--db", help="SQLAlchemy URL of the proxy's trajectory store")
     parser.add_argument("--model", type=Path, help="HF model directory of the initial policy")
     parser.add_argument("--config", type=Path, help="trainer config file (.toml, .json, .yaml)")

@@ -252,7 +252,39 @@ class GenerationDriver:
         )
 
     def _usage(self, prep: Prepared, runs: list[ChoiceRun]) -> Usage:
-        return Usage(len(prep.prompt_ids), sum(len(run.result.output_ids) for run in runs))
+        return Usage(
+            len(prep.prompt_ids),
+            sum(len(run.result.output_ids) for run in runs),
+            sum(self._reasoning_tokens(prep, run.result.output_ids) for run in runs),
+        )
+
+    def _reasoning_tokens(self, prep: Prepared, ids: list[int]) -> int:
+        """How many of ``ids`` are reasoning: up to the end marker, or all if never closed.
+
+        The shortest prefix whose text closes the reasoning, found by bisection
+        (a few decodes, not one per token).
+        """
+        parser = prep.reasoning
+        if parser is None or not ids:
+            return 0
+
+        def split(k: int) -> Any:
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            return parser.parse(text, in_reasoning=prep.in_reasoning)
+
+        whole = split(len(ids))
+        if whole.reasoning is None:
+            return 0
+        if not whole.closed:
+            return len(ids)
+        low, high = 1, len(ids)  # split(high) is closed
+        while low < high:
+            mid = (low + high) // 2
+            if split(mid).closed:
+                high = mid
+            else:
+                low = mid + 1
+        return high
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)

@@ -36,6 +36,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning
 
     @property
     def total_tokens(self) -> int:

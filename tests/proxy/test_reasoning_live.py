@@ -99,6 +99,9 @@ def test_chat_completions(proxy: LiveProxy) -> None:
     r1 = client.chat.completions.create(messages=messages, **kw)
     message = r1.choices[0].message
     assert (message.content, message.reasoning_content) == (A1, R1)  # type: ignore[attr-defined]
+    # <think>, "\n1 plus 2 is 3.\n" (a byte a token), </think>: the reasoning's 18 tokens.
+    assert r1.usage is not None and r1.usage.completion_tokens_details is not None
+    assert r1.usage.completion_tokens_details.reasoning_tokens == 18
     sent = [list(messages)]
     # The SDK's message, sent back as is (reasoning_content included).
     messages += [message.model_dump(exclude_none=True), {"role": "user", "content": Q2}]
@@ -137,6 +140,7 @@ def test_responses(proxy: LiveProxy) -> None:
     assert [c.text for c in reasoning.content or []] == [R1]
     assert reasoning.encrypted_content and reasoning.summary == []
     assert r1.output_text == A1
+    assert r1.usage is not None and r1.usage.output_tokens_details.reasoning_tokens == 18
     sent = [[{"role": "user", "content": Q1}]]
 
     # Codex keeps only the encrypted reasoning; a tampered one is refused.
@@ -164,6 +168,7 @@ def test_responses(proxy: LiveProxy) -> None:
     assert final.output_text == A2
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].encrypted_content
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 18
     for kind in ("response.reasoning_text.done", "response.output_text.done"):
         assert kind in types
     assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")

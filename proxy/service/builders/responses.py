@@ -99,12 +99,12 @@ class ResponseHead:
         }
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -171,12 +171,13 @@ def response_object(
     input_tokens: int,
     output_tokens: int,
     logprobs: list[dict[str, Any]] | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     """The non-streaming ``response`` for one finished reply."""
     return head.snapshot(
         _status(finish_reason),
         output_items(head, parsed, finish_reason, logprobs),
-        usage(input_tokens, output_tokens),
+        usage(input_tokens, output_tokens, reasoning_tokens),
     )
 
 
@@ -354,7 +355,14 @@ class ResponsesStream:
         out.append(self._event("response.output_item.done", output_index=opened.index, item=final))
         return out
 
-    def finish(self, finish_reason: str, *, input_tokens: int, output_tokens: int) -> list[bytes]:
+    def finish(
+        self,
+        finish_reason: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        reasoning_tokens: int = 0,
+    ) -> list[bytes]:
         """Close the open item and send the final response."""
         status = _status(finish_reason)
         out: list[bytes] = []
@@ -365,7 +373,9 @@ class ResponsesStream:
             # Tokens that produced no more text (the end token) still count in the item's logprobs.
             self._open.logprobs.extend(self._pending_logprobs)
         out += self._close(status)
-        snapshot = self.head.snapshot(status, self._items, usage(input_tokens, output_tokens))
+        snapshot = self.head.snapshot(
+            status, self._items, usage(input_tokens, output_tokens, reasoning_tokens)
+        )
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         out.append(self._event(kind, response=snapshot))
         return out
@@ -405,6 +415,7 @@ def response_from(head: ResponseHead, completion: Completion) -> dict[str, Any]:
         input_tokens=completion.usage.prompt_tokens,
         output_tokens=completion.usage.completion_tokens,
         logprobs=_logprobs(finish.logprobs),
+        reasoning_tokens=completion.usage.reasoning_tokens,
     )
 
 
@@ -426,6 +437,7 @@ async def response_events(head: ResponseHead, events: AsyncIterator[Event]) -> A
                 finish_reason,
                 input_tokens=usage.prompt_tokens,
                 output_tokens=usage.completion_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
             )
         elif isinstance(event, Failed):
             chunks = stream.fail(event.error)

@@ -28,8 +28,11 @@ def named_sse(event: dict[str, Any]) -> bytes:
 
 def usage(u: Usage) -> dict[str, int]:
     """OpenAI's ``usage`` object."""
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
     }
+    if u.reasoning_tokens:
+        out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
+    return out
