@@ -44,7 +44,7 @@ from proxima.proxy.generation import GenerationParams, ReasoningBudget
 from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, ReasoningFirst, output_grammar
+from proxima.proxy.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
@@ -155,7 +155,7 @@ class PromptPreparer:
             in_reasoning = parser.starts_in_reasoning(tail)
             if in_reasoning or not tail.rstrip().endswith(parser.end):  # thinking not off
                 first = ReasoningFirst(parser.start, parser.end, opened=in_reasoning)
-        grammar = output_grammar(
+        grammar = await checked_output_grammar(
             response_format=chat.response_format,
             tool_choice=chat.tool_choice,
             tools=chat.tools,
