@@ -9,6 +9,7 @@ rollout controller fills in) or else from ``OPENAI_BASE_URL``,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -73,12 +74,28 @@ def is_correct(text: str | None, answer: Any) -> bool:
     return got is not None and got == int(answer)
 
 
-def sampling(data: Mapping[str, Any], *, max_tokens: int) -> dict[str, Any]:
-    """Sampling settings from the item (``temperature``, ``max_tokens``), with defaults."""
-    return {
+def sampling(data: Mapping[str, Any], *, max_tokens: int, turn: int = 0) -> dict[str, Any]:
+    """Sampling settings from the item (``temperature``, ``max_tokens``), with defaults.
+
+    With a ``seed`` in the item, the request carries a seed derived from it, the
+    item's ``id``, the run's ``group_index`` (so a group's runs sample differently)
+    and ``turn``: the same run samples the same way every time.
+    """
+    settings: dict[str, Any] = {
         "temperature": float(data.get("temperature", 1.0)),
         "max_tokens": int(data.get("max_tokens", max_tokens)),
     }
+    if data.get("seed") is not None:
+        settings["seed"] = request_seed(
+            data["seed"], data.get("id", data.get("question")), data.get("group_index", 0), turn
+        )
+    return settings
+
+
+def request_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from ``parts`` (the same in every process, unlike ``hash``)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def cli_parser(description: str) -> argparse.ArgumentParser:

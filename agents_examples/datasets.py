@@ -13,7 +13,16 @@ Levels, chosen for SmolLM2-135M-Instruct (the demo model): ``tiny``
 (two-digit ``+ - *``), ``tool`` (three-digit by two-digit products, for the
 calculator agent).
 
-CLI: ``python -m proxima.agents_examples.datasets --out-dir data --difficulty easy --train 400 --test 50``.
+Unseen phrasings (``n_unseen``): a second held-out set that tests whether a
+policy trained on the ``"What is A op B?"`` items learned the arithmetic or the
+prompt. Its problems are in neither the train nor the held-out part (not even
+with the operands of a sum or product swapped), and each is asked in one of
+:data:`UNSEEN_PHRASINGS`, wordings no train item uses ("Subtract 4 from 17.",
+"Tom has 12 marbles and finds 5 more. ..."); the answer is still the last
+integer of the reply.
+
+CLI: ``python -m proxima.agents_examples.datasets --out-dir data --difficulty easy --train 400 --test 50``
+(``--unseen 50`` adds ``arith-easy-unseen.jsonl``).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +62,62 @@ DIFFICULTIES: dict[str, Difficulty] = {
 
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
+# The one phrasing of train and held-out items.
+TRAIN_PHRASING = "What is {a} {op} {b}?"
+_TRAIN_QUESTION = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 
-def _draw(rng: random.Random, level: Difficulty) -> tuple[str, int]:
+# Wordings of the unseen-phrasings set, per operator: none is the train phrasing or
+# contains an operator symbol; the answer is always a nonnegative integer.
+UNSEEN_PHRASINGS: dict[str, tuple[str, ...]] = {
+    "+": (
+        "Add {a} and {b}.",
+        "Compute the sum of {a} and {b}.",
+        "{a} plus {b} makes how many?",
+        "Tom has {a} marbles and finds {b} more. How many marbles does he have now?",
+        "A shelf holds {a} books and {b} more are put on it. How many books are on the shelf?",
+    ),
+    "-": (
+        "Subtract {b} from {a}.",
+        "Compute the difference when {b} is taken from {a}.",
+        "{a} minus {b} leaves how many?",
+        "Tom has {a} marbles and gives {b} to a friend. How many marbles does he have left?",
+        "A shelf holds {a} books and {b} are taken off it. How many books are left on the shelf?",
+    ),
+    "*": (
+        "Multiply {a} by {b}.",
+        "Compute the product of {a} and {b}.",
+        "{a} times {b} makes how many?",
+        "There are {a} boxes with {b} pens in each. How many pens are there in all?",
+        "A hall has {a} rows of {b} seats. How many seats does the hall have?",
+    ),
+}
+
+
+def _draw_operands(rng: random.Random, level: Difficulty) -> tuple[str, int, int]:
     op = rng.choice(level.operators)
     a, b = rng.randint(*level.a_range), rng.randint(*level.b_range)
     if op == "-" and b > a:
         a, b = b, a
-    return f"What is {a} {op} {b}?", _APPLY[op](a, b)
+    return op, a, b
+
+
+def _draw(rng: random.Random, level: Difficulty) -> tuple[str, int]:
+    op, a, b = _draw_operands(rng, level)
+    return TRAIN_PHRASING.format(a=a, op=op, b=b), _APPLY[op](a, b)
+
+
+def problem_key(op: str, a: int, b: int) -> tuple[str, int, int]:
+    """What makes two problems the same: the operator and operands, unordered for ``+`` and ``*``."""
+    return (op, min(a, b), max(a, b)) if op in "+*" else (op, a, b)
+
+
+def train_problem_key(question: str) -> tuple[str, int, int]:
+    """:func:`problem_key` of a ``"What is A op B?"`` question."""
+    match = _TRAIN_QUESTION.match(question)
+    if match is None:
+        raise ValueError(f"not a train-phrased arithmetic question: {question!r}")
+    a, op, b = match.groups()
+    return problem_key(op, int(a), int(b))
 
 
 def arithmetic_problems(n: int, *, difficulty: str = "easy", seed: int = 0) -> list[dict[str, Any]]:
@@ -91,14 +150,71 @@ def arithmetic_problems(n: int, *, difficulty: str = "easy", seed: int = 0) -> l
     return items
 
 
+def unseen_phrasings(
+    n: int,
+    *,
+    exclude: Iterable[Mapping[str, Any]],
+    difficulty: str = "easy",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """``n`` distinct problems of a level, none of them (operands swapped or not) in ``exclude``
+    (train-phrased items), each asked in one of :data:`UNSEEN_PHRASINGS` (seeded choice)."""
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
+    level = DIFFICULTIES[difficulty]
+    rng = random.Random(f"{difficulty}:{seed}:unseen")
+    taken = {train_problem_key(str(item["question"])) for item in exclude}
+    items: list[dict[str, Any]] = []
+    for _ in range(MAX_DRAWS_PER_PROBLEM * max(n, 1)):
+        if len(items) == n:
+            break
+        op, a, b = _draw_operands(rng, level)
+        key = problem_key(op, a, b)
+        if key in taken:
+            continue
+        taken.add(key)
+        phrasing = rng.randrange(len(UNSEEN_PHRASINGS[op]))
+        items.append(
+            {
+                "id": f"arith-{difficulty}-unseen-{len(items):05d}",
+                "question": UNSEEN_PHRASINGS[op][phrasing].format(a=a, b=b),
+                "answer": _APPLY[op](a, b),
+                "difficulty": difficulty,
+                "split": "unseen",
+                "operator": op,
+                "operands": [a, b],
+                "phrasing": f"{op}{phrasing}",
+            }
+        )
+    if len(items) < n:
+        raise ValueError(
+            f"difficulty {difficulty!r} has fewer than {n} problems outside the train and held-out "
+            f"parts ({len(items)} found): lower the unseen items or the train items"
+        )
+    return items
+
+
 def arithmetic_splits(
-    *, difficulty: str = "easy", n_train: int = 400, n_test: int = 50, seed: int = 0
+    *,
+    difficulty: str = "easy",
+    n_train: int = 400,
+    n_test: int = 50,
+    seed: int = 0,
+    n_unseen: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Disjoint ``{"train": [...], "test": [...]}``; the held-out problems come first."""
+    """Disjoint ``{"train": [...], "test": [...]}``; the held-out problems come first.
+
+    With ``n_unseen``, also ``"unseen"``: :func:`unseen_phrasings` outside both parts.
+    """
     problems = arithmetic_problems(n_train + n_test, difficulty=difficulty, seed=seed)
     test = [{**p, "split": "test"} for p in problems[:n_test]]
     train = [{**p, "split": "train"} for p in problems[n_test:]]
-    return {"train": train, "test": test}
+    splits = {"train": train, "test": test}
+    if n_unseen:
+        splits["unseen"] = unseen_phrasings(
+            n_unseen, exclude=problems, difficulty=difficulty, seed=seed
+        )
+    return splits
 
 
 def write_jsonl(path: str | Path, items: Iterable[Mapping[str, Any]]) -> Path:
@@ -128,9 +244,12 @@ def write_arithmetic_splits(
     n_train: int = 400,
     n_test: int = 50,
     seed: int = 0,
+    n_unseen: int = 0,
 ) -> dict[str, Path]:
-    """Write ``arith-{difficulty}-{train,test}.jsonl`` under ``out_dir``; returns the paths."""
-    splits = arithmetic_splits(difficulty=difficulty, n_train=n_train, n_test=n_test, seed=seed)
+    """Write ``arith-{difficulty}-{train,test[,unseen]}.jsonl`` under ``out_dir``; returns the paths."""
+    splits = arithmetic_splits(
+        difficulty=difficulty, n_train=n_train, n_test=n_test, seed=seed, n_unseen=n_unseen
+    )
     return {
         name: write_jsonl(Path(out_dir) / f"arith-{difficulty}-{name}.jsonl", items)
         for name, items in splits.items()
@@ -147,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", type=int, default=400, help="train problems")
     parser.add_argument("--test", type=int, default=50, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--unseen", type=int, default=0, help="held-out problems in unseen phrasings"
+    )
     args = parser.parse_args(argv)
     paths = write_arithmetic_splits(
         args.out_dir,
@@ -154,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         n_train=args.train,
         n_test=args.test,
         seed=args.seed,
+        n_unseen=args.unseen,
     )
     for name, path in paths.items():
         print(f"{name}: {path}")

@@ -8,6 +8,7 @@ discount makes a right answer in fewer turns worth more.
 
 Item fields: ``question``, ``answer`` (int); optional ``max_turns`` (3),
 ``temperature`` (1.0), ``max_tokens`` (96), ``system`` (a system prompt),
+``seed`` (seeds every request: see ``common.sampling``),
 ``model``/``base_url``/``api_key`` (else ``OPENAI_*``).
 
 Standalone: ``python -m proxima.agents_examples.math_agent --base-url URL --api-key K --model M``.
@@ -50,7 +51,7 @@ async def solve(data: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
             response = await client.chat.completions.create(
                 model=model,
                 messages=messages,
-                **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
+                **sampling(data, max_tokens=DEFAULT_MAX_TOKENS, turn=turn),
             )
             reply = response.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": reply})

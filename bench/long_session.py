@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sqlite3
 import statistics
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -196,11 +198,14 @@ async def run(args: argparse.Namespace) -> None:
         {"role": "system", "content": "You are a coding agent. " + tool_output(rng, 400)},
         {"role": "user", "content": "Fix the failing cache test."},
     ]
-    turns: list[tuple[int, float, float]] = []  # (prompt tokens, proxy s, direct s)
+    # (prompt tokens, proxy s, direct s, proxy process CPU s)
+    turns: list[tuple[int, float, float, float]] = []
     final_context = 0
     try:
         wait_http(backend_url + "/model_info", backend, 60)
         proxy.start()
+        assert proxy.proc is not None
+        proxy_proc = psutil.Process(proxy.proc.pid)
         store = await Store.open(f"sqlite:///{db}")
         async with httpx.AsyncClient(timeout=300) as http:
             r = await http.post(proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers())
@@ -214,9 +219,11 @@ async def run(args: argparse.Namespace) -> None:
                     "ignore_eos": True,
                     "stream": True,
                 }
+                cpu0 = cpu_seconds(proxy_proc)
                 seconds, cid, text = await read_chat(
                     http, proxy.base_url + "/chat/completions", body, key
                 )
+                cpu = cpu_seconds(proxy_proc) - cpu0
                 record = await store.get_completion(completion_id=cid)
                 assert record is not None, cid
                 # The direct call with the same ids, twice (the mean): its own noise halves.
@@ -227,7 +234,7 @@ async def run(args: argparse.Namespace) -> None:
                         for _ in range(2)
                     ]
                 )
-                turns.append((len(record.prompt_ids), seconds, direct))
+                turns.append((len(record.prompt_ids), seconds, direct, cpu))
                 final_context = len(record.prompt_ids) + len(record.output_ids)
                 messages.append({"role": "assistant", "content": text})
                 messages.append({"role": "user", "content": tool_output(rng, args.tool_tokens)})
@@ -246,26 +253,46 @@ async def run(args: argparse.Namespace) -> None:
     report(args, turns, size, final_context)
 
 
-def report(args: argparse.Namespace, turns: list[tuple[int, float, float]], size: int,
+def cpu_seconds(proc: psutil.Process) -> float:
+    """CPU seconds of the process's live threads, to the nanosecond where Linux reports
+    it (``/proc/PID/task/*/schedstat``); else user+system in clock ticks."""
+    task = Path(f"/proc/{proc.pid}/task")
+    if not task.is_dir():
+        times = proc.cpu_times()
+        return times.user + times.system
+    total = 0
+    for tid in os.listdir(task):
+        try:
+            total += int((task / tid / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    return total / 1e9
+
+
+def report(args: argparse.Namespace, turns: list[tuple[int, float, float, float]], size: int,
            final_context: int) -> None:  # fmt: skip
     print(
         f"\nlong session: {len(turns)} turns, {args.tool_tokens} tokens of tool output and "
         f"{args.gen_tokens} generated per turn, {args.tools_bytes} bytes of tools"
     )
     print(f"{'context':>8}{'turns':>7}{'prompt tokens':>16}{'proxy p50':>11}{'direct p50':>12}"
-          f"{'added p50':>11}")  # fmt: skip
+          f"{'added p50':>11}{'proxy CPU p50':>15}")  # fmt: skip
     added: dict[int, float] = {}
     for target in args.at:
         band = sorted(turns, key=lambda t: abs(t[0] - target))[: args.band]
         lo, hi = min(t[0] for t in band), max(t[0] for t in band)
-        added[target] = statistics.median((p - d) * 1000 for _, p, d in band)
+        added[target] = statistics.median((t[1] - t[2]) * 1000 for t in band)
         print(
             f"{target // 1024:>7}k{len(band):>7}{f'{lo}-{hi}':>16}"
-            f"{statistics.median(p for _, p, _ in band) * 1000:>11.2f}"
-            f"{statistics.median(d for _, _, d in band) * 1000:>12.2f}{added[target]:>11.2f}"
+            f"{statistics.median(t[1] for t in band) * 1000:>11.2f}"
+            f"{statistics.median(t[2] for t in band) * 1000:>12.2f}{added[target]:>11.2f}"
+            f"{statistics.median(t[3] for t in band) * 1000:>15.2f}"
         )
     print("(ms; added = a turn's proxy latency minus its direct /generate latency with the same")
-    print(f" ids, median over the {args.band} turns nearest each context size)")
+    print(f" ids, median over the {args.band} turns nearest each context size; proxy CPU = the")
+    print(" proxy process's user+system time during the turn, which a loaded host stretches less")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f" than latency; load average {load} (1/5/15 min) at the end)")
     per_token = size / final_context
     print(f"store: {size} bytes in SQLite for {final_context} tokens of final context")
     a, b, c = (added[t] for t in args.at)

@@ -400,6 +400,7 @@ class RolloutController:
     ) -> RunResult:
         session_id, api_key, base_url = opened["session_id"], opened["api_key"], opened["base_url"]
         data = {**item, "base_url": base_url, "api_key": api_key, "session_id": session_id}
+        data.setdefault("group_index", result.sample)  # which of the group's runs (seeded sampling)
         if self.model is not None:
             data.setdefault("model", self.model)
         binding = SessionBinding(

@@ -7,7 +7,12 @@ side until ``steps`` PPO steps are done, showing a progress bar per step,
 updating a reward-curve PNG, and finally copies the last policy to
 ``<output_dir>/final`` (an HF directory) and measures held-out accuracy again:
 
-    held-out accuracy: 23.0% -> 41.0%
+    held-out accuracy: 23.0% -> 41.0%; unseen phrasings: 18.0% -> 30.0%
+
+The second figure (with ``data.unseen_items`` or ``data.unseen_file``) is the
+accuracy on held-out problems asked in wordings no train item uses: a policy
+that learned the arithmetic gains there too, one that fitted the train
+prompt's template does not.
 
 The trainer runs in its own process (``proxima trainer``), as in production:
 its compute never stalls the agents' event loop. Ctrl-C stops everything
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +68,16 @@ def resolve_model_dir(section: ModelSection) -> Path:
     return path
 
 
-def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+@dataclass(frozen=True, slots=True)
+class Items:
+    """A run's items: train, held-out, and held-out in unseen phrasings (may be empty)."""
+
+    train: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+    unseen: list[dict[str, Any]]
+
+
+def load_items(data: DataSection) -> Items:
     if data.source == "arithmetic":
         from proxima.agents_examples.datasets import arithmetic_splits
 
@@ -71,13 +86,15 @@ def load_items(data: DataSection) -> tuple[list[dict[str, Any]], list[dict[str, 
             n_train=data.train_items,
             n_test=data.test_items,
             seed=data.seed,
+            n_unseen=data.unseen_items,
         )
-        return splits["train"], splits["test"]
+        return Items(splits["train"], splits["test"], splits.get("unseen", []))
     from proxima.agents_examples.datasets import read_jsonl
 
     train = list(read_jsonl(Path(data.source)))
     test = list(read_jsonl(data.test_file)) if data.test_file else []
-    return train, test
+    unseen = list(read_jsonl(data.unseen_file)) if data.unseen_file else []
+    return Items(train, test, unseen)
 
 
 async def evaluate(
@@ -139,42 +156,68 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def curve_points(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list[int]]:
+    """x (1, 2, ... one per trainer step, in log order), the mean train reward of each step,
+    and the x of the steps that pushed no version (their ``step`` repeats the one before)."""
+    steps = list(range(1, len(records) + 1))
+    rewards = [float(r.get("reward_mean") or 0.0) for r in records]
+    idle = [x for x, r in zip(steps, records, strict=True) if not r.get("pushed", True)]
+    return steps, rewards, idle
+
+
 def plot_rewards(
     records: list[dict[str, Any]],
     path: Path,
     *,
     before: float | None = None,
     after: float | None = None,
+    unseen_before: float | None = None,
+    unseen_after: float | None = None,
 ) -> None:
-    """Reward curve (mean reward per step and its moving average) as a PNG, with held-out accuracy."""
+    """Reward curve (mean reward per step and its moving average) as a PNG, with held-out accuracy
+    (in the train phrasing and, when given, in unseen phrasings) before and after.
+
+    One point per trainer step, in order: a step whose batch had no signal trains
+    nothing and pushes no version (its record repeats the version), so the x axis
+    counts steps, not versions, and such steps are drawn as hollow markers.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    rewards = [r.get("reward_mean") or 0.0 for r in records]
+    steps, rewards, idle = curve_points(records)
     window = 3
     smooth = [
         sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
         for i in range(len(rewards))
     ]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, marker="o", alpha=0.5, label="train reward (mean per step)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    (line,) = ax.plot(steps, rewards, marker="o", alpha=0.5, label="train reward (mean per step)")
+    if idle:
+        ax.plot(
+            idle,
+            [rewards[x - 1] for x in idle],
+            linestyle="none",
+            marker="o",
+            markerfacecolor="white",
+            color=line.get_color(),
+            label="step without signal (no update, no new version)",
+        )
     ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window} steps)")
-    if before is not None:
-        ax.axhline(
-            before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.0%})"
-        )
-    if after is not None:
-        ax.axhline(
-            after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.0%})"
-        )
-    ax.set_xlabel("PPO step (policy version)")
+    for value, color, style, label in (
+        (before, "gray", "--", "held-out accuracy before"),
+        (after, "green", "--", "held-out accuracy after"),
+        (unseen_before, "gray", ":", "unseen phrasings before"),
+        (unseen_after, "purple", ":", "unseen phrasings after"),
+    ):
+        if value is not None:
+            ax.axhline(value, color=color, linestyle=style, label=f"{label} ({value:.0%})")
+    ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
@@ -239,6 +282,22 @@ class _Run:
             fields=dict(self.cfg.rollout.item_fields),
         )
 
+    async def evaluate_both(
+        self, items: Items, version: int | None = None
+    ) -> tuple[float, float | None]:
+        """Held-out accuracy on ``items.test`` and on ``items.unseen`` (None without any), side
+        by side (one engine batch serves both sets)."""
+        if not items.unseen:
+            return await self.evaluate(items.test, version), None
+        test, unseen = await asyncio.gather(
+            self.evaluate(items.test, version), self.evaluate(items.unseen, version)
+        )
+        return test, unseen
+
+
+def _scored(section: EvalSection, items: list[dict[str, Any]]) -> int:
+    return min(section.items, len(items)) if section.items else len(items)
+
 
 def rollout_controller(
     cfg: TrainRunConfig, url: str, token: str, model_name: str
@@ -283,7 +342,7 @@ async def _follow_training(
     cfg: TrainRunConfig,
     trainer: subprocess.Popen[bytes],
     controller: RolloutController,
-    before: float | None,
+    before: tuple[float, float | None],
     on_step: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     """Until the trainer exits: a progress bar per step and a fresh reward curve."""
@@ -298,7 +357,7 @@ async def _follow_training(
             on_step(record)
         if len(records) > seen:
             seen = len(records)
-            plot_rewards(records, png, before=before)
+            plot_rewards(records, png, before=before[0], unseen_before=before[1])
     controller.stop()
     return read_log(log_path)
 
@@ -309,7 +368,8 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
-    train_items, test_items = load_items(cfg.data)
+    items = load_items(cfg.data)
+    train_items, test_items = items.train, items.test
     run = _Run(cfg, model_dir)
     trainer_proc: subprocess.Popen[bytes] | None = None
     controller: RolloutController | None = None
@@ -318,10 +378,13 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         run.start()
         fields = dict(cfg.rollout.item_fields)
         eval_started = time.monotonic()
-        before = await run.evaluate(test_items)
-        print(
-            f"held-out accuracy before training: {before:.1%} ({len(test_items)} items)", flush=True
-        )
+        before, unseen_before = await run.evaluate_both(items)
+        line = f"held-out accuracy before training: {before:.1%} ({_scored(cfg.eval, test_items)} items)"
+        if unseen_before is not None:
+            line += (
+                f"; unseen phrasings: {unseen_before:.1%} ({_scored(cfg.eval, items.unseen)} items)"
+            )
+        print(line, flush=True)
         train_started = time.monotonic()
 
         trainer_cfg = cfg.trainer.model_copy(
@@ -357,8 +420,12 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             bar.update(1)
 
         rollout_fields = {**fields, "temperature": cfg.rollout.temperature}
+        if cfg.rollout.seed is not None:
+            rollout_fields["seed"] = cfg.rollout.seed
         rollouts = asyncio.create_task(controller.run(_cycle(train_items, rollout_fields)))
-        records = await _follow_training(cfg, trainer_proc, controller, before, on_step)
+        records = await _follow_training(
+            cfg, trainer_proc, controller, (before, unseen_before), on_step
+        )
         train_s = time.monotonic() - train_started
         bar.close()
         report = await rollouts
@@ -368,14 +435,26 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             )
 
         after_started = time.monotonic()
-        after = await run.evaluate(test_items)
+        after, unseen_after = await run.evaluate_both(items)
         eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
         final = _copy_final(cfg)
         if records:
-            plot_rewards(records, cfg.output_dir / "reward_curve.png", before=before, after=after)
+            plot_rewards(
+                records,
+                cfg.output_dir / "reward_curve.png",
+                before=before,
+                after=after,
+                unseen_before=unseen_before,
+                unseen_after=unseen_after,
+            )
         summary = {
             "before": before,
             "after": after,
+            "test_items": _scored(cfg.eval, test_items),
+            "unseen_before": unseen_before,
+            "unseen_after": unseen_after,
+            "unseen_items": _scored(cfg.eval, items.unseen),
+            "pushed_steps": sum(1 for r in records if r.get("pushed", True)),
             "steps": len(records),
             "final_model": str(final),
             "rollouts": report.summary(),
@@ -392,7 +471,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             f"whole run {summary['wall_s']:.0f} s"
         )
         print(f"reward curve: {cfg.output_dir / 'reward_curve.png'}; final model: {final}")
-        print(f"held-out accuracy: {before:.1%} -> {after:.1%}", flush=True)
+        line = f"held-out accuracy: {before:.1%} -> {after:.1%}"
+        if unseen_before is not None and unseen_after is not None:
+            line += f"; unseen phrasings: {unseen_before:.1%} -> {unseen_after:.1%}"
+        print(line, flush=True)
         return summary
     finally:
         if controller is not None:
@@ -433,16 +515,19 @@ async def eval_only(cfg: TrainRunConfig, version: int | None = None) -> float:
         raise ValueError("--version evaluates a version of a running proxy: set proxy.url")
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
-    _, test_items = load_items(cfg.data)
+    items = load_items(cfg.data)
     run = _Run(cfg, model_dir)
     try:
         run.start()
-        score = await run.evaluate(test_items, version)
+        score, unseen = await run.evaluate_both(items, version)
     finally:
         run.stop()
-    scored = min(cfg.eval.items, len(test_items)) if cfg.eval.items else len(test_items)
+    scored = _scored(cfg.eval, items.test)
     label = "" if version is None else f" of version {version}"
-    print(f"held-out accuracy{label}: {score:.1%} ({scored} items)")
+    line = f"held-out accuracy{label}: {score:.1%} ({scored} items)"
+    if unseen is not None:
+        line += f"; unseen phrasings: {unseen:.1%} ({_scored(cfg.eval, items.unseen)} items)"
+    print(line)
     if version is not None:
         await _record_eval(run, version, score, scored)
     return score

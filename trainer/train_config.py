@@ -45,6 +45,15 @@ class DataSection(_Section):
     difficulty: str = Field("easy", description="Arithmetic level (tiny, easy, medium, tool).")
     train_items: int = Field(400, ge=1, description="Arithmetic train items.")
     test_items: int = Field(50, ge=1, description="Arithmetic held-out items.")
+    unseen_items: int = Field(
+        0,
+        ge=0,
+        description="Arithmetic held-out items in phrasings the train items never use, on problems "
+        "outside both splits (0: none); evaluated beside the held-out items.",
+    )
+    unseen_file: Path | None = Field(
+        None, description="Held-out JSONL in unseen phrasings (with a file source)."
+    )
     seed: int = Field(0, description="Dataset seed (the split is fixed by it).")
 
 
@@ -69,6 +78,11 @@ class RolloutSection(_Section):
         description="Ray task options of every run in ray mode (num_cpus, resources, runtime_env).",
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of training runs.")
+    seed: int | None = Field(
+        None,
+        description="Seed of the engine's sampling in training runs: each request carries a seed "
+        "derived from it, the item, the run's index in its group and the turn (None: unseeded).",
+    )
     item_fields: dict[str, Any] = Field(
         default_factory=dict, description="Extra fields merged into every item (max_turns, ...)."
     )

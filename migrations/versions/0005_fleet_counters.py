@@ -6,7 +6,7 @@ session ever created; now one row of ``fleet_counters`` holds the count, kept
 exact by a trigger on ``sessions`` (insert, status or kind change, delete) in
 the same transaction as the change, whichever process makes it. Admission
 reads that row and the open sessions (through ``ix_sessions_kind_status``),
-under one lock shared by every replica (see ``proxy/store/admission.py``).
+under one lock shared by every replica (see ``proxy/store/fleet.py``).
 
 ``ix_sessions_group_id``: whether a group already has an admitted session is
 asked on every grouped create; it was a scan too.

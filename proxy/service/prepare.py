@@ -44,7 +44,7 @@ from proxima.proxy.generation import GenerationParams, ReasoningBudget
 from proxima.proxy.reasoning import ReasoningParser
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, ReasoningFirst, output_grammar
+from proxima.proxy.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
@@ -82,7 +82,9 @@ class Prepared:
     # The record of ``parent_id``, from the session's history: the store keeps only what
     # each completion adds to it (``proxima.proxy.store.chains``).
     parent: CompletionRecord | None = None
-    rendered: str | None = None  # the template's text of ``messages`` (chat input only)
+    # The template's text of ``messages`` and the template variables it was rendered with
+    # (chat input only), kept for the next turn (``RenderedTexts``).
+    rendered: tuple[str, dict[str, Any] | None] | None = None
 
     @property
     def completion_ids(self) -> list[str]:
@@ -153,7 +155,7 @@ class PromptPreparer:
             in_reasoning = parser.starts_in_reasoning(tail)
             if in_reasoning or not tail.rstrip().endswith(parser.end):  # thinking not off
                 first = ReasoningFirst(parser.start, parser.end, opened=in_reasoning)
-        grammar = output_grammar(
+        grammar = await checked_output_grammar(
             response_format=chat.response_format,
             tool_choice=chat.tool_choice,
             tools=chat.tools,
@@ -164,7 +166,7 @@ class PromptPreparer:
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
         prepared.messages = chat.messages
         prepared.tools = chat.tools
-        prepared.rendered = plan.text
+        prepared.rendered = (plan.text, chat.template_kwargs)
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
         if parser is not None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from proxima.proxy.store.errors import StoreError
 from proxima.proxy.store.records import CompletionRecord
 
@@ -45,7 +46,21 @@ class Split:
 
 def identical(a: Any, b: Any) -> bool:
     """Equal JSON values that also serialize alike: same types (``1`` is not ``1.0`` or
-    ``True``) and the same key order (templates render ``tojson`` in key order)."""
+    ``True``) and the same key order (templates render ``tojson`` in key order).
+
+    Compared in C: Python equality, then the two values' JSON (which tells 1 from 1.0
+    and ``True``, and one key order from another); values JSON cannot hold (an int over
+    64 bits) are compared field by field.
+    """
+    if a is b:
+        return True
+    try:
+        return bool(a == b) and orjson.dumps(a) == orjson.dumps(b)
+    except TypeError:  # orjson.JSONEncodeError included
+        return _identical(a, b)
+
+
+def _identical(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if type(a) is not type(b):
@@ -54,11 +69,11 @@ def identical(a: Any, b: Any) -> bool:
         if len(a) != len(b):
             return False
         for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
-            if ka != kb or not identical(va, vb):
+            if ka != kb or not _identical(va, vb):
                 return False
         return True
     if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -86,10 +101,13 @@ def split(record: CompletionRecord, parent: CompletionRecord | None) -> Split:
     if request is not None:
         previous = chat_sequence(parent)
         limit = min(len(previous), len(request))
-        while messages_prefix < limit and identical(
-            request[messages_prefix], previous[messages_prefix]
-        ):
-            messages_prefix += 1
+        if identical(request[:limit], previous[:limit]):  # a turn extending its parent
+            messages_prefix = limit
+        else:
+            while messages_prefix < limit and identical(
+                request[messages_prefix], previous[messages_prefix]
+            ):
+                messages_prefix += 1
     tools_from_parent = record.request_tools is not None and identical(
         record.request_tools, parent.request_tools
     )

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 from proxima.agents_examples.datasets import (
     DIFFICULTIES,
+    TRAIN_PHRASING,
+    UNSEEN_PHRASINGS,
     arithmetic_problems,
     arithmetic_splits,
+    problem_key,
     read_jsonl,
     write_arithmetic_splits,
 )
@@ -93,3 +96,80 @@ def test_write_and_cli_give_the_same_files(tmp_path: Path) -> None:
         cli_file = tmp_path / "cli" / f"arith-medium-{name}.jsonl"
         assert cli_file.read_bytes() == paths[name].read_bytes()
     assert len(list(read_jsonl(paths["train"]))) == 30
+
+
+# --------------------------------------------------------------------------- unseen phrasings
+
+
+def _operands(item: dict) -> tuple[str, int, int]:
+    a, b = item["operands"]
+    return item["operator"], a, b
+
+
+@pytest.mark.parametrize(("difficulty", "n_train"), [("easy", 300), ("medium", 400), ("tiny", 30)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unseen_problems_and_phrasings_never_meet_the_training(
+    difficulty: str, n_train: int, seed: int
+) -> None:
+    n_unseen = 5 if difficulty == "tiny" else 50
+    splits = arithmetic_splits(
+        difficulty=difficulty, n_train=n_train, n_test=10, seed=seed, n_unseen=n_unseen
+    )
+    unseen = splits["unseen"]
+    assert len(unseen) == n_unseen and {p["split"] for p in unseen} == {"unseen"}
+    assert len({p["id"] for p in unseen}) == n_unseen
+    # No problem of the train or held-out part, even with a sum's or product's operands swapped.
+    seen = set()
+    for p in splits["train"] + splits["test"]:
+        a, op, b = QUESTION.match(p["question"]).groups()  # type: ignore[union-attr]
+        seen.add((op, int(a), int(b)))
+        if op in "+*":
+            seen.add((op, int(b), int(a)))
+    keys = [_operands(p) for p in unseen]
+    assert not seen & set(keys)
+    assert len({problem_key(*k) for k in keys}) == n_unseen  # distinct among themselves too
+    level = DIFFICULTIES[difficulty]
+    for p, (op, a, b) in zip(unseen, keys, strict=True):
+        # Never the train phrasing, nor any operator symbol: words only.
+        assert not QUESTION.match(p["question"]) and not re.search(r"[+\-*=]", p["question"])
+        assert p["phrasing"][0] == op
+        assert p["question"] == UNSEEN_PHRASINGS[op][int(p["phrasing"][1:])].format(a=a, b=b)
+        assert sorted(int(x) for x in re.findall(r"\d+", p["question"])) == sorted((a, b))
+        assert op in level.operators and p["answer"] >= 0
+        assert p["answer"] == {"+": a + b, "-": a - b, "*": a * b}[op]
+    # The same seed gives the same set; adding it leaves the other parts unchanged.
+    assert splits == arithmetic_splits(
+        difficulty=difficulty, n_train=n_train, n_test=10, seed=seed, n_unseen=n_unseen
+    )
+    plain = arithmetic_splits(difficulty=difficulty, n_train=n_train, n_test=10, seed=seed)
+    assert set(plain) == {"train", "test"}
+    assert (plain["train"], plain["test"]) == (splits["train"], splits["test"])
+
+
+def test_unseen_phrasings_are_not_the_train_phrasing_and_mix_in_a_set() -> None:
+    templates = [t for ts in UNSEEN_PHRASINGS.values() for t in ts]
+    assert len(set(templates)) == len(templates)
+    for t in templates:
+        assert not t.startswith("What is {a}") and "{op}" not in t
+        assert t.format(a=3, b=4) != TRAIN_PHRASING.format(a=3, op="+", b=4)
+    unseen = arithmetic_splits(difficulty="easy", n_train=300, n_test=50, n_unseen=50)["unseen"]
+    assert len({p["phrasing"] for p in unseen}) >= 8  # many wordings, not one rewritten template
+    assert {p["phrasing"][0] for p in unseen} == {"+", "-"}
+
+
+def test_too_few_unseen_problems_is_an_error() -> None:
+    # 45 distinct single-digit sums (a + b = b + a): 40 train and held-out leave at most 5.
+    with pytest.raises(ValueError, match="outside the train and held-out parts"):
+        arithmetic_splits(difficulty="tiny", n_train=36, n_test=4, n_unseen=20)
+
+
+def test_cli_writes_the_unseen_set(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "proxima.agents_examples.datasets", "--out-dir", str(tmp_path),
+         "--train", "300", "--test", "50", "--unseen", "50", "--seed", "4"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    written = list(read_jsonl(tmp_path / "arith-easy-unseen.jsonl"))
+    expected = arithmetic_splits(difficulty="easy", n_train=300, n_test=50, seed=4, n_unseen=50)
+    assert written == expected["unseen"]

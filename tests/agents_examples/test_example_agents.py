@@ -18,7 +18,7 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
 from proxima.agents_examples import httpx_agent, math_agent, tool_agent
-from proxima.agents_examples.common import endpoint, is_correct, last_integer
+from proxima.agents_examples.common import endpoint, is_correct, last_integer, sampling
 from proxima.agents_examples.tool_agent import CalculatorError, calculator, evaluate
 from proxima.proxy.testing.live import LiveProxy
 from proxima.trainer.rollout import RolloutController
@@ -44,6 +44,22 @@ def test_last_integer_and_check() -> None:
     assert last_integer("1,234 apples") == 1234
     assert last_integer("no digits") is None and last_integer(None) is None
     assert is_correct("so the answer is 12", 12) and not is_correct("12 or 13", 12)
+
+
+def test_seeded_sampling_is_stable_and_differs_per_run_and_turn() -> None:
+    item = {"id": "arith-easy-00003@0", "temperature": 0.8, "max_tokens": 32, "seed": 1}
+    assert "seed" not in sampling({**item, "seed": None}, max_tokens=8)
+    first = sampling({**item, "group_index": 0}, max_tokens=8)
+    assert first == sampling({**item, "group_index": 0}, max_tokens=8)  # same run, same seed
+    assert first["temperature"] == 0.8 and first["max_tokens"] == 32
+    seeds = {
+        sampling({**item, "group_index": g, "seed": s}, max_tokens=8, turn=t)["seed"]
+        for g in range(4)
+        for s in (1, 2)
+        for t in (0, 1)
+    }
+    assert len(seeds) == 16  # each run of a group, each seed and each turn samples its own way
+    assert all(0 <= seed < 2**63 for seed in seeds)
 
 
 def test_endpoint_prefers_data_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,6 +207,34 @@ async def test_agent_runs_under_the_controller(
         stored = proxy.trajectory(run.session_id)
         assert stored["status"] == "finished" and stored["reward"] == run.reward
         assert stored["completions"], "the agent's requests did not reach its session"
+
+
+async def test_seeded_math_agent_repeats_its_runs_and_a_group_differs(proxy: LiveProxy) -> None:
+    # Sampling at 1.0 on the random tiny model: unseeded, two runs would differ at once.
+    item = {"id": "seeded", "question": "What is 3 + 4?", "answer": 7, "max_turns": 2}
+    item |= {"max_tokens": 12, "temperature": 1.0, "seed": 11}
+
+    async def replies() -> dict[int, list[str]]:
+        ctl = RolloutController(
+            proxy.url,
+            proxy.admin_token,
+            math_agent.run_agent_return_reward,
+            group_size=2,
+            timeout_s=120,
+            model=proxy.model_name,
+        )
+        report = await ctl.run([item])
+        assert report.sessions_rewarded == 2, [run.error for run in report.runs]
+        return {
+            run.sample: [
+                c["response_text"] for c in proxy.trajectory(run.session_id)["completions"]
+            ]
+            for run in report.runs
+        }
+
+    first, second = await replies(), await replies()
+    assert first == second  # the same seed, item, run index and turn sample the same tokens
+    assert first[0] != first[1]  # the group's two runs sample differently
 
 
 @pytest.mark.parametrize("module", ["math_agent", "tool_agent", "httpx_agent"])

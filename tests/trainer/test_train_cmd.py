@@ -9,6 +9,22 @@ import sys
 from pathlib import Path
 
 from proxima.proxy.store.codec import decode_int32
+from proxima.trainer.train import curve_points, plot_rewards
+
+
+def test_reward_curve_draws_each_step_once(tmp_path: Path) -> None:
+    # Step 2's batch had no signal: no update, no version; its record repeats step 2.
+    records = [
+        {"step": 1, "version": 1, "pushed": True, "reward_mean": 0.25},
+        {"step": 2, "version": 2, "pushed": True, "reward_mean": 0.5},
+        {"step": 2, "version": 2, "pushed": False, "reward_mean": 0.0},
+        {"step": 3, "version": 3, "pushed": True, "reward_mean": 0.75},
+    ]
+    xs, rewards, idle = curve_points(records)
+    assert xs == [1, 2, 3, 4] and rewards == [0.25, 0.5, 0.0, 0.75] and idle == [3]
+    png = tmp_path / "curve.png"
+    plot_rewards(records, png, before=0.2, after=0.5, unseen_before=0.1, unseen_after=0.3)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_short_train_run_completes_steps_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -27,6 +43,7 @@ path = "{tiny_model_dir}"
 difficulty = "tiny"
 train_items = 30
 test_items = 4
+unseen_items = 4
 
 [rollout]
 group_size = 2
@@ -68,9 +85,14 @@ zero_signal = "keep"
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "held-out accuracy: " in proc.stdout.splitlines()[-1]
+    last = proc.stdout.splitlines()[-1]
+    assert "held-out accuracy: " in last and "; unseen phrasings: " in last
+    assert "; unseen phrasings: " in proc.stdout.splitlines()[0]  # before training, beside it
 
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_items"] == summary["unseen_items"] == 4
+    assert 0 <= summary["unseen_before"] <= 1 and 0 <= summary["unseen_after"] <= 1
+    assert last.endswith(f"{summary['unseen_before']:.1%} -> {summary['unseen_after']:.1%}")
     assert summary["steps"] == 3
     assert summary["max_staleness"] == 1
     assert 0 < summary["seconds_per_step"] * summary["steps"] <= summary["train_s"] + 1

@@ -1,0 +1,227 @@
+"""Benchmark: `make demo`'s configuration over seeds, on both held-out sets.
+
+Runs ``proxima train`` with ``agents_examples/demo.toml`` (the real proxy,
+embedded CPU engine, rollout controller and trainer process: exactly what
+``make demo`` runs) once per seed ``0..N-1``. A seed sets both
+``data.seed`` (the train/held-out/unseen split and the order of the training
+problems) and ``rollout.seed`` (every training request carries a seed derived
+from it, the problem, the run's index in its group and the turn, so the
+engine's sampling is seeded too). The splits are paired: any two configs run
+with this script see the same problems for the same seed. Evaluation is greedy.
+
+What stays unseeded: which policy version serves a request depends on when
+the trainer pushes, so two runs of one seed can still differ a little.
+
+For each seed it prints held-out accuracy before -> after on the held-out
+problems in the train phrasing and on held-out problems in phrasings the
+training never used, and it ends with::
+
+    demo seeds: gains G1, G2, G3 points; mean M; unseen phrasings mean U
+
+(gains in points of held-out accuracy; ``U`` is the mean gain on the unseen
+phrasings). ``reward_curves.png`` shows the training reward per step, mean +- 1
+std over seeds; ``results.json`` keeps every run's summary and step rewards.
+A run whose summary is already there with the same config is not run again.
+
+Run: ``.venv/bin/python bench/demo_seeds.py`` (3 seeds, one after another,
+about as long as three ``make demo``); ``--set trainer.optim.lr=2e-5`` (repeatable)
+to measure a variant on the same seeds, ``--parallel 3`` to run the seeds side
+by side (wall times are then not speed figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from proxima.trainer.config import load_raw_config  # noqa: E402
+from proxima.trainer.testbed import summary as mean_std  # noqa: E402  (mean, sample std)
+
+
+def apply_set(config: dict[str, Any], assignment: str) -> None:
+    """``a.b.c=VALUE`` (VALUE as JSON, else a string) into the nested ``config``."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {assignment!r}: expected key.path=value")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def seed_config(base: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
+    config = json.loads(json.dumps(base))  # deep copy
+    config.setdefault("data", {})["seed"] = seed
+    config.setdefault("rollout", {})["seed"] = seed
+    config["output_dir"] = str(run_dir)
+    return config
+
+
+def start_run(config: dict[str, Any], run_dir: Path) -> subprocess.Popen[bytes] | None:
+    """Start one ``proxima train``; None when an identical run already finished."""
+    config_path = run_dir / "run_config.json"
+    text = json.dumps(config, indent=2, sort_keys=True)
+    done = (run_dir / "summary.json").exists() and config_path.exists()
+    if done and config_path.read_text() == text:
+        print(f"{run_dir.name}: already done", flush=True)
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    config_path.write_text(text)
+    cmd = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning",
+           "train", "--config", str(config_path), "--no-progress"]  # fmt: skip
+    print(f"{run_dir.name}: {' '.join(cmd[2:])} (output in {run_dir / 'train.out'})", flush=True)
+    log = open(run_dir / "train.out", "wb")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return proc
+
+
+def step_rewards(run_dir: Path) -> list[float]:
+    """Training-batch reward of every trainer step of one run (``train_log.jsonl``)."""
+    logs = sorted(run_dir.rglob("train_log.jsonl"))
+    if not logs:
+        return []
+    rows = [json.loads(line) for line in logs[0].read_text().splitlines() if line.strip()]
+    return [float(r.get("reward_mean") or 0.0) for r in rows if r.get("event", "step") == "step"]
+
+
+def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
+    result = json.loads((run_dir / "summary.json").read_text())
+    if result.get("unseen_before") is None:
+        raise SystemExit(f"{run_dir}: no unseen-phrasings figures; set data.unseen_items")
+    result["seed"] = seed
+    result["step_rewards"] = step_rewards(run_dir)
+    return result
+
+
+def seed_line(r: dict[str, Any]) -> str:
+    gain = 100 * (r["after"] - r["before"])
+    unseen = 100 * (r["unseen_after"] - r["unseen_before"])
+    return (
+        f"seed {r['seed']}: held-out {r['before']:.0%} -> {r['after']:.0%} ({gain:+.0f} pt); "
+        f"unseen phrasings {r['unseen_before']:.0%} -> {r['unseen_after']:.0%} ({unseen:+.0f} pt); "
+        f"{r['steps']} steps ({r.get('pushed_steps', '?')} with an update), "
+        f"{r['seconds_per_step']} s/step, {r['eval_s']:.0f} s evaluating, {r['wall_s']:.0f} s in all"
+    )
+
+
+def final_line(results: list[dict[str, Any]]) -> str:
+    gains = [100 * (r["after"] - r["before"]) for r in results]
+    unseen = [100 * (r["unseen_after"] - r["unseen_before"]) for r in results]
+    listed = ", ".join(f"{g:+.0f}" for g in gains)
+    return (
+        f"demo seeds: gains {listed} points; mean {statistics.fmean(gains):+.1f}; "
+        f"unseen phrasings mean {statistics.fmean(unseen):+.1f}"
+    )
+
+
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training reward per trainer step, mean +- 1 std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [r["step_rewards"] for r in results if r["step_rewards"]]
+    if not curves:
+        return
+    n = min(len(c) for c in curves)
+    steps = list(range(1, n + 1))
+    stats = [mean_std([c[i] for c in curves]) for i in range(n)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        ax.plot(steps, r["step_rewards"][:n], alpha=0.3, linewidth=1)
+    (line,) = ax.plot(steps, [m for m, _ in stats], linewidth=2, label=f"mean of {len(curves)}")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in stats],
+        [m + s for m, s in stats],
+        color=line.get_color(),
+        alpha=0.15,
+    )
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("training reward (mean per step)")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "agents_examples" / "demo.toml")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    parser.add_argument("--parallel", type=int, default=1, help="runs side by side")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-demo-seeds")
+    args = parser.parse_args()
+    base = load_raw_config(args.config)
+    for assignment in args.set:
+        apply_set(base, assignment)
+    if not base.get("data", {}).get("unseen_items") and not base.get("data", {}).get("unseen_file"):
+        raise SystemExit("the config evaluates no unseen phrasings: set data.unseen_items")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    dirs = {s: args.out_dir / f"seed{s}" for s in seeds}
+    pending = list(seeds)
+    running: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
+    results: dict[int, dict[str, Any]] = {}
+    while pending or running:
+        while pending and len(running) < max(1, args.parallel):
+            seed = pending.pop(0)
+            proc = start_run(seed_config(base, seed, dirs[seed]), dirs[seed])
+            if proc is None:
+                results[seed] = read_result(seed, dirs[seed])
+                print(f"  {seed_line(results[seed])}", flush=True)
+            else:
+                running[seed] = (proc, time.monotonic())
+        for seed, (proc, started) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[seed]
+            if proc.returncode != 0:
+                tail = (dirs[seed] / "train.out").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"seed {seed}: proxima train exited {proc.returncode}:\n{tail}")
+            results[seed] = read_result(seed, dirs[seed])
+            results[seed]["bench_wall_s"] = round(time.monotonic() - started, 1)
+            print(f"  {seed_line(results[seed])}", flush=True)
+        time.sleep(2)
+    ordered = [results[s] for s in seeds]
+    print()
+    overrides = f" with {', '.join(args.set)}" if args.set else ""
+    print(f"config {args.config.name}{overrides}; {len(seeds)} seeds, paired splits")
+    for r in ordered:
+        print(seed_line(r))
+    title = f"{args.config.name}{overrides}: training reward, {len(seeds)} seeds"
+    plot(ordered, args.out_dir / "reward_curves.png", title)
+    (args.out_dir / "results.json").write_text(
+        json.dumps({"config": base, "runs": ordered}, indent=2, default=str)
+    )
+    print(f"curves: {args.out_dir / 'reward_curves.png'}; raw: {args.out_dir / 'results.json'}")
+    print(final_line(ordered))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
