@@ -83,7 +83,9 @@ class Prepared:
     # The record of ``parent_id``, from the session's history: the store keeps only what
     # each completion adds to it (``proxima.proxy.store.chains``).
     parent: CompletionRecord | None = None
-    rendered: str | None = None  # the template's text of ``messages`` (chat input only)
+    # The template's text of ``messages`` and the template variables it was rendered with
+    # (chat input only), kept for the next turn (``RenderedTexts``).
+    rendered: tuple[str, dict[str, Any] | None] | None = None
 
     @property
     def completion_ids(self) -> list[str]:
@@ -192,7 +194,7 @@ class PromptPreparer:
             prepared.sampling["tool_format"] = f"{self.tool_fallback} (--tool-fallback)"
         prepared.messages = chat.messages
         prepared.tools = chat.tools
-        prepared.rendered = plan.text
+        prepared.rendered = (plan.text, chat.template_kwargs)
         prepared.parser = parser_for_choice(self.tool_parser, chat.tool_choice)
         prepared.tool_choice = chat.tool_choice
         if parser is not None:
