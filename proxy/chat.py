@@ -60,6 +60,7 @@ from jinja2 import TemplateError
 from proxima.proxy import errors
 from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.tools.fallback import with_tools_in_system
 from proxima.proxy.unicode import InvalidString, check_unicode
 
 _ENCODE_CACHE_SIZE = 4096
@@ -334,25 +335,32 @@ class RenderedTexts:
 
     def __init__(self, max_chars: int = 32 * 2**20) -> None:
         self.max_chars = max_chars  # 32 Mi characters: 32-128 MiB of str by default
-        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._texts: OrderedDict[str, tuple[str, dict[str, Any] | None]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
 
-    def get(self, completion_id: str) -> str | None:
+    def get(self, completion_id: str) -> tuple[str, dict[str, Any] | None] | None:
+        """The completion's prompt text and the template variables it was rendered with."""
         with self._lock:
             return self._texts.get(completion_id)
 
-    def add(self, completion_ids: Sequence[str], text: str) -> None:
+    def add(
+        self,
+        completion_ids: Sequence[str],
+        text: str,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        entry = (text, template_kwargs or None)
         with self._lock:
             for cid in completion_ids:
                 old = self._texts.pop(cid, None)
                 if old is not None:
-                    self._chars -= len(old)
-                self._texts[cid] = text  # choices of one request share the string
+                    self._chars -= len(old[0])
+                self._texts[cid] = entry  # choices of one request share the string
                 self._chars += len(text)
             while self._chars > self.max_chars and self._texts:
                 _, dropped = self._texts.popitem(last=False)
-                self._chars -= len(dropped)
+                self._chars -= len(dropped[0])
 
 
 class ChatRenderer:
@@ -368,6 +376,7 @@ class ChatRenderer:
         *,
         end_of_turn: str | None = None,
         rendered: RenderedTexts | None = None,
+        tool_fallback: str | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; chat completions need one")
@@ -378,6 +387,9 @@ class ChatRenderer:
         if len(marker_ids) != 1:
             raise ValueError(f"end-of-turn marker {marker!r} is not a single token")
         self._tokenizer = tokenizer
+        # A template that does not render tools: they go in the system prompt in this format
+        # (``proxima.proxy.tools.fallback``).
+        self.tool_fallback = tool_fallback
         self.end_of_turn: str = marker
         self.end_of_turn_id: int = marker_ids[0]
         self._encodings: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -403,6 +415,9 @@ class ChatRenderer:
         text costs 10-50 times more and is memoized in ``encode``.
         """
         tool_list = list(tools) if tools else None
+        if tool_list and self.tool_fallback:
+            messages = with_tools_in_system(messages, tool_list, self.tool_fallback)
+            tool_list = None
         try:
             # What ``apply_chat_template(..., tokenize=False)`` does, less the per-call
             # ``special_tokens_map`` (half of its cost), which is fixed and computed once.
@@ -474,15 +489,17 @@ class ChatRenderer:
         kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text of ``request`` with a generation prompt: the parent's prompt
-        text. Kept from when the parent was prepared if ``request`` and ``tools`` are
-        identical to the parent's (same values, types and key order), else rendered."""
+        text. Kept from when the parent was prepared if ``request``, ``tools`` and the
+        template variables are identical to the parent's (same values, types and key
+        order), else rendered."""
         kept = self.rendered.get(record.id)
         if (
             kept is not None
+            and identical(kwargs or None, kept[1])
             and identical(request, record.request_messages)
             and identical(list(tools or []), list(record.request_tools or []))
         ):
-            return kept
+            return kept[0]
         return self.render_text(request, tools, add_generation_prompt=True, template_kwargs=kwargs)
 
     def _extend(
@@ -588,7 +605,7 @@ def _find_parent(
                 (len(stored_request) + 1, position, record, stored_request, stored_reply)
             )
     candidates.sort(key=lambda item: (item[0], item[1]), reverse=True)
-    tools_key: str | None = None
+    tool_list = list(tools or [])
     for size, _, record, stored_request, stored_reply in candidates:
         try:
             # The reply is the likeliest difference (siblings of n > 1), so it goes first.
@@ -605,9 +622,8 @@ def _find_parent(
                     break
                 request.append(stored)
             else:
-                if tools_key is None:
-                    tools_key = _tools_key(tools)
-                if _tools_key(record.request_tools) == tools_key:
+                # Tools that differ only in key order render different prompts (tojson).
+                if identical(list(record.request_tools or []), tool_list):
                     return _Candidate(record=record, request=request[::-1], reply=reply)
         except InvalidMessages:
             logger.warning("stored messages of completion %s are not valid", record.id)

@@ -20,6 +20,11 @@ Request validation errors (bad JSON, wrong types) become 400s that name the
 offending parameter; they never leak a raw pydantic dump. Store errors
 (``proxima.proxy.store.errors``) map to 404 / 409. Once a stream has started,
 ``as_proxima_error`` picks the error event that ends it.
+
+Under ``/v1/messages`` every error this module answers (a 404 or 405 of the
+router, a 500 of a bug) is in Anthropic's envelope ``{"type": "error",
+"error": {"type", "message"}}`` instead: the Messages routes' own errors are
+turned into it by their route class, and this is the edge for the rest.
 """
 
 from __future__ import annotations
@@ -199,22 +204,45 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
     return prefix
 
 
+ANTHROPIC_PATH = "/v1/messages"
+"""Requests under this path are answered in Anthropic's error envelope."""
+
+
+def _answer(
+    request: Request,
+    status: int,
+    envelope: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """``envelope`` (OpenAI's) as the response, in Anthropic's shape on the Messages routes."""
+    if request.url.path.startswith(ANTHROPIC_PATH):
+        from proxima.proxy.service.builders.messages import error_body
+
+        error = envelope["error"]
+        message = error["message"]
+        if error.get("param"):
+            message = f"{error['param']}: {message}"
+        envelope = error_body(status, message)
+    return JSONResponse(envelope, status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from proxima.proxy.store import errors as store_errors
 
     @app.exception_handler(ProximaError)
-    async def _proxima(_: Request, exc: ProximaError) -> JSONResponse:
-        return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=exc.headers())
+    async def _proxima(request: Request, exc: ProximaError) -> JSONResponse:
+        return _answer(request, exc.status_code, exc.envelope(), exc.headers())
 
     @app.exception_handler(store_errors.NotFound)
-    async def _store_not_found(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_envelope(str(exc), "not_found_error"), status_code=404)
+    async def _store_not_found(request: Request, exc: Exception) -> JSONResponse:
+        return _answer(request, 404, error_envelope(str(exc), "not_found_error"))
 
     @app.exception_handler(store_errors.RewardAlreadySet)
-    async def _reward_twice(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
+    async def _reward_twice(request: Request, exc: Exception) -> JSONResponse:
+        return _answer(
+            request,
+            409,
             error_envelope(str(exc), "conflict_error", param="reward", code="reward_already_set"),
-            status_code=409,
         )
 
     @app.exception_handler(store_errors.SessionClosed)
@@ -224,39 +252,40 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(store_errors.Conflict)
-    async def _store_conflict(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_envelope(str(exc), "conflict_error"), status_code=409)
+    async def _store_conflict(request: Request, exc: Exception) -> JSONResponse:
+        return _answer(request, 409, error_envelope(str(exc), "conflict_error"))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(
-            error_envelope(message, "invalid_request_error", param=param), status_code=400
-        )
+        return _answer(request, 400, error_envelope(message, "invalid_request_error", param=param))
 
     @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return JSONResponse(
+    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return _answer(
+            request,
+            400,
             error_envelope(f"Malformed JSON body: {exc.msg}.", "invalid_request_error"),
-            status_code=400,
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug: log it with its traceback, answer in the envelope (never a bare text 500).
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
+        return _answer(
+            request,
+            500,
             error_envelope("The server had an error while processing your request.", "api_error"),
-            status_code=500,
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "api_error"
         )
-        return JSONResponse(
+        return _answer(
+            request,
+            exc.status_code,
             error_envelope(str(exc.detail), kind),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            getattr(exc, "headers", None),
         )

@@ -188,8 +188,12 @@ def backend_rid(base: str, attempt: int) -> str:
     return f"{base.replace(RID_END, '_')}-{attempt}{RID_END}"
 
 
-def abort_error(finish: FinishReason) -> ProximaError:
-    """The OpenAI error for an abort that carries a status (a scheduler-side failure)."""
+def abort_error(finish: FinishReason, grammar: Grammar | None = None) -> ProximaError:
+    """The OpenAI error for an abort that carries a status (a scheduler-side failure).
+
+    A constrained request's other 4xx is its grammar's (all else was checked
+    here): the error names the field the grammar enforces.
+    """
     status = finish.status_code or 500
     message = f"The inference backend refused the request: {finish.message or finish.err_type}"
     if status == 429:
@@ -197,7 +201,7 @@ def abort_error(finish: FinishReason) -> ProximaError:
     if 400 <= status < 500:
         if "length" in (finish.message or "").lower():
             return ContextTooLong(message)
-        return BadRequest(message)
+        return BadRequest(message, param=None if grammar is None else grammar.param)
     return BackendUnavailable(message)
 
 
@@ -386,7 +390,10 @@ async def generate(
                     raise BackendUnavailable("Generation was interrupted too many times.") from exc
                 continue
             except BackendRejected as exc:
-                raise BadRequest(f"The inference backend rejected the request: {exc}") from exc
+                raise BadRequest(
+                    f"The inference backend rejected the request: {exc}",
+                    param=None if params.grammar is None else params.grammar.param,
+                ) from exc
             except BackendOperationFailed as exc:
                 raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
             except (asyncio.CancelledError, GeneratorExit):
@@ -402,7 +409,7 @@ async def generate(
             continue
         finish = attempt_state.finish
         if finish is not None and finish.is_error:
-            raise abort_error(finish)
+            raise abort_error(finish, params.grammar)
         if finish is None or finish.type == "abort":
             # Interrupted (weight update, explicit abort): resume from the partial tokens
             # (a constrained attempt starts over: its held tokens are dropped).

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxima.proxy.errors import error_envelope
+from proxima.proxy.errors import ANTHROPIC_PATH, error_envelope
 from proxima.proxy.service.builders.messages import error_body as anthropic_error_body
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-ANTHROPIC_PATH = "/v1/messages"
 
 
 class BodyLimitMiddleware:

@@ -12,6 +12,10 @@ generations in flight are interrupted and resumed token-exactly on the new
 weights (each token keeps the version that produced it); none fails.
 Sessions already routed keep their pool for the whole completion.
 
+A promotion that fails (a version that cannot load, in production or in the
+canary) changes nothing: what was served is still served, the split stays,
+and nothing is recorded.
+
 Rollback goes back to the version promoted before the current one. The
 history is a stack: a promotion pushes, a rollback pops, so rolling back
 twice goes back two promotions; the initial state (version 0) is the bottom.
@@ -111,22 +115,36 @@ class ProductionController:
         logger.info("%s now serves version %s", deployment.name, version)
 
     async def _apply(self, version: int, canary: CanarySplit | None) -> None:
+        """Serve ``version`` in production and ``canary`` beside it, or change nothing.
+
+        The canary is loaded first, so a canary that cannot load leaves production
+        untouched; if production then fails to load, the canary pool goes back to
+        the version it served. The split changes only once both have loaded.
+        """
         production = self._production()
         paths = {version: await self.path_of(version)}
-        if canary is not None:
-            paths[canary.version] = await self.path_of(canary.version)
-            canary_deployment = await self.deployments.canary_deployment()
-        await self._load(production, version, paths[version])
         if canary is None:
+            await self._load(production, version, paths[version])
             # The canary pool keeps finishing what it has in flight; no new session goes there.
             self.deployments.split = None
             return
+        paths[canary.version] = await self.path_of(canary.version)
+        canary_deployment = await self.deployments.canary_deployment()
+        served = canary_deployment.version
+        await self._load(canary_deployment, canary.version, paths[canary.version])
         try:
-            await self._load(canary_deployment, canary.version, paths[canary.version])
+            await self._load(production, version, paths[version])
         except BadRequest:
-            self.deployments.split = None
+            await self._reload(canary_deployment, served)
             raise
         self.deployments.split = canary
+
+    async def _reload(self, deployment: Deployment, version: int) -> None:
+        """Put ``version`` back on ``deployment`` after a failed change (logged if it fails)."""
+        try:
+            await self._load(deployment, version, await self.path_of(version))
+        except (BadRequest, NotFound, Conflict):
+            logger.exception("%s could not go back to version %s", deployment.name, version)
 
     async def _check_eval(self, version: int) -> None:
         """Refuse ``version`` unless its newest score is at least production's."""

@@ -34,19 +34,31 @@ cannot handle is a 400 naming the parameter, never a backend failure; so is a
 schema with constraints xgrammar would silently not enforce (SGLang's rule:
 ``unenforceable_schema_reason``).
 
+Bounds: compiling a grammar takes time that grows fast with the schema's
+nesting (a schema 400 arrays deep compiles for seconds) and with its enums.
+A schema nested deeper than ``MAX_SCHEMA_DEPTH``, with more than
+``MAX_ENUM_VALUES`` enum and const values in all, or longer than
+``MAX_SCHEMA_CHARS`` as JSON is a 400 before anything is compiled; the check
+compile runs off the event loop (:func:`checked_output_grammar`, in a thread:
+xgrammar releases the GIL), and one that takes longer than
+``COMPILE_TIMEOUT_S`` is a 400 as well.
+
 String lengths: xgrammar 0.2.7 writes a ``minLength``/``maxLength`` string as
 any characters but quote, backslash and line breaks, so other control
 characters (invalid in JSON) get through. Such a string is sent as the
 equivalent ``pattern`` ``^[^\x00-\x1f"\\]{min,max}$`` instead: the output is
 always valid JSON of the right length, at the price of no escapes (no quote
-or backslash) inside length-limited strings.
+or backslash) inside length-limited strings. A length that is not an integer
+in ``[0, 2**31 - 1]`` (``null``, ``"abc"``, ``2.7``, ``-1``), or a
+``minLength`` above the ``maxLength``, is a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import xgrammar as xgr
@@ -58,6 +70,16 @@ GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 MAX_JSON_WHITESPACE = 16
 """Most consecutive whitespace characters inside constrained tool-call arguments."""
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays in one schema (as JSON)."""
+MAX_ENUM_VALUES = 1000
+"""Most ``enum`` values (each ``const`` counts one) in one schema, OpenAI's own bound."""
+MAX_SCHEMA_CHARS = 512 * 1024
+"""Longest schema, or all of a request's tool schemas together, as JSON."""
+MAX_STRING_LENGTH = 2**31 - 1
+"""Largest ``minLength`` / ``maxLength``."""
+COMPILE_TIMEOUT_S = 10.0
+"""Longest a request's grammar may take to compile (off the event loop)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +88,9 @@ class Grammar:
 
     kind: GrammarKind
     value: str
+    param: str = field(default="response_format", compare=False)
+    """The request field it enforces (``response_format`` or ``tool_choice``), named by a
+    backend's refusal of it."""
 
     def sampling_fields(self) -> dict[str, str]:
         """The ``sampling_params`` entry that carries it (e.g. ``{"json_schema": "..."}``)."""
@@ -125,26 +150,83 @@ def response_format_schema(response_format: dict[str, Any] | None) -> dict[str, 
 
 
 def enforceable_schema(schema: Any, param: str) -> Any:
-    """``schema`` with string lengths as patterns; a 400 if xgrammar cannot enforce it."""
+    """``schema`` with string lengths as patterns; a 400 if it is past the bounds, has
+    lengths that are not lengths, or if xgrammar cannot enforce it."""
+    reason = schema_bounds_reason(schema)
+    if reason is not None:
+        raise BadRequest(f"The {param} cannot be enforced: the JSON schema {reason}.", param=param)
     reason = unenforceable_schema_reason(schema)
     if reason is not None:
         raise BadRequest(
             f"The {param} cannot be enforced: the JSON schema at {reason}.", param=param
         )
-    return _lengths_as_patterns(schema)
+    try:
+        return _lengths_as_patterns(schema, "")
+    except ValueError as exc:
+        raise BadRequest(
+            f"The {param} cannot be enforced: the JSON schema at {exc}.", param=param
+        ) from None
 
 
-def _lengths_as_patterns(node: Any) -> Any:
-    """A copy of a schema (any JSON) where length-limited strings carry a pattern instead."""
+def _nodes(schema: Any) -> Iterator[tuple[Any, int]]:
+    """Every value in a JSON document with its depth (containers count), without recursion."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        yield node, depth
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def schema_bounds_reason(schema: Any) -> str | None:
+    """Why ``schema`` is past the bounds that keep compiling it fast (None when within)."""
+    enum_values = 0
+    for node, depth in _nodes(schema):
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"is nested too deep: more than {MAX_SCHEMA_DEPTH} levels of objects and arrays"
+        if isinstance(node, dict):
+            enum = node.get("enum")
+            enum_values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
+    if enum_values > MAX_ENUM_VALUES:
+        return f"has {enum_values} enum values; at most {MAX_ENUM_VALUES} are allowed in all"
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_CHARS:
+        return f"is {size} characters long as JSON; at most {MAX_SCHEMA_CHARS} are allowed"
+    return None
+
+
+def _length(node: dict[str, Any], keyword: str, pointer: str) -> int | None:
+    value = node.get(keyword)
+    if keyword not in node:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STRING_LENGTH:
+        raise ValueError(
+            f"{pointer or '/'}: {keyword} must be an integer from 0 to {MAX_STRING_LENGTH}, "
+            f"not {json.dumps(value)[:40]}"
+        )
+    return value
+
+
+def _lengths_as_patterns(node: Any, pointer: str) -> Any:
+    """A copy of a schema (any JSON) where length-limited strings carry a pattern instead.
+
+    ``ValueError`` (with the JSON pointer) for a length that is not a length.
+    """
     if isinstance(node, list):
-        return [_lengths_as_patterns(v) for v in node]
+        return [_lengths_as_patterns(v, f"{pointer}/{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    out = {k: _lengths_as_patterns(v) for k, v in node.items()}
+    out = {k: _lengths_as_patterns(v, f"{pointer}/{k}") for k, v in node.items()}
     lengths = ("minLength" in out or "maxLength" in out) and out.get("type") == "string"
     if lengths and "pattern" not in out and "format" not in out:
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
+        low, high = _length(out, "minLength", pointer), _length(out, "maxLength", pointer)
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{pointer or '/'}: minLength {low} is above maxLength {high}")
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low or 0},{"" if high is None else high}}}$'
     return out
 
 
@@ -265,8 +347,53 @@ def output_grammar(
     )
 
 
+async def checked_output_grammar(
+    *,
+    response_format: dict[str, Any] | None,
+    tool_choice: ToolChoice,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_parser: str,
+    parallel_tool_calls: bool | None = None,
+    reasoning: ReasoningFirst | None = None,
+    timeout: float = COMPILE_TIMEOUT_S,
+) -> Grammar | None:
+    """:func:`output_grammar` off the event loop, within ``timeout`` seconds (else a 400).
+
+    An unconstrained request (no response format, no forced call) is answered
+    at once, on the loop.
+    """
+    kind = (response_format or {}).get("type", "text")
+    forced = tool_choice.mode in ("required", "function")
+    if not forced and (response_format is None or kind == "text"):
+        return None
+    build = asyncio.to_thread(
+        output_grammar,
+        response_format=response_format,
+        tool_choice=tool_choice,
+        tools=tools,
+        tool_parser=tool_parser,
+        parallel_tool_calls=parallel_tool_calls,
+        reasoning=reasoning,
+    )
+    try:
+        return await asyncio.wait_for(build, timeout)
+    except TimeoutError:
+        param = "tool_choice" if forced else "response_format"
+        raise BadRequest(
+            f"The {param} cannot be enforced: its grammar took more than {timeout:g} s to "
+            "compile; simplify the JSON schema.",
+            param=param,
+        ) from None
+
+
 def _checked(grammar: Grammar, param: str) -> Grammar:
     """``grammar`` after compiling it once without a tokenizer; a 400 if xgrammar refuses it."""
+    if len(grammar.value) > MAX_SCHEMA_CHARS:
+        raise BadRequest(
+            f"The {param} cannot be enforced: its grammar is {len(grammar.value)} characters "
+            f"long; at most {MAX_SCHEMA_CHARS} are allowed (all tool schemas together).",
+            param=param,
+        )
     try:
         if grammar.kind == "json_schema":
             xgr.Grammar.from_json_schema(grammar.value, any_whitespace=True)
@@ -276,4 +403,4 @@ def _checked(grammar: Grammar, param: str) -> Grammar:
         raise BadRequest(
             f"The {param} cannot be enforced: {xgrammar_message(exc)}", param=param
         ) from exc
-    return grammar
+    return replace(grammar, param=param)

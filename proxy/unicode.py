@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 
 class InvalidString(ValueError):
     """A string that cannot be tokenized or stored; ``param`` names where it is."""
@@ -41,7 +43,26 @@ def check_unicode(value: Any, param: str) -> None:
 
     Walks dicts (keys and values) and lists; ``param`` is the path of
     ``value``, extended OpenAI-style (``messages[0].tool_calls[1].function``).
+    A value that encodes to UTF-8 JSON as a whole holds no surrogate and is not
+    walked (the walk formats a path per item: a millisecond for a long session's
+    conversation, against tens of microseconds for the encode).
     """
+    if isinstance(value, dict | list) and _encodes(value):
+        return
+    _check(value, param)
+
+
+def _encodes(value: Any) -> bool:
+    """Whether orjson encodes ``value``; it refuses a string with a lone surrogate
+    (and types JSON lacks, which the walk then judges)."""
+    try:
+        orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError included
+        return False
+    return True
+
+
+def _check(value: Any, param: str) -> None:
     if isinstance(value, str):
         at = _surrogate_at(value)
         if at is not None:
@@ -60,10 +81,10 @@ def check_unicode(value: Any, param: str) -> None:
                     "surrogate; send valid Unicode text.",
                     param=where,
                 )
-            check_unicode(item, f"{param}.{key}" if param else str(key))
+            _check(item, f"{param}.{key}" if param else str(key))
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            check_unicode(item, f"{param}[{index}]")
+            _check(item, f"{param}[{index}]")
 
 
 def is_valid_unicode(value: Any) -> bool:

@@ -37,7 +37,8 @@ from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.messages_translate import CountTokensRequest, MessagesRequest
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.errors import ProximaError
+from proxima.proxy.api.schemas import ANTHROPIC_TOOL_NAME, check_tool_names
+from proxima.proxy.errors import BadRequest, ProximaError
 from proxima.proxy.service.builders.messages import (
     MessageHead,
     error_body,
@@ -46,6 +47,7 @@ from proxima.proxy.service.builders.messages import (
     message_from,
 )
 from proxima.proxy.store import errors as store_errors
+from proxima.proxy.unicode import InvalidString
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def _validation_message(exc: RequestValidationError) -> str:
         return "Invalid request body."
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON."
+        why = (first.get("ctx") or {}).get("error")
+        return f"The request body is not valid JSON: {why}." if why else "The body is not JSON."
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     return f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg"))
 
@@ -96,6 +99,7 @@ async def create_message(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
+    _check_tool_names(body.tools)
     canonical = translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
     prep = await service.prepare(canonical, principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
@@ -120,8 +124,22 @@ async def count_tokens(
 ) -> dict[str, int]:
     """The prompt's size as the chat template renders it (a fresh render: no session reuse)."""
     service.check_model(body.model)
+    _check_tool_names(body.tools)
     return {
         "input_tokens": await service.count_prompt_tokens(
             translate.canonical_request(body, thinks=service.thinks, seal=service.seal)
         )
     }
+
+
+def _check_tool_names(tools: list[dict[str, Any]] | None) -> None:
+    """Client tools' names as Anthropic's (``^[a-zA-Z0-9_-]{1,128}$``), each given once."""
+    named = (
+        (f"tools[{i}].name", tool.get("name"))
+        for i, tool in enumerate(tools or [])
+        if isinstance(tool, dict) and tool.get("type") in (None, "custom")
+    )
+    try:
+        check_tool_names(named, ANTHROPIC_TOOL_NAME)
+    except InvalidString as exc:
+        raise BadRequest(str(exc), param=exc.param) from None

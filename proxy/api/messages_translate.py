@@ -74,7 +74,7 @@ class MessagesRequest(BaseModel):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)  # past the vocabulary: keeps every token
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None

@@ -24,10 +24,11 @@ from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest
 from proxima.proxy.config import Settings
-from proxima.proxy.errors import NotFound
+from proxima.proxy.errors import BadRequest, NotFound
 from proxima.proxy.service.builders.chat import chat_response, chat_stream
 from proxima.proxy.service.builders.completions import completion_response, completion_stream
 from proxima.proxy.store.records import SessionRecord
+from proxima.proxy.unicode import InvalidString
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 generation = APIRouter(prefix="/v1", tags=["openai"], route_class=GenerationRoute)
@@ -44,6 +45,10 @@ async def chat_completions(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
+    try:
+        body.check_openai_tool_names()
+    except InvalidString as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
     prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
     headers = _session_header(prep.session)
     model = service.settings.model_name

@@ -12,8 +12,9 @@ is this module's. It does what FastAPI does for such an endpoint, in the same
 order and with the same errors:
 
 1. read the body; a JSON body (``application/json``, ``+json``, or no
-   content type) that does not parse is a ``RequestValidationError`` of type
-   ``json_invalid``; a body that cannot be read is a 400, and the body-limit
+   content type) that does not parse, or is nested deeper than Python's parser
+   goes (a ``RecursionError``, where FastAPI answers 500), is a
+   ``RequestValidationError`` of type ``json_invalid``; a body that cannot be read is a 400, and the body-limit
    middleware's 413 passes through;
 2. find the caller (``get_principal``: 401 before any validation of the body);
 3. validate the body with the endpoint's model; errors are a
@@ -116,6 +117,15 @@ async def _json_body(request: Request, *, strict_content_type: bool) -> Any:
             "ctx": {"error": exc.msg},
         }
         raise RequestValidationError([error], body=exc.doc) from exc
+    except RecursionError as exc:  # arrays/objects nested deeper than the parser's stack
+        error = {
+            "type": "json_invalid",
+            "loc": ("body",),
+            "msg": "JSON nested too deeply",
+            "input": {},
+            "ctx": {"error": "the JSON is nested too deeply"},
+        }
+        raise RequestValidationError([error]) from exc
     except UnicodeDecodeError as exc:  # not UTF-8: FastAPI's reading fails the same way
         raise HTTPException(400, "There was an error parsing the body") from exc
 

@@ -4,7 +4,10 @@ OpenAI clients send fields we do not act on (``store``, ``metadata``,
 ``parallel_tool_calls``...): requests allow extra fields, and the fields that
 change what is generated are validated with limits that give clear 400s.
 
-Types are strict, as OpenAI's are: ``max_tokens: true``, ``stream: "yes"`` or
+Integers are bounded as OpenAI bounds them (``seed`` a signed 64-bit integer;
+``top_k``, an extension, a 32-bit one): an integer no backend can read is a
+400, never a failure to write the backend request. Types are strict, as
+OpenAI's are: ``max_tokens: true``, ``stream: "yes"`` or
 a prompt ``[true, false]`` are 400s, not coerced (an int is still a valid
 float). Every string of every request body must be valid Unicode: a lone
 UTF-16 surrogate (JSON ``"\ud800"``, which Python's JSON parser accepts) can
@@ -16,6 +19,8 @@ NUL either, and are at most 200 characters, as their columns are.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from proxima.proxy.unicode import InvalidString, check_unicode
@@ -31,6 +36,42 @@ from pydantic import (
 
 MAX_ID_LENGTH = 200
 """Longest ``group_id``, ``data_id``, ``user`` or ``X-Session-Id`` (their columns' width)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""``seed``'s range, as OpenAI's API bounds it (a signed 64-bit integer)."""
+MAX_TOP_K = 2**31 - 1
+"""Largest ``top_k`` (a 32-bit integer; any k past the vocabulary keeps every token)."""
+
+
+OPENAI_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""A function tool's name in OpenAI's APIs (Chat Completions, Responses)."""
+ANTHROPIC_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+"""A client tool's name in Anthropic's Messages API."""
+
+
+def check_tool_names(named: Iterable[tuple[str, Any]], pattern: re.Pattern[str]) -> None:
+    """Each ``(param, name)`` a name that ``pattern`` matches whole, and no name twice.
+
+    A tool's name is written into the prompt and into a forced call's grammar
+    (``<tool_call>{"name": ...}``): a name holding markup (``</tool_call>``)
+    would let a constrained reply end a call where the parser does not.
+    Raises ``InvalidString`` naming the parameter.
+    """
+    seen: set[str] = set()
+    for param, name in named:
+        if not isinstance(name, str) or pattern.fullmatch(name) is None:
+            shown = name if not isinstance(name, str) or len(name) <= 80 else name[:80] + "..."
+            raise InvalidString(
+                f"Invalid value for '{param}': {shown!a} is not a tool name; names match "
+                f"'^{pattern.pattern}$'.",
+                param=param,
+            )
+        if name in seen:
+            raise InvalidString(
+                f"Invalid value for '{param}': tool names must be unique, and {name!r} is "
+                "given twice.",
+                param=param,
+            )
+        seen.add(name)
 
 
 def check_identifier(value: str | None, param: str) -> str | None:
@@ -59,7 +100,7 @@ class _Body(BaseModel):
 
 
 class FunctionDef(_Open):
-    name: str = Field(min_length=1, max_length=128)
+    name: str  # checked by ChatCompletionRequest (check_tool_names)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -92,9 +133,9 @@ class SamplingFields(_Open, _Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension (vLLM/SGLang)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = Field(None, max_length=MAX_ID_LENGTH)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -145,6 +186,21 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # SGLang's and vLLM's extension
     reasoning_budget: int | None = Field(None, ge=1)  # Proxima's: Messages' budget_tokens
     _tool_dicts: list[dict[str, Any]] | None = PrivateAttr(None)
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        # The loosest rule of the surfaces that translate into this body (Anthropic's); the
+        # Chat Completions route holds its own callers to OpenAI's (check_openai_tool_names).
+        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(v or []))
+        check_tool_names(named, ANTHROPIC_TOOL_NAME)
+        return v
+
+    def check_openai_tool_names(self) -> None:
+        """The tools' names as OpenAI's (``^[a-zA-Z0-9_-]{1,64}$``): ``InvalidString``."""
+        tools = self.tools or []
+        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(tools))
+        check_tool_names(named, OPENAI_TOOL_NAME)
 
     @model_validator(mode="wrap")
     @classmethod

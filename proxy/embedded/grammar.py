@@ -261,8 +261,17 @@ class RowGrammar:
 
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token; ``RuntimeError`` if the mask should have excluded it."""
-        if not self._matcher.accept_token(token_id):
+        if not self.try_accept(token_id):
             raise RuntimeError(f"token {token_id} is not allowed by the request's grammar")
+
+    def try_accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False (nothing changes) if the grammar forbids it.
+
+        That happens only when the grammar allows no token at all (a schema no
+        output satisfies, such as a ``$ref`` to itself): every logit was
+        masked, and the sampler drew from nothing.
+        """
+        return bool(self._matcher.accept_token(token_id))
 
 
 def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[RowGrammar | None]) -> None:

@@ -45,6 +45,23 @@ def finish_abort(message: str) -> FinishReason:
     return {"type": "abort", "message": message}
 
 
+GRAMMAR_DEAD_END = (
+    "the request's grammar allows no next token: no output satisfies its JSON schema "
+    "(e.g. a $ref that only refers to itself)"
+)
+
+
+def finish_grammar_dead_end() -> FinishReason:
+    """The request's grammar allows nothing more: its error (HTTP 400), as SGLang reports
+    a request's own failure in its stream (an abort with a status), never resumed."""
+    return {
+        "type": "abort",
+        "message": GRAMMAR_DEAD_END,
+        "status_code": 400,
+        "err_type": "BadRequestError",
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationDelta:
     """New tokens of one request from one worker step, and its finish reason if it ended."""
@@ -124,12 +141,15 @@ class WorkerRequest:
         Order of checks as in SGLang: length, then stop token, then stop string.
         ``decode`` turns output ids into text (for stop strings). A constrained
         request also stops once its grammar admits nothing more (matched: the
-        last token).
+        last token). A grammar that allows no token at all ends the request
+        with its error (:func:`finish_grammar_dead_end`).
         """
+        if self.grammar is not None and not self.grammar.try_accept(token.token_id):
+            # Every token was masked: the token was drawn from nothing and is not kept.
+            self.finish_reason = finish_grammar_dead_end()
+            return
         self.output_ids.append(token.token_id)
         self.pending.append(token)
-        if self.grammar is not None:
-            self.grammar.accept(token.token_id)
         if len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = finish_length(len(self.output_ids))
         elif token.token_id in self.stop_token_ids or (

@@ -258,6 +258,7 @@ class EngineWorker:
                 input_ids=input_ids, past_key_values=prefill_cache, use_cache=True, logits_to_keep=1
             )
             token = self._sample([request], out.logits[:, -1])[0]  # logits (1, V)
+            request.append(token, self._stop_decoder(request))
         except Exception as exc:
             # Only this request is affected: log the traceback and end it with the message.
             logger.exception("prefill failed for request %s", request.rid)
@@ -265,7 +266,6 @@ class EngineWorker:
             self._emit(request)
             return
         self.stats.prefills += 1
-        request.append(token, self._stop_decoder(request))
         if request.finish_reason is None:
             keys = [layer.keys for layer in prefill_cache.layers]  # each (1, H_kv, L, D)
             values = [layer.values for layer in prefill_cache.layers]
@@ -292,7 +292,11 @@ class EngineWorker:
         self.stats.decoded_tokens += len(rows)
         self.stats.peak_batch_size = max(self.stats.peak_batch_size, len(rows))
         for request, token in zip(rows, tokens, strict=True):
-            request.append(token, self._stop_decoder(request))
+            try:
+                request.append(token, self._stop_decoder(request))
+            except Exception as exc:  # one row's failure ends that row only
+                logger.exception("decode failed for request %s", request.rid)
+                request.finish_reason = finish_abort(f"engine error: {exc!r}")
             self._emit(request)
         self._drop_finished_rows()
 

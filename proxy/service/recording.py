@@ -53,7 +53,7 @@ class CompletionCommitter:
         await self.recorder.record(records, parent=prep.parent)
         self.cache.add_completions(records)
         if self.rendered is not None and prep.rendered is not None:
-            self.rendered.add([r.id for r in records], prep.rendered)
+            self.rendered.add([r.id for r in records], *prep.rendered)
         current = self.pool.version
         m = self.metrics
         for r in records:

@@ -101,13 +101,25 @@ class CompletionService:
             )
 
     async def prepare(
-        self, request: CanonicalRequest, principal: Principal, external_id: str | None
+        self,
+        request: CanonicalRequest,
+        principal: Principal,
+        external_id: str | None,
+        *,
+        session: SessionRecord | None = None,
     ) -> Prepared:
-        """Validate ``request``, find its session, and build its prompt."""
+        """Validate ``request``, find its session, and build its prompt.
+
+        ``session``: the session the request continues (found by
+        :meth:`conversation_of`) instead of the one its key and ``external_id`` name.
+        """
         text_ids = None
         if not isinstance(request.input, ChatInput):
             text_ids = await self.preparer.text_prompt(request.input.prompt)
-        session = await self._session_for(principal, external_id or request.user)
+        if session is not None:
+            _check_open(session, "open a new conversation")
+        else:
+            session = await self._session_for(principal, external_id or request.user)
         if session is not None:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
@@ -189,24 +201,39 @@ class CompletionService:
         return len((await self.preparer.render(request.input, [])).prompt_ids)
 
     async def conversation_of(
-        self, principal: Principal, external_id: str | None, completion_id: str
-    ) -> list[dict[str, Any]] | None:
-        """An earlier completion of the caller's session as messages: its request, then its reply.
+        self, principal: Principal, completion_id: str
+    ) -> tuple[list[dict[str, Any]], SessionRecord] | None:
+        """An earlier chat completion of the caller's as messages (its request, then its
+        reply), and the session it belongs to; None when the caller has no such completion
+        (the Responses API's ``previous_response_id``).
 
-        None when the session has no such chat completion (the Responses API's
-        ``previous_response_id``).
+        A session key finds the completions of its session; a recording production key
+        those of every session it owns, whatever ``X-Session-Id`` each was sent with. The
+        lookup creates nothing. A key whose requests are not recorded has nothing to find:
+        :class:`NotFound` says so.
         """
-        session = await self._session_for(principal, external_id)
-        if session is None:
+        if principal.kind is PrincipalKind.SESSION:
+            session = principal.session
+            assert session is not None
+            found = next((r for r in await self._history(session) if r.id == completion_id), None)
+        elif self._records(principal):
+            assert principal.api_key is not None
+            found = await self.store.get_completion(completion_id=completion_id)
+            owner = (
+                None if found is None else await self.store.get_session(session_id=found.session_id)
+            )
+            if owner is None or owner.api_key_id != principal.api_key.id:
+                return None
+            session = owner
+        else:
+            raise NotFound(
+                "previous_response_id needs a recorded conversation, and this key's requests "
+                "are not recorded: send the whole conversation in 'input' instead.",
+                param="previous_response_id",
+            )
+        if found is None or found.request_messages is None or found.response_message is None:
             return None
-        for record in await self._history(session):
-            if (
-                record.id == completion_id
-                and record.request_messages is not None
-                and record.response_message is not None
-            ):
-                return [*record.request_messages, record.response_message]
-        return None
+        return [*found.request_messages, found.response_message], session
 
     # ----------------------------------------------------------------- sessions
     async def _session_for(
@@ -217,24 +244,25 @@ class CompletionService:
             session = principal.session
             assert session is not None
             advice = "open a new session"
-        elif (
-            principal.kind is PrincipalKind.PRODUCTION
-            and principal.api_key is not None
-            and principal.api_key.record
-            and self.settings.record_production
-        ):
+        elif self._records(principal):
+            assert principal.api_key is not None
             session = await self.store.get_or_create_production_session(
                 api_key_id=principal.api_key.id, external_id=external_id
             )
             advice = "send another X-Session-Id (or user) to start a new one"
         else:
             return None
-        if session.status is not SessionStatus.OPEN:
-            raise Conflict(
-                f"Session {session.id} is {session.status.value}; {advice}.",
-                code="session_closed",
-            )
+        _check_open(session, advice)
         return session
+
+    def _records(self, principal: Principal) -> bool:
+        """Whether ``principal`` is a production key whose requests are recorded."""
+        return (
+            principal.kind is PrincipalKind.PRODUCTION
+            and principal.api_key is not None
+            and principal.api_key.record
+            and self.settings.record_production
+        )
 
     async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
         """The session's completions, from this process's cache when it is still whole.
@@ -261,3 +289,11 @@ class CompletionService:
             history = await self.store.list_completions(session_id=session.id)
             self.cache.remember_history(session.id, history)
         return history
+
+
+def _check_open(session: SessionRecord, advice: str) -> None:
+    """A closed session takes no more turns: 409 ``session_closed``."""
+    if session.status is not SessionStatus.OPEN:
+        raise Conflict(
+            f"Session {session.id} is {session.status.value}; {advice}.", code="session_closed"
+        )

@@ -11,6 +11,7 @@ The tests run in order on one proxy (each one's state is the next one's start).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -367,3 +368,35 @@ def _sample(metrics: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             return float(value)
     raise AssertionError(f"no sample {name} {labels} in /metrics")
+
+
+def test_a_promotion_whose_canary_cannot_load_changes_nothing(env: Env) -> None:
+    """Issue 19, 2.7: production switched to the new version anyway, nothing was recorded,
+    and a rollback then answered 409. Now the failed promotion changes nothing."""
+    path = build_tiny_model(env.work / "v3", seed=3)
+    resp = admin(env, "POST", "/admin/weights", {"version": 3, "path": str(path)})
+    assert resp.status_code == 200, resp.text
+    shutil.rmtree(path)  # registered, but its weights are gone: the canary cannot load it
+    before = cli(env, "promote", "1")
+    assert (before["version"], before["canary"]) == (1, None)
+
+    resp = admin(
+        env, "POST", "/admin/production", {"version": 2, "canary": {"version": 3, "fraction": 0.5}}
+    )
+    assert resp.status_code == 400, resp.text
+    assert (
+        resp.json()["error"]["param"] == "version"
+        and "version 3" in resp.json()["error"]["message"]
+    )
+
+    after = admin(env, "GET", "/admin/production").json()
+    assert (after["version"], after["canary"], after["rollback_to"]) == (
+        1,
+        None,
+        before["rollback_to"],
+    )
+    assert after["history"] == before["history"]
+    _, versions = production_turns(env, "after-a-failed-promotion")
+    assert set(versions) == {1}
+    state = cli(env, "rollback")  # rolls back the last promotion that happened
+    assert state["version"] == before["rollback_to"]

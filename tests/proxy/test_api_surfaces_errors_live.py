@@ -15,6 +15,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from fastapi import APIRouter, FastAPI
+from fastapi.testclient import TestClient
+from proxima.proxy.api.messages import AnthropicErrorRoute
+from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.testing.live import LiveProxy
 
 from tests.production.procs import create_production_key
@@ -203,3 +207,94 @@ def test_too_large_bodies_get_each_apis_envelope(
     _anthropic_error(resp, 413, "request_too_large")
     resp = _post(live_proxy, "/v1/responses", session["api_key"], huge)
     assert _openai_error(resp, 413)["type"] == "invalid_request_error"
+
+
+# ------------------------------------------ issue 19: every Messages error in its envelope
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "kind"),
+    [
+        (
+            "POST",
+            "/v1/messages",
+            b'{"model": "m", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+            400,
+            "invalid_request_error",
+        ),
+        ("GET", "/v1/messages", None, 405, "invalid_request_error"),
+        ("POST", "/v1/messages/batches", b"{}", 404, "not_found_error"),
+        ("POST", "/v1/messages", b"\xff\xfe not utf-8", 400, "invalid_request_error"),
+    ],
+)
+def test_errors_outside_the_messages_routes_use_anthropics_envelope(
+    live_proxy: LiveProxy,
+    session: dict[str, Any],
+    method: str,
+    path: str,
+    body: bytes | None,
+    status: int,
+    kind: str,
+) -> None:
+    """Issue 19, 2.3 and 2.10: errors raised before a Messages route runs (the router's 404
+    and 405, a body too deep to parse: a 500) came in OpenAI's envelope."""
+    resp = httpx.request(
+        method,
+        live_proxy.url + path,
+        content=body,
+        headers={"x-api-key": session["api_key"], "Content-Type": "application/json"},
+        timeout=60,
+    )
+    _anthropic_error(resp, status, kind)
+
+
+@pytest.mark.parametrize(
+    ("over", "words"),
+    [
+        ({"top_k": 2**64}, "top_k"),
+        ({"tools": [{"name": "f</tool_call>", "input_schema": {}}]}, "tools[0].name"),
+        ({"tools": [{"name": "x" * 129, "input_schema": {}}]}, "tools[0].name"),
+        (
+            {"tools": [{"name": "f", "input_schema": {}}, {"name": "f", "input_schema": {}}]},
+            "tools[1].name",
+        ),
+    ],
+)
+def test_bad_integers_and_tool_names_on_messages(
+    live_proxy: LiveProxy, session: dict[str, Any], over: dict[str, Any], words: str
+) -> None:
+    """Issue 19, 2.6 and 2.8: ``top_k: 2**64`` was a 500 in OpenAI's envelope; tool names
+    are Anthropic's (``^[a-zA-Z0-9_-]{1,128}$``) and unique."""
+    resp = _post(live_proxy, "/v1/messages", session["api_key"], _message_body(live_proxy, **over))
+    assert words in _anthropic_error(resp, 400, "invalid_request_error")
+
+
+def test_a_bug_on_the_messages_routes_is_a_500_in_anthropics_envelope() -> None:
+    """Issue 19, 2.10: an unexpected exception (a bug) under ``/v1/messages`` is answered in
+    Anthropic's envelope, by the app's own error handlers and route classes."""
+    app = FastAPI()
+    install_error_handlers(app)
+    router = APIRouter(prefix="/v1", route_class=AnthropicErrorRoute)
+
+    @router.post("/messages/count_tokens")
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.include_router(router)
+
+    @app.post("/v1/chat/completions")
+    async def broken_openai() -> None:
+        raise RuntimeError("a bug")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    resp = client.post("/v1/messages/count_tokens")
+    assert resp.status_code == 500
+    assert resp.json() == {
+        "type": "error",
+        "error": {
+            "type": "api_error",
+            "message": "The server had an error while processing your request.",
+        },
+    }
+    resp = client.post("/v1/chat/completions")
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "api_error"

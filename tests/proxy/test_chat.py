@@ -553,8 +553,9 @@ def test_a_template_refusing_a_trailing_reply_still_extends() -> None:
 def test_kept_prompt_texts_are_bounded_in_characters() -> None:
     kept = RenderedTexts(max_chars=10)
     kept.add(["a-0", "a-1"], "abcd")  # two choices of one request: one string, 8 characters
-    assert kept.get("a-0") == kept.get("a-1") == "abcd"
+    assert kept.get("a-0") == kept.get("a-1") == ("abcd", None)
     kept.add(["b"], "efgh")  # 12 > 10: the oldest entry goes
-    assert kept.get("a-0") is None and kept.get("a-1") == "abcd" and kept.get("b") == "efgh"
+    assert kept.get("a-0") is None and kept.get("a-1") == ("abcd", None)
+    assert kept.get("b") == ("efgh", None)
     kept.add(["c"], "x" * 11)  # longer than the bound alone: nothing is kept
     assert [kept.get(k) for k in ("a-1", "b", "c")] == [None, None, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import httpx
 import pytest
 from proxima.proxy.auth import PRODUCTION_KEY_PREFIX, SESSION_KEY_PREFIX, hash_key, new_key
 from proxima.proxy.store import Store
+from proxima.proxy.store.records import SessionKind
 from proxima.proxy.testing.live import LiveProxy
 
 from tests.proxy.store.factories import completion
@@ -407,3 +409,313 @@ def test_lone_surrogates_in_the_other_apis_are_400s(
     assert r.status_code == 400, r.text
     assert "surrogate" in r.text
     assert proxy.trajectory(session["session_id"])["completions"] == []
+
+
+# ------------------------------------------------ issue 19: the API surfaces, hardened
+
+RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+"""A schema no output satisfies: its only rule refers to itself."""
+DEAD_END = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/a"}},
+    "required": ["a"],
+    "additionalProperties": False,
+    "$defs": RECURSIVE["$defs"],
+}
+"""Satisfiable for a few tokens (``{"a": ``), then no token is allowed."""
+
+
+def _schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _forced_tool(parameters: Any, name: str = "f") -> dict[str, Any]:
+    return {
+        "tools": [{"type": "function", "function": {"name": name, "parameters": parameters}}],
+        "tool_choice": {"type": "function", "function": {"name": name}},
+    }
+
+
+class _Neighbour:
+    """An unconstrained chat streaming on the engine until told to stop."""
+
+    def __init__(self, proxy: LiveProxy, key: str) -> None:
+        self.proxy, self.key = proxy, key
+        self.chunks = 0
+        self.finish_reason: str | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = _chat(self.proxy, max_tokens=2000, stream=True, ignore_eos=True, temperature=1.0)
+        with httpx.stream(
+            "POST",
+            self.proxy.base_url + "/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=120,
+        ) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                    self.chunks += 1
+                if self.stop.is_set():
+                    return  # closing the stream aborts it
+
+    def wait_for_more(self, than: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.chunks <= than and self.finish_reason is None:
+            assert time.monotonic() < deadline, "the neighbour stopped streaming"
+            time.sleep(0.01)
+
+
+def _interruptions(proxy: LiveProxy) -> float:
+    """The proxy's count of generations interrupted and resumed (an aborted backend row)."""
+    text = httpx.get(proxy.url + "/metrics", headers=proxy.admin_headers()).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("proxima_generation_interruptions_total")
+    )
+
+
+@pytest.mark.parametrize(
+    "over, param",
+    [
+        ({"response_format": _schema_format(RECURSIVE)}, "response_format"),
+        ({"response_format": _schema_format(DEAD_END)}, "response_format"),
+        (_forced_tool(RECURSIVE), "tool_choice"),
+        (_forced_tool(DEAD_END), "tool_choice"),
+    ],
+)
+def test_unsatisfiable_schemas_fail_their_request_alone(
+    proxy: LiveProxy, over: dict[str, Any], param: str
+) -> None:
+    """Issue 19, 2.1: the grammar error used to kill the engine's worker thread (at prefill)
+    or abort every running request (at a decode step). Now: a 400 for that request alone;
+    a neighbour decoding meanwhile is not interrupted, and the engine serves on."""
+    session = proxy.new_session()
+    interrupted = _interruptions(proxy)
+    neighbour = _Neighbour(proxy, session["api_key"])
+    try:
+        neighbour.wait_for_more(than=0)  # decoding when the bad request is admitted
+        r = _post(
+            proxy,
+            "/v1/chat/completions",
+            _chat(proxy, max_tokens=200, temperature=1.0, **over),
+            session["api_key"],
+        )
+        err = _error(r, 400)
+        assert err["param"] == param, err
+        assert "grammar" in err["message"] or "schema" in err["message"], err
+        assert neighbour.finish_reason is None  # the two overlapped
+        neighbour.wait_for_more(than=neighbour.chunks)  # and it streams on
+        assert _interruptions(proxy) == interrupted
+    finally:
+        neighbour.stop.set()
+        neighbour.thread.join(60)
+    ok = _post(proxy, "/v1/chat/completions", _chat(proxy), session["api_key"])
+    assert ok.status_code == 200, ok.text  # the worker lives on
+    assert httpx.get(proxy.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("bad", [None, "abc", [], 2.7, -1, True, 2**64])
+@pytest.mark.parametrize("keyword", ["minLength", "maxLength"])
+def test_string_lengths_must_be_non_negative_integers(
+    proxy: LiveProxy, keyword: str, bad: Any
+) -> None:
+    """Issue 19, 2.2: these were a 500 or a reset connection."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", keyword: bad}}}
+    for over, param in (
+        ({"response_format": _schema_format(schema)}, "response_format"),
+        (_forced_tool(schema), "tool_choice"),
+    ):
+        r = _post(proxy, "/v1/chat/completions", _chat(proxy, **over), proxy.admin_token)
+        err = _error(r, 400)
+        assert err["param"] == param and keyword in err["message"], err
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"model": "m", "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/rl/sessions"]
+)
+def test_deeply_nested_json_is_a_400(proxy: LiveProxy, path: str) -> None:
+    """Issue 19, 2.3: a body nested 3000 deep was a 500 (RecursionError)."""
+    r = httpx.post(
+        proxy.url + path,
+        content=_nested(3000),
+        headers={
+            "Authorization": f"Bearer {proxy.admin_token}",
+            "Content-Type": "application/json",
+        },
+        timeout=60,
+    )
+    err = _error(r, 400)
+    if path.startswith("/v1/"):
+        assert "nest" in err["message"], err
+
+
+def test_schema_bounds_are_400s(proxy: LiveProxy) -> None:
+    """Issue 19, 2.4: a 400-deep schema compiled for seconds on the event loop; a huge enum
+    for a minute. Past the bounds each is a 400 naming the parameter, answered at once."""
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(400):
+        deep = {"type": "array", "items": deep}
+    wide = {"enum": [f"v{i}" for i in range(6000)]}  # under the body limit, over the enum bound
+    for schema, words in ((deep, "deep"), (wide, "enum")):
+        for over, param in (
+            ({"response_format": _schema_format(schema)}, "response_format"),
+            (_forced_tool(schema), "tool_choice"),
+        ):
+            r = _post(proxy, "/v1/chat/completions", _chat(proxy, **over), proxy.admin_token)
+            err = _error(r, 400)
+            assert err["param"] == param and words in err["message"], err
+    within = {"type": "object", "properties": {"e": {"enum": ["a", "b"]}}, "required": ["e"]}
+    r = _post(
+        proxy,
+        "/v1/chat/completions",
+        _chat(proxy, max_tokens=40, response_format=_schema_format(within)),
+        proxy.admin_token,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_a_lone_surrogate_in_previous_response_id_is_a_400(proxy: LiveProxy) -> None:
+    """Issue 19, 2.5: the id was echoed into the 404's message, which could not be encoded."""
+    session = proxy.new_session()
+    body = {"model": proxy.model_name, "input": "hi", "previous_response_id": BAD}
+    err = _error(_post(proxy, "/v1/responses", body, session["api_key"]), 400)
+    assert err["param"] == "previous_response_id" and "surrogate" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path, over, param",
+    [
+        ("/v1/chat/completions", {"seed": 2**64}, "seed"),
+        ("/v1/chat/completions", {"seed": 2**63}, "seed"),
+        ("/v1/chat/completions", {"seed": -(2**63) - 1}, "seed"),
+        ("/v1/chat/completions", {"top_k": 2**64}, "top_k"),
+        ("/v1/chat/completions", {"n": 2**64}, "n"),
+        ("/v1/chat/completions", {"max_tokens": 2**64}, "max_tokens"),
+        ("/v1/chat/completions", {"top_logprobs": 2**64, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"logit_bias": {str(2**64): 1}}, "logit_bias"),
+        ("/v1/completions", {"seed": 2**64}, "seed"),
+        ("/v1/completions", {"prompt": [2**64]}, "prompt"),
+        ("/v1/completions", {"logprobs": 2**64}, "logprobs"),
+        ("/v1/responses", {"top_logprobs": 2**64}, "top_logprobs"),
+    ],
+)
+def test_integers_past_64_bits_are_400s(
+    proxy: LiveProxy, path: str, over: dict[str, Any], param: str
+) -> None:
+    """Issue 19, 2.6: ``seed: 2**64`` was a 500 (orjson cannot write it to the backend)."""
+    if path == "/v1/chat/completions":
+        body = _chat(proxy, **over)
+    elif path == "/v1/completions":
+        body = {"model": proxy.model_name, "prompt": "hi", "max_tokens": 2, **over}
+    else:
+        body = {"model": proxy.model_name, "input": "hi", "max_output_tokens": 4, **over}
+    err = _error(_post(proxy, path, body, proxy.admin_token), 400)
+    assert err["param"] == param, err
+
+
+def test_the_largest_seed_is_served(proxy: LiveProxy) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        r = _post(proxy, "/v1/chat/completions", _chat(proxy, seed=seed), proxy.admin_token)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "tools, param",
+    [
+        (_tool(name="f</tool_call>"), "tools[0].function.name"),
+        (_tool(name="a b"), "tools[0].function.name"),
+        (_tool(name='f"'), "tools[0].function.name"),
+        (_tool(name="x" * 65), "tools[0].function.name"),
+        (_tool(name=""), "tools[0].function.name"),
+        (_tool(name="f") + _tool(name="f"), "tools[1].function.name"),
+    ],
+)
+def test_tool_names_are_checked(proxy: LiveProxy, tools: list[Any], param: str) -> None:
+    """Issue 19, 2.8: a name holding ``</tool_call>`` made a forced call that finished but
+    did not parse. Names follow OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``, and are unique."""
+    session = proxy.new_session()
+    body = _chat(proxy, tools=tools, tool_choice="required")
+    err = _error(_post(proxy, "/v1/chat/completions", body, session["api_key"]), 400)
+    assert err["param"] == param, err
+    responses_tools = [{"type": "function", **t["function"]} for t in tools]
+    body = {"model": proxy.model_name, "input": "hi", "tools": responses_tools}
+    err = _error(_post(proxy, "/v1/responses", body, session["api_key"]), 400)
+    assert err["param"] == param.replace(".function", ""), err
+    assert proxy.trajectory(session["session_id"])["completions"] == []
+
+
+def test_previous_response_id_with_a_production_key(proxy: LiveProxy) -> None:
+    """Issue 19, 2.9: without X-Session-Id every lookup was a 404 and created an empty
+    production session. Now the lookup creates nothing, and finds the key's own responses."""
+    key, _ = _production_key(proxy)
+    other, _ = _production_key(proxy)
+
+    async def sessions_of_key(store: Store) -> int:
+        return await store.count_sessions(kind=SessionKind.PRODUCTION)
+
+    first = _post(proxy, "/v1/responses", {"model": proxy.model_name, "input": "hi"}, key)
+    assert first.status_code == 200, first.text
+    response_id = first.json()["id"]
+    before = _in_store(proxy, sessions_of_key)
+    for headers in ({}, {"X-Session-Id": "never-used"}):
+        err = _error(
+            _post(
+                proxy,
+                "/v1/responses",
+                {"model": proxy.model_name, "input": "again", "previous_response_id": "resp_x"},
+                key,
+                headers,
+            ),
+            404,
+        )
+        assert err["param"] == "previous_response_id"
+    assert _in_store(proxy, sessions_of_key) == before  # lookups created nothing
+    follow = _post(
+        proxy,
+        "/v1/responses",
+        {"model": proxy.model_name, "input": "again", "previous_response_id": response_id},
+        key,
+    )
+    assert follow.status_code == 200, follow.text
+    session_id = first.headers["X-Proxima-Session-Id"]
+    assert follow.headers["X-Proxima-Session-Id"] == session_id  # the same conversation
+    turns = proxy.trajectory(session_id)["completions"]
+    assert [t["id"] for t in turns][0] == response_id and len(turns) == 2
+    # Another key's response is not found.
+    err = _error(
+        _post(
+            proxy,
+            "/v1/responses",
+            {"model": proxy.model_name, "input": "x", "previous_response_id": response_id},
+            other,
+        ),
+        404,
+    )
+    assert err["param"] == "previous_response_id"
+
+
+def test_tool_names_as_long_as_each_api_allows_are_served(proxy: LiveProxy) -> None:
+    """Anthropic allows 128 characters (Claude Code's MCP tools use them), OpenAI 64."""
+    session = proxy.new_session()
+    name = "mcp__server__" + "t" * 100
+    tools = [{"name": name, "input_schema": {"type": "object", "properties": {}}}]
+    body = {"model": proxy.model_name, "max_tokens": 2, "tools": tools}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    r = _post(proxy, "/v1/messages", body, session["api_key"])
+    assert r.status_code == 200, r.text
+    r = _post(
+        proxy, "/v1/chat/completions", _chat(proxy, tools=_tool(name="t" * 64)), session["api_key"]
+    )
+    assert r.status_code == 200, r.text

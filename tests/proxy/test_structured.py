@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
+from proxima.proxy import structured
 from proxima.proxy.embedded.grammar import unenforceable_schema_reason
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.structured import enforceable_schema, output_grammar, response_format_schema
@@ -209,3 +211,83 @@ def test_protocol_sampling_fields_are_sglangs() -> None:
     assert set(SamplingParams.model_fields) <= SGLANG_0_5_23_SAMPLING_FIELDS
     for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
         assert kind in SamplingParams.model_fields
+
+
+def _nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        (_nested_arrays(400), "nested too deep"),
+        ({"enum": list(range(1001))}, "1001 enum values"),
+        ({"anyOf": [{"const": i} for i in range(1001)]}, "1001 enum values"),
+        ({"type": "string", "description": "x" * (512 * 1024)}, "characters long"),
+    ],
+)
+def test_schemas_past_the_bounds_are_400s_before_compiling(schema: Any, words: str) -> None:
+    """Issue 19, 2.4: such schemas compiled for seconds (a minute for a 100k enum)."""
+    for kwargs, param in (
+        ({"response_format": _format(schema)}, "response_format"),
+        (
+            {
+                "tool_choice": ToolChoice("required"),
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            },
+            "tool_choice",
+        ),
+    ):
+        with pytest.raises(BadRequest) as info:
+            grammar(**kwargs)
+        assert info.value.param == param and words in info.value.message
+    assert grammar(response_format=_format(_nested_arrays(60))) is not None  # within
+
+
+async def test_compiling_runs_off_the_event_loop_and_is_bounded_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 19, 2.4: the check compile ran on the event loop, stalling every request.
+
+    Past the depth bound (lifted here) a schema 300 arrays deep compiles for
+    about a second: the loop keeps ticking meanwhile, and a compile over the
+    time limit is a 400.
+    """
+    monkeypatch.setattr(structured, "MAX_SCHEMA_DEPTH", 10_000)
+    slow = {
+        "response_format": _format(_nested_arrays(300)),
+        "tool_choice": ToolChoice("none"),
+        "tools": None,
+        "tool_parser": "hermes",
+    }
+    ticks = 0
+    compiling = asyncio.ensure_future(structured.checked_output_grammar(**slow))
+    while not compiling.done():
+        await asyncio.sleep(0.001)
+        ticks += 1
+    assert compiling.result() is not None
+    assert ticks > 10  # the loop ran while xgrammar compiled
+    with pytest.raises(BadRequest) as info:
+        await structured.checked_output_grammar(**slow, timeout=0.01)
+    assert info.value.param == "response_format" and "to compile" in info.value.message
+    none = {**slow, "response_format": None}
+    assert await structured.checked_output_grammar(**none) is None
+
+
+@pytest.mark.parametrize("bad", [None, "abc", [], 2.7, -1, True, 2**31])
+def test_string_lengths_that_are_not_lengths_are_400s(bad: Any) -> None:
+    """Issue 19, 2.2: ``int(None)`` and friends escaped as a 500."""
+    for keyword in ("minLength", "maxLength"):
+        schema = {"type": "string", keyword: bad}
+        with pytest.raises(BadRequest) as info:
+            enforceable_schema(schema, "response_format")
+        assert info.value.param == "response_format" and keyword in info.value.message
+    with pytest.raises(BadRequest, match="above maxLength"):
+        enforceable_schema({"type": "string", "minLength": 3, "maxLength": 2}, "tool_choice")
