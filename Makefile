@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo lint typecheck bench postgres haproxy clean
+.PHONY: venv test demo lint typecheck bench postgres haproxy harnesses clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,30 @@ haproxy:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
 	else echo "haproxy not found; the load balancer tests will fail (CI requires it)"; fi
 
-test: venv postgres haproxy lint
+# Codex CLI and Claude Code, the real binaries from npm (pinned), for the harness tests
+# (tests/proxy/test_harnesses_live.py); cached under .cache/harnesses. Node.js and npm come
+# from Debian packages when missing and we may (root with apt).
+CODEX_VERSION := 0.169.0
+CLAUDE_CODE_VERSION := 2.1.197
+HARNESSES := .cache/harnesses
+HARNESSES_STAMP := $(HARNESSES)/.installed-codex-$(CODEX_VERSION)-claude-code-$(CLAUDE_CODE_VERSION)
+
+$(HARNESSES_STAMP):
+	@if command -v npm >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing nodejs and npm"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	else echo "npm not found: install Node.js 18+ and npm for the harness tests"; exit 1; fi
+	mkdir -p $(HARNESSES)
+	npm install --prefix $(HARNESSES) --no-save --no-audit --no-fund --no-update-notifier \
+		--loglevel=error @openai/codex@$(CODEX_VERSION) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	$(HARNESSES)/node_modules/.bin/codex --version
+	$(HARNESSES)/node_modules/.bin/claude --version
+	touch $@
+
+harnesses: $(HARNESSES_STAMP)
+
+test: venv postgres haproxy lint harnesses
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn

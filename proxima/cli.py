@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
             "train_batch_size": args.train_batch_size,
             "context_length": args.context_length,
             "clamp_max_tokens": args.clamp_max_tokens or None,
+            "tool_fallback": args.tool_fallback,
         }.items()
         if v is not None
     }
@@ -347,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
     p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")
     p.add_argument("--context-length", type=int, default=None, help="override the context window")
+    p.add_argument(
+        "--tool-fallback",
+        choices=["hermes"],
+        default=None,
+        help="for a chat template that does not render tools (SmolLM2's): write them into "
+        "the system prompt in this format (default: such requests are a 400)",
+    )
     p.add_argument(
         "--clamp-max-tokens",
         action="store_true",

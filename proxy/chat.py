@@ -60,6 +60,7 @@ from jinja2 import TemplateError
 from proxima.proxy import errors
 from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.tools.fallback import with_tools_in_system
 from proxima.proxy.unicode import InvalidString, check_unicode
 
 _ENCODE_CACHE_SIZE = 4096
@@ -375,6 +376,7 @@ class ChatRenderer:
         *,
         end_of_turn: str | None = None,
         rendered: RenderedTexts | None = None,
+        tool_fallback: str | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; chat completions need one")
@@ -385,6 +387,9 @@ class ChatRenderer:
         if len(marker_ids) != 1:
             raise ValueError(f"end-of-turn marker {marker!r} is not a single token")
         self._tokenizer = tokenizer
+        # A template that does not render tools: they go in the system prompt in this format
+        # (``proxima.proxy.tools.fallback``).
+        self.tool_fallback = tool_fallback
         self.end_of_turn: str = marker
         self.end_of_turn_id: int = marker_ids[0]
         self._encodings: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -410,6 +415,9 @@ class ChatRenderer:
         text costs 10-50 times more and is memoized in ``encode``.
         """
         tool_list = list(tools) if tools else None
+        if tool_list and self.tool_fallback:
+            messages = with_tools_in_system(messages, tool_list, self.tool_fallback)
+            tool_list = None
         try:
             # What ``apply_chat_template(..., tokenize=False)`` does, less the per-call
             # ``special_tokens_map`` (half of its cost), which is fixed and computed once.

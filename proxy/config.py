@@ -7,6 +7,7 @@ environment variable ``PROXIMA_<FIELD>`` (e.g. ``PROXIMA_ADMIN_TOKEN``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +55,14 @@ class Settings(BaseSettings):
         None,
         description="Tool-call parser (hermes, llama3_json, none); default: detected "
         "from the chat template.",
+    )
+    tool_fallback: Literal["hermes"] | None = Field(
+        None,
+        description="For a chat template that does not render tools (SmolLM2's): write a "
+        "request's tools into the system prompt in this format (its calls are parsed by the "
+        "tool parser of the same name); completions record it in sampling['tool_format']. "
+        "Unset: a request with tools to such a model is a 400. Ignored when the template "
+        "renders tools itself.",
     )
     signing_key: SecretStr | None = Field(
         None,

@@ -46,6 +46,7 @@ from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Samplin
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
+from proxima.proxy.tools.fallback import template_renders_tools
 
 # Prompts with more characters than this are rendered and tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
@@ -107,14 +108,31 @@ class PromptPreparer:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        plain = ChatRenderer(tokenizer)
+        # A template that drops tools: a declared fallback renders them, or requests with
+        # tools are a 400 (never dropped silently): proxima.proxy.tools.fallback.
+        self.renders_tools = template_renders_tools(
+            lambda messages, tools: plain.render_text(messages, tools, add_generation_prompt=True)
+        )
+        fallback = None if self.renders_tools else settings.tool_fallback
+        if fallback is not None and fallback != tool_parser.name:
+            raise ValueError(
+                f"--tool-fallback {fallback} writes calls the {tool_parser.name!r} tool parser "
+                f"does not read; serve with --tool-parser {fallback}"
+            )
+        self.tool_fallback = fallback
         # The parent's prompt text of a turn, kept from when the parent was prepared.
         self.rendered = RenderedTexts()
-        self.renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # event loop only
+        self.renderer = ChatRenderer(  # event loop only
+            tokenizer, rendered=self.rendered, tool_fallback=fallback
+        )
         self.context_length = context_length
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.offload_chars = offload_chars
-        self._worker_renderer = ChatRenderer(tokenizer, rendered=self.rendered)  # worker only
+        self._worker_renderer = ChatRenderer(  # worker only
+            tokenizer, rendered=self.rendered, tool_fallback=fallback
+        )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxima-prompt")
 
     def close(self) -> None:
@@ -128,6 +146,13 @@ class PromptPreparer:
         that is not a turn extending a parent whose prompt text was kept (such a turn
         renders the conversation once and tokenizes only its new messages: less work
         than a thread hop costs)."""
+        if chat.tools and not self.renders_tools and self.tool_fallback is None:
+            raise BadRequest(
+                "This model's chat template does not render tools, so the model would never "
+                "see them. Serve with --tool-fallback hermes to write them into the system "
+                "prompt in hermes' format, or send the request without 'tools'.",
+                param="tools",
+            )
         if _chat_chars(chat) > self.offload_chars and not self._extends_kept(chat, history):
             build = self._worker_renderer.build_prompt
             return await self._off_loop(
@@ -164,6 +189,9 @@ class PromptPreparer:
             reasoning=first,
         )
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
+        if chat.tools and self.tool_fallback is not None:
+            # The template does not render tools: the system prompt carried them.
+            prepared.sampling["tool_format"] = f"{self.tool_fallback} (--tool-fallback)"
         prepared.messages = chat.messages
         prepared.tools = chat.tools
         prepared.rendered = (plan.text, chat.template_kwargs)

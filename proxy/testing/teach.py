@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 Example = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str]
+# A whole conversation as rendered text: (text, taught) pieces, the taught ones learned.
+Sequence_ = Sequence[tuple[str, bool]]
 
 
 def teach(
@@ -65,3 +67,103 @@ def teach(
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+def teach_texts(
+    model_dir: str | Path,
+    sequences: Sequence[Sequence_],
+    *,
+    rounds: int = 20,
+    steps: int = 20,
+    lr: float = 1e-2,
+    min_prob: float = 0.9,
+    seed: int = 0,
+) -> Path:
+    """Fine-tune ``model_dir`` in place on whole rendered conversations.
+
+    Each sequence is a list of ``(text, taught)`` pieces, tokenized piece by
+    piece (special-token strings become their tokens); the ``taught`` pieces
+    (replies, each ending with its end token written out) are learned, the
+    rest is context. One conversation holds every turn of an agent run: turn
+    2's prompt is turn 1's prompt + reply + the tool result, as the proxy
+    builds it, so one sequence teaches both replies.
+
+    Harness prompts are thousands of tokens, and back-propagating through
+    their attention on CPU takes seconds a step. The first piece (the
+    harness's first prompt) is context only, so it is run without gradients
+    once per round and its keys and values reused for ``steps`` steps on the
+    rest of the sequence (a few hundred tokens); each round recomputes them
+    with the updated weights. Training stops once a full forward pass, with
+    no cached values, gives every taught token at least ``min_prob`` (a margin
+    that another engine's summation order cannot flip); else an error.
+    """
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    prepared = []
+    for pieces in sequences:
+        (head, head_taught), *rest = pieces
+        if head_taught:
+            raise ValueError("a sequence's first piece is its prompt (not taught)")
+        ids: list[int] = []
+        labels: list[int] = []
+        for text, taught in rest:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            labels += piece if taught else [-100] * len(piece)
+        head_ids = tokenizer.encode(head, add_special_tokens=False)
+        # The prompt's last token runs with the rest: its logits predict the first reply token.
+        ids = head_ids[-1:] + ids
+        labels = [-100] + labels
+        prepared.append(
+            (torch.tensor([head_ids[:-1]]), torch.tensor([ids]), torch.tensor([labels]))
+        )
+
+    def wrong_tokens() -> int:
+        """Taught tokens whose probability is under ``min_prob``."""
+        wrong = 0
+        model.eval()
+        with torch.no_grad():
+            for head_ids, ids, labels in prepared:
+                full = torch.cat([head_ids, ids], dim=1)
+                start = head_ids.shape[1]
+                probs = model(input_ids=full).logits[0, start:-1].softmax(-1)
+                mask = labels[0, 1:] != -100
+                taught = probs[mask].gather(1, labels[0, 1:][mask][:, None])
+                wrong += int((taught < min_prob).sum())
+        return wrong
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for _ in range(rounds):
+        model.eval()
+        with torch.no_grad():
+            caches = [
+                model(input_ids=head_ids, use_cache=True).past_key_values
+                for head_ids, _, _ in prepared
+            ]
+        model.train()
+        for _ in range(steps):
+            optimizer.zero_grad()
+            for cache, (head_ids, ids, labels) in zip(caches, prepared, strict=True):
+                start = head_ids.shape[1]
+                out = model(
+                    input_ids=ids,
+                    past_key_values=copy.deepcopy(cache),
+                    position_ids=torch.arange(start, start + ids.shape[1])[None],
+                    labels=labels,
+                )
+                (out.loss / len(prepared)).backward()
+            optimizer.step()
+        wrong = wrong_tokens()
+        if not wrong:
+            model.save_pretrained(model_dir, safe_serialization=True)
+            return model_dir
+    raise RuntimeError(
+        f"teach_texts: {wrong} taught tokens under p={min_prob} after {rounds} rounds"
+    )

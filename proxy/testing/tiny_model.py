@@ -13,6 +13,7 @@ blocks for tool results, which is what the hermes tool parser expects.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -94,13 +95,19 @@ THINKING_CHAT_TEMPLATE = (
 assert THINKING_CHAT_TEMPLATE.count("<think>") == 3, "the base template changed"
 
 
-def build_tiny_tokenizer(*, thinking: bool = False):
+def build_tiny_tokenizer(
+    *, thinking: bool = False, merges_corpus: Sequence[str] = (), vocab_size: int = 2048
+):
     """Byte-level tokenizer: 256 byte tokens + chat specials, no merges.
 
     ``thinking``: the think markers are added tokens and the template is
     ``THINKING_CHAT_TEMPLATE`` (a Qwen3-style reasoning model).
+    ``merges_corpus``: byte-pair merges learned from these texts, up to
+    ``vocab_size`` tokens (any text still round-trips, byte by byte at worst):
+    prompts of thousands of bytes (an agent harness's) become a few hundred
+    tokens, which a test can teach the model on CPU.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -108,6 +115,11 @@ def build_tiny_tokenizer(*, thinking: bool = False):
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
+    if merges_corpus:
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False
+        )
+        backend.train_from_iterator(list(merges_corpus), trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
@@ -132,6 +144,9 @@ def build_tiny_model(
     num_layers: int = 2,
     max_position_embeddings: int = 2048,
     thinking: bool = False,
+    intermediate_size: int | None = None,
+    tie_word_embeddings: bool = True,
+    merges_corpus: Sequence[str] = (),
 ) -> Path:
     """Write a tiny random Qwen2ForCausalLM + tokenizer to ``path`` (HF layout)."""
     import torch
@@ -139,20 +154,20 @@ def build_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(thinking=thinking)
+    tokenizer = build_tiny_tokenizer(thinking=thinking, merges_corpus=merges_corpus)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
         max_window_layers=num_layers,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=im_end,
         pad_token_id=endoftext,
         bos_token_id=None,

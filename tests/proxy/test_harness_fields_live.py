@@ -136,3 +136,50 @@ def test_clamp_max_tokens_lowers_a_fixed_max_tokens(clamping_proxy: LiveProxy) -
     (stored,) = clamping_proxy.trajectory(s["session_id"])["completions"]
     assert stored["response_text"] == CALL_TEXT
     assert stored["sampling"]["max_tokens"] == 2048 - len(stored["prompt_ids"])
+
+
+def test_a_reply_cut_inside_a_tool_call_returns_its_text_and_no_call(
+    live_proxy: LiveProxy,
+) -> None:
+    """The README's decision, on each surface: no call for the unfinished block, its text as
+    generated in the content, and the reply marked as cut."""
+    s = live_proxy.new_session(group_id="cut-call")
+    auth = {"Authorization": f"Bearer {s['api_key']}"}
+    chat = httpx.post(
+        f"{live_proxy.base_url}/chat/completions",
+        json={
+            "model": live_proxy.model_name,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "tools": [WEATHER_TOOL],
+            "max_tokens": 12,
+            "temperature": 0,
+        },
+        headers=auth,
+        timeout=60,
+    ).json()
+    (choice,) = chat["choices"]
+    cut_text = choice["message"]["content"]
+    assert choice["finish_reason"] == "length" and choice["message"].get("tool_calls") is None
+    assert CALL_TEXT.startswith(cut_text) and cut_text.startswith("<tool_call>")
+
+    responses = httpx.post(
+        f"{live_proxy.base_url}/responses",
+        json={
+            "model": live_proxy.model_name,
+            "input": QUESTION,
+            "tools": [{"type": "function", **FUNCTION}],
+            "max_output_tokens": 12,
+            "temperature": 0,
+        },
+        headers=auth,
+        timeout=60,
+    ).json()
+    assert responses["status"] == "incomplete"
+    assert responses["incomplete_details"] == {"reason": "max_output_tokens"}
+    (item,) = responses["output"]
+    assert (item["type"], item["content"][0]["text"]) == ("message", cut_text)
+
+    r = post_messages(live_proxy, s, claude_body(live_proxy.model_name, max_tokens=12))
+    message = r.json()
+    assert message["stop_reason"] == "max_tokens"
+    assert [(b["type"], b.get("text")) for b in message["content"]] == [("text", cut_text)]

@@ -1,0 +1,405 @@
+"""Codex CLI and Claude Code, the real binaries from npm, end to end against ``proxima serve``.
+
+``make harnesses`` installs ``@openai/codex`` and ``@anthropic-ai/claude-code``
+(pinned) under ``.cache/harnesses``. Each harness runs non-interactively
+(``codex exec`` with a custom provider, ``wire_api = "responses"``; ``claude
+-p`` with ``ANTHROPIC_BASE_URL``), offline: telemetry and update checks off,
+and every proxy variable pointing at a closed loopback port, so any request
+that is not to the proxy on 127.0.0.1 fails.
+
+The model is a tiny one taught the harness's task from the harness's own
+first request: the harness is run once against a capturing server on
+loopback (which answers 400), its body is translated by the proxy's own
+translation, rendered by the chat template, and the model is taught to answer
+it with one call of the harness's shell tool and, after the tool's result, a
+short final answer (``proxy.testing.teach.teach_texts``). Then the harness
+runs against the proxy: it passes when the harness exits 0, its shell tool
+really ran (the file it writes exists), and the session's trajectory holds
+both turns token-exactly: turn 2's prompt is turn 1's prompt + its output +
+the tool result's tokens, with one logprob and one version per generated token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from proxima.proxy.api import messages_translate, responses_translate
+from proxima.proxy.chat import ChatRenderer
+from proxima.proxy.service.canonical import ChatInput
+from proxima.proxy.testing.live import LiveProxy
+from proxima.proxy.testing.teach import teach_texts
+from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
+from transformers import AutoTokenizer
+
+# Teaching the model (once per checkout and day: the prompts hold the date) takes a minute or
+# two on 2 idle cores; both harnesses then run in seconds.
+pytestmark = pytest.mark.timeout(1200)
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache"
+BIN = CACHE / "harnesses" / "node_modules" / ".bin"
+TASK = "Create a file named done.txt that contains the word proxima."
+COMMAND = "echo proxima > done.txt"
+FINAL = "Done."
+END = "<|im_end|>"
+CONTEXT = 4096
+
+# Nothing may leave the machine: proxies point at a closed port, loopback excepted.
+OFFLINE_ENV = {
+    **{k: "http://127.0.0.1:9" for k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")},
+    **{k: "http://127.0.0.1:9" for k in ("http_proxy", "https_proxy", "all_proxy")},
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
+}
+CLAUDE_ENV = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+}
+CLAUDE_ARGS = [
+    "--bare",
+    "--tools",
+    "Bash",
+    "--allowedTools",
+    "Bash",
+    "--system-prompt",
+    "You complete tasks by running shell commands.",
+    "--output-format",
+    "json",
+]
+CODEX_INSTRUCTIONS = "You complete tasks by running shell commands."
+
+
+def codex_config(base_url: str, model: str, instructions: Path) -> str:
+    """The README's provider block, plus the settings that keep the prompt short and offline."""
+    return f"""\
+model = "{model}"
+model_provider = "proxima"
+model_instructions_file = "{instructions}"
+check_for_update_on_startup = false
+include_permissions_instructions = false
+include_apps_instructions = false
+include_environment_context = false
+
+[skills]
+include_instructions = false
+
+[analytics]
+enabled = false
+
+[features]
+goals = false
+apps = false
+plugins = false
+multi_agent = false
+
+[agents]
+enabled = false
+
+[model_providers.proxima]
+name = "Proxima"
+base_url = "{base_url}"
+env_key = "PROXIMA_API_KEY"
+wire_api = "responses"
+"""
+
+
+def harness_bin(name: str) -> Path:
+    path = BIN / name
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing: `make harnesses` installs it (make test does)")
+        pytest.skip(f"{name} is not installed: run `make harnesses`")
+    return path
+
+
+# ------------------------------------------------------------------ the two harnesses
+
+
+class Harness:
+    """One harness: how it is run, and the chat request its first body becomes."""
+
+    name: str
+    tool_output_guesses: list[str]
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.work = root / "work"  # the task's directory: done.txt appears here
+        self.home = root / "home"
+        for d in (self.work, self.home):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
+        raise NotImplementedError
+
+    def chat_input(self, body: dict[str, Any]) -> ChatInput:
+        raise NotImplementedError
+
+    def call(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv,
+            cwd=self.work,
+            env={
+                "PATH": os.environ["PATH"],
+                "HOME": str(self.home),
+                "LANG": "C.UTF-8",
+                **OFFLINE_ENV,
+                **env,
+            },
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+
+class Codex(Harness):
+    name = "codex"
+    # Its exec_command result: a header with timings (they vary), then the output.
+    tool_output_guesses = [
+        "Chunk ID: 1a2b3c\nWall time: 0.0213 seconds\nProcess exited with code 0\n"
+        "Original token count: 0\nOutput:\n",
+        "Chunk ID: 9f8e7d\nWall time: 0.1000 seconds\nProcess exited with code 0\n"
+        "Original token count: 0\nOutput:\n",
+    ]
+
+    def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
+        codex_home = self.root / "codex-home"
+        codex_home.mkdir(exist_ok=True)
+        instructions = self.root / "instructions.md"
+        instructions.write_text(CODEX_INSTRUCTIONS)
+        (codex_home / "config.toml").write_text(codex_config(base_url, model, instructions))
+        argv = [str(harness_bin("codex")), "exec", "--skip-git-repo-check", "--color", "never"]
+        argv += ["--sandbox", "danger-full-access", TASK]
+        return self._run(argv, {"CODEX_HOME": str(codex_home), "PROXIMA_API_KEY": api_key})
+
+    def chat_input(self, body: dict[str, Any]) -> ChatInput:
+        req = responses_translate.ResponsesRequest.model_validate(body)
+        chat = responses_translate.canonical_request(req).input
+        assert isinstance(chat, ChatInput)
+        return chat
+
+    def call(self) -> dict[str, Any]:
+        return {"name": "exec_command", "arguments": {"cmd": COMMAND}}
+
+
+class ClaudeCode(Harness):
+    name = "claude"
+    # Its Bash tool's result for a command that prints nothing.
+    tool_output_guesses = ["(Bash completed with no output)", ""]
+
+    def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
+        env = {
+            **CLAUDE_ENV,
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": api_key,
+        }
+        argv = [str(harness_bin("claude")), "-p", TASK, "--model", model, *CLAUDE_ARGS]
+        return self._run(argv, env)
+
+    def chat_input(self, body: dict[str, Any]) -> ChatInput:
+        req = messages_translate.MessagesRequest.model_validate(body)
+        chat = messages_translate.canonical_request(req).input
+        assert isinstance(chat, ChatInput)
+        return chat
+
+    def call(self) -> dict[str, Any]:
+        return {"name": "Bash", "arguments": {"command": COMMAND}}
+
+
+# ----------------------------------------------------------------- capture and teach
+
+
+class _Capture(BaseHTTPRequestHandler):
+    bodies: list[dict[str, Any]]
+
+    def _answer(self) -> None:
+        size = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(size) if size else b""
+        if self.command == "POST" and raw:
+            self.server.bodies.append(json.loads(raw))  # type: ignore[attr-defined]
+        error = {"type": "error", "error": {"type": "invalid_request_error", "message": "captured"}}
+        if "/responses" in self.path:
+            error = {"error": {"message": "captured", "type": "invalid_request_error"}}
+        out = json.dumps(error).encode()
+        self.send_response(400 if self.command == "POST" else 200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(out)
+
+    do_GET = do_POST = do_HEAD = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def capture_first_body(harness: Harness, model: str) -> dict[str, Any]:
+    """The harness's first request body, as it sends it (the capturing server answers 400)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
+    server.bodies = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        harness.run(f"http://127.0.0.1:{server.server_port}/v1", "sk-capture", model)
+    finally:
+        server.shutdown()
+        server.server_close()
+    bodies = server.bodies  # type: ignore[attr-defined]
+    assert bodies, f"{harness.name} sent no request to the capturing server"
+    return bodies[0]
+
+
+def call_text(call: dict[str, Any]) -> str:
+    """The call as the tiny template writes it (and the hermes parser reads it)."""
+    return f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {json.dumps(call["arguments"])}}}\n</tool_call>'
+
+
+def turn_two(chat: ChatInput, call: dict[str, Any], output: str) -> list[dict[str, Any]]:
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+    }
+    return [
+        *chat.messages,
+        assistant,
+        {"role": "tool", "tool_call_id": "call_1", "content": output},
+    ]
+
+
+def teaching_sequences(
+    renderer: ChatRenderer, chat: ChatInput, call: dict[str, Any], guesses: list[str]
+) -> list[list[tuple[str, bool]]]:
+    """Turn 1's prompt, the call, each guessed tool result, the final answer."""
+    first = renderer.render_text(chat.messages, chat.tools, add_generation_prompt=True)
+    head = first + call_text(call) + END
+    sequences = []
+    for output in guesses:
+        full = renderer.render_text(
+            turn_two(chat, call, output), chat.tools, add_generation_prompt=True
+        )
+        assert full.startswith(head)
+        sequences.append(
+            [(first, False), (call_text(call) + END, True), (full[len(head) :], False)]
+            + [(FINAL + END, True)]
+        )
+    return sequences
+
+
+@pytest.fixture(scope="module")
+def harness_setup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[type[Harness]], tuple[Harness, LiveProxy]]]:
+    """Capture both harnesses' first requests, teach one model both tasks, serve it."""
+    model_name = "tiny-harness"
+    root = tmp_path_factory.mktemp("harnesses")
+    harnesses = {cls.name: cls(root / cls.name) for cls in (Codex, ClaudeCode)}
+    for h in harnesses.values():
+        harness_bin(h.name)
+    renderer = ChatRenderer(build_tiny_tokenizer())
+    sequences, chats = [], {}
+    for h in harnesses.values():
+        chats[h.name] = h.chat_input(capture_first_body(h, model_name))
+        sequences += teaching_sequences(renderer, chats[h.name], h.call(), h.tool_output_guesses)
+    texts = [text for seq in sequences for text, _ in seq]
+    digest = hashlib.sha256(json.dumps(sequences).encode()).hexdigest()[:16]
+    model_dir = CACHE / f"harness-taught-{digest}" / model_name
+    if not (model_dir / "model.safetensors").exists():
+        staging = Path(tempfile.mkdtemp(dir=CACHE)) / model_name
+        build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
+        teach_texts(staging, sequences)
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, model_dir)
+    # Its own directory for the proxy: the served model name is the directory's name.
+    work = root / "proxy"
+    proxy = LiveProxy(
+        model_dir,
+        db_url=f"sqlite:///{work / 'store.db'}",
+        log_path=work / "serve.log",
+        # Claude Code asks max_tokens 32000 of every request: clamp it to the context.
+        extra_args=["--clamp-max-tokens"],
+    )
+    work.mkdir()
+    proxy.start()
+
+    def get(cls: type[Harness]) -> tuple[Harness, LiveProxy]:
+        h = harnesses[cls.name]
+        h.chat = chats[cls.name]  # type: ignore[attr-defined]
+        return h, proxy
+
+    yield get
+    proxy.stop()
+    if proxy.log_path and proxy.log_path.exists() and "Traceback" in proxy.log_path.read_text():
+        shutil.copy(proxy.log_path, root / "serve-with-traceback.log")
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def check_trajectory(proxy: LiveProxy, session_id: str, harness: Harness) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(proxy.model_dir)
+    renderer = ChatRenderer(tokenizer)
+    first, second = proxy.trajectory(session_id)["completions"]
+    call = call_text(harness.call())
+    assert (first["response_text"], second["response_text"]) == (call, FINAL)
+    for c in (first, second):
+        assert len(c["output_logprobs"]) == len(c["output_ids"]) == len(c["output_versions"]) > 0
+        assert all(lp <= 0.0 for lp in c["output_logprobs"])
+        assert c["output_ids"][-1] == tokenizer.eos_token_id
+    # Turn 2's prompt = turn 1's prompt + turn 1's output + the tool result's tokens.
+    exact = first["prompt_ids"] + first["output_ids"]
+    assert second["parent_id"] == first["id"]
+    assert second["prompt_ids"][: len(exact)] == exact
+    tools = harness.chat.tools  # type: ignore[attr-defined]
+    rendered_first = renderer.render_text(
+        first["request_messages"], tools, add_generation_prompt=True
+    )
+    assert tokenizer.encode(rendered_first, add_special_tokens=False) == first["prompt_ids"]
+    full = renderer.render_text(second["request_messages"], tools, add_generation_prompt=True)
+    tool_message = second["request_messages"][-1]
+    assert tool_message["role"] == "tool"
+    rest = full[len(rendered_first + call + END) :]
+    assert tool_message["content"] in rest
+    assert second["prompt_ids"][len(exact) :] == tokenizer.encode(rest, add_special_tokens=False)
+
+
+def test_codex_exec_runs_its_shell_tool_through_the_proxy(
+    harness_setup: Callable[[type[Harness]], tuple[Harness, LiveProxy]],
+) -> None:
+    codex, proxy = harness_setup(Codex)
+    s = proxy.new_session(group_id="codex")
+    done = codex.run(s["base_url"], s["api_key"], proxy.model_name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (codex.work / "done.txt").read_text() == "proxima\n"
+    assert FINAL in done.stdout
+    check_trajectory(proxy, s["session_id"], codex)
+
+
+def test_claude_code_runs_its_bash_tool_through_the_proxy(
+    harness_setup: Callable[[type[Harness]], tuple[Harness, LiveProxy]],
+) -> None:
+    claude, proxy = harness_setup(ClaudeCode)
+    s = proxy.new_session(group_id="claude")
+    done = claude.run(s["base_url"], s["api_key"], proxy.model_name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (claude.work / "done.txt").read_text() == "proxima\n"
+    result = json.loads(done.stdout)
+    assert (result["result"], result["is_error"], result["num_turns"]) == (FINAL, False, 2)
+    check_trajectory(proxy, s["session_id"], claude)
