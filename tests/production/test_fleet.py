@@ -37,6 +37,7 @@ ADMIN = {"Authorization": "Bearer test-admin-token"}
 class Fleet:
     db_url: str
     backends: list[BackendProcess]
+    production: BackendProcess
     replicas: list[ProxyProcess]
     lb: HAProxyProcess
     model_name: str
@@ -63,6 +64,8 @@ def fleet(
         BackendProcess.fake(tokens_per_s=400, chunk_tokens=2, log_path=logs / f"backend{i}.log")
         for i in range(2)
     ]
+    # Production's own backend (a pinned, promoted version), shared by the replicas too.
+    production = BackendProcess.fake(tokens_per_s=400, log_path=logs / "production.log")
     replicas = [
         ProxyProcess(
             tiny_model_dir,
@@ -70,6 +73,8 @@ def fleet(
             log_path=logs / f"replica{i}.log",
             extra_args=[
                 *(arg for b in backends for arg in ("--backend", b.url)),
+                "--production-backend",
+                production.url,
                 "--max-staleness",
                 "0",
                 "--train-batch-size",
@@ -80,17 +85,17 @@ def fleet(
     ]
     lb = HAProxyProcess([f"127.0.0.1:{r.port}" for r in replicas])
     try:
-        for backend in backends:
+        for backend in [*backends, production]:
             backend.start()
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda r: r.start(), replicas))
         lb.start()
-        yield Fleet(db_url, backends, replicas, lb, replicas[0].model_name)
+        yield Fleet(db_url, backends, production, replicas, lb, replicas[0].model_name)
     finally:
         lb.stop()
         for replica in replicas:
             replica.stop()
-        for backend in backends:
+        for backend in [*backends, production]:
             backend.stop()
 
 
@@ -341,3 +346,49 @@ def test_the_trainer_pushes_through_any_replica_of_a_fleet(fleet: Fleet, tmp_pat
     version, served = asyncio.run(push())
     assert served == [version] * 3  # pushed through the first live replica, served by all
     assert fleet.store_call(lambda s: s.current_policy_version()) == version
+
+
+def _production_version(url: str) -> tuple[int, list[int | None]]:
+    state = httpx.get(url + "/admin/production", headers=ADMIN, timeout=10).json()
+    backends = state["deployments"]["production"]["backends"]
+    return state["version"], [b["version"] if b["healthy"] else None for b in backends]
+
+
+def test_a_promotion_and_a_rollback_through_one_replica_are_followed_by_all(fleet: Fleet) -> None:
+    a, b, c = (r.url for r in fleet.replicas)
+    version = fleet.store_call(lambda s: s.current_policy_version())
+    if version == 0:  # a version to promote (the push test makes one when it runs first)
+        version = 1
+        resp = httpx.post(
+            a + "/admin/weights", json={"version": 1, "path": "/weights/v1"}, headers=ADMIN
+        )
+        assert resp.status_code == 200, resp.text
+    for through, target, others in ((a, version, (b, c)), (b, 0, (a, c))):
+        if target == version:
+            resp = httpx.post(
+                through + "/admin/production", json={"version": target}, headers=ADMIN, timeout=60
+            )
+        else:  # back to the version promoted before: the start-up model
+            resp = httpx.post(through + "/admin/production/rollback", headers=ADMIN, timeout=60)
+        assert resp.status_code == 200, resp.text
+        done = time.monotonic()
+        seen: dict[str, float] = {}
+
+        def follow(
+            others: tuple[str, ...] = others,
+            target: int = target,
+            seen: dict[str, float] = seen,
+            done: float = done,
+        ) -> bool:
+            for url in others:
+                if url not in seen and _production_version(url) == (target, [target]):
+                    seen[url] = time.monotonic() - done
+            return len(seen) == len(others)
+
+        wait_until(follow, timeout=10, interval=0.02, what=f"production at v{target} everywhere")
+        assert max(seen.values()) < 1.0, seen
+    # The shared production backend loaded each change once (through the replica that made it).
+    assert fleet.production.log_path is not None
+    log = fleet.production.log_path.read_text()
+    assert log.count(f"weights loaded: version={version} ") == 1
+    assert log.count("weights loaded: version=0 ") == 1

@@ -94,6 +94,9 @@ async def rollout(proxy: Any, runs: int, group_size: int) -> dict[str, Any]:
         max_concurrency=MAX_CONCURRENCY,
         timeout_s=RUN_TIMEOUT_S,
         model=proxy.model_name,
+        # Ray's default packs tasks onto the driver's node while it has room; SPREAD places
+        # them over every node (a user's choice, passed through ray_options).
+        ray_options={"scheduling_strategy": "SPREAD"},
     )
     started = time.monotonic()
     report = await controller.run(items(runs, group_size))

@@ -74,11 +74,12 @@ def test_runs_fan_out_over_every_node(ray_rollout: dict[str, Any]) -> None:
     assert summary["sessions_started"] == RUNS
     assert (summary["sessions_rewarded"], summary["sessions_failed"]) == (RUNS - 8, 8)
     assert summary["timeouts"] == 2 and summary["waits_429"] == 0
-    # Every finished run names the node that ran it; the scheduler used all of them.
+    # Every finished run names the node that ran it; all nodes ran some. How many each is
+    # Ray's choice and the machine's load (a node whose workers start late gets fewer short
+    # runs); the node-loss rollout below fills every node's slots exactly.
     by_node = summary["runs_by_node"]
-    assert set(by_node) == set(nodes)
+    assert set(by_node) == set(nodes), by_node
     assert sum(by_node.values()) == RUNS - 8
-    assert all(count >= 5 for count in by_node.values()), by_node
 
 
 def test_every_finished_run_is_in_the_store_with_its_reward(ray_rollout: dict[str, Any]) -> None:
@@ -123,6 +124,7 @@ def test_dead_raising_and_hanging_tasks_fail_their_sessions(ray_rollout: dict[st
 def test_a_lost_node_fails_only_the_runs_it_held(ray_rollout: dict[str, Any]) -> None:
     loss, nodes = ray_rollout["node_loss"], ray_rollout["nodes"]
     summary = loss["summary"]
+    # Before the loss all 9 slots held a run: 3 on each node (one CPU each).
     assert summary["sessions_started"] == NODE_LOSS_RUNS
     assert summary["sessions_rewarded"] + summary["sessions_failed"] == NODE_LOSS_RUNS
     # Every slot (3 CPUs on each of 3 nodes) held a running agent when the node went: its 3
