@@ -73,10 +73,10 @@ def teach_texts(
     model_dir: str | Path,
     sequences: Sequence[Sequence_],
     *,
-    rounds: int = 20,
+    rounds: int = 40,
     steps: int = 20,
     lr: float = 1e-2,
-    min_prob: float = 0.9,
+    min_prob: float = 0.999,
     seed: int = 0,
 ) -> Path:
     """Fine-tune ``model_dir`` in place on whole rendered conversations.
@@ -94,8 +94,10 @@ def teach_texts(
     once per round and its keys and values reused for ``steps`` steps on the
     rest of the sequence (a few hundred tokens); each round recomputes them
     with the updated weights. Training stops once a full forward pass, with
-    no cached values, gives every taught token at least ``min_prob`` (a margin
-    that another engine's summation order cannot flip); else an error.
+    no cached values, gives every taught token at least ``min_prob``: harnesses
+    sample at temperature 1 (they send none), so a 20-token reply must come out
+    whole with near certainty, and no other engine's summation order can flip
+    it; else an error.
     """
     import copy
 
