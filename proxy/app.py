@@ -194,6 +194,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await follower.sync()
         if store.shared:
             follower.start()
+        else:
+            logger.info(
+                "store on SQLite: one proxy process per database file (for replicas, use "
+                "PostgreSQL: --db postgresql://...)"
+            )
         app.state.follower = follower
         app.state.deployments = deployments
         app.state.production = production

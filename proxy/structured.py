@@ -68,8 +68,10 @@ from proxima.proxy.tools import ToolChoice
 
 GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
-MAX_JSON_WHITESPACE = 16
-"""Most consecutive whitespace characters inside constrained tool-call arguments."""
+MAX_JSON_WHITESPACE = 1
+"""Most consecutive whitespace characters inside constrained tool-call arguments: ``tojson``
+(what templates write calls with) never puts more than one space between JSON tokens, and a
+small model sampled at temperature 1 otherwise emits runs of blanks until ``max_tokens``."""
 MAX_SCHEMA_DEPTH = 64
 """Deepest nesting of objects and arrays in one schema (as JSON)."""
 MAX_ENUM_VALUES = 1000

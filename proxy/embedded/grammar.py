@@ -21,10 +21,13 @@ tokenizer's special ids are given to xgrammar as empty strings, which it
 treats as special. xgrammar's own detection misses them for tokenizers whose
 specials were added to a plain byte-level BPE.
 
-JSON whitespace: any whitespace is allowed between tokens (SGLang's default),
-but at most ``MAX_JSON_WHITESPACE`` characters in a row, so a weak model
-cannot spend its whole budget on blanks (SGLang's
-``--constrained-json-max-whitespace-cnt``, unbounded there by default).
+JSON whitespace: a ``json_schema`` grammar allows exactly the serialisation
+chat templates write with ``tojson`` (Python's ``json.dumps`` defaults: ``", "``
+between items, ``": "`` after keys, nothing else), so a constrained reply stays
+in the distribution the model was trained on and cannot spend its budget on
+runs of blanks at temperature 1. Structural tags (forced tool calls) carry
+their own bound, ``max_whitespace_cnt`` (``proxy/structured.py``: one
+whitespace character between JSON tokens).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "ebnf", "structural_tag")
 ANY_JSON = "$$ANY$$"
 """SGLang's ``json_schema`` value for "any JSON value"."""
-MAX_JSON_WHITESPACE = 16
-"""Most consecutive whitespace characters between JSON tokens."""
+TOJSON_SEPARATORS = (", ", ": ")
+"""The item and key separators of ``tojson`` (``json.dumps``' defaults)."""
 
 
 class InvalidGrammarError(ValueError):
@@ -218,7 +221,7 @@ class GrammarCompiler:
             if reason is not None:
                 raise ValueError(f"the JSON schema at {reason}")
             return self._compiler.compile_json_schema(
-                spec.value, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                spec.value, any_whitespace=False, separators=TOJSON_SEPARATORS
             )
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.value)

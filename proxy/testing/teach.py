@@ -111,18 +111,16 @@ def teach_texts(
         (head, head_taught), *rest = pieces
         if head_taught:
             raise ValueError("a sequence's first piece is its prompt (not taught)")
-        ids: list[int] = []
-        labels: list[int] = []
+        head_tokens = tokenizer.encode(head, add_special_tokens=False)
+        # The prompt's last token runs with the rest: its logits predict the first reply token.
+        tokens: list[int] = head_tokens[-1:]
+        targets: list[int] = [-100]
         for text, taught in rest:
             piece = tokenizer.encode(text, add_special_tokens=False)
-            ids += piece
-            labels += piece if taught else [-100] * len(piece)
-        head_ids = tokenizer.encode(head, add_special_tokens=False)
-        # The prompt's last token runs with the rest: its logits predict the first reply token.
-        ids = head_ids[-1:] + ids
-        labels = [-100] + labels
+            tokens += piece
+            targets += piece if taught else [-100] * len(piece)
         prepared.append(
-            (torch.tensor([head_ids[:-1]]), torch.tensor([ids]), torch.tensor([labels]))
+            (torch.tensor([head_tokens[:-1]]), torch.tensor([tokens]), torch.tensor([targets]))
         )
 
     def wrong_tokens() -> int:

@@ -163,3 +163,50 @@ def test_plain_batch_is_passed_through() -> None:
     logits = torch.randn(2, VOCAB)
     out = transform_logits(logits, [SamplingParams(), SamplingParams()], [[1], [2]], [None, None])
     assert out is logits
+
+
+def _accepts(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
+    row = compiler.matcher(compiler.compile(spec), [IM_END])
+    return all(row.try_accept(token) for token in TOKENIZER.encode(text))
+
+
+def test_json_schema_whitespace_is_the_templates_tojson(compiler: GrammarCompiler) -> None:
+    # Chat templates write JSON with tojson (json.dumps' separators): a constrained reply may
+    # only be written that way, so a model at temperature 1 cannot fill its budget with blanks.
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "array"}},
+        "required": ["city", "days"],
+    }
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    value = {"city": "Paris", "days": [1, 2]}
+    assert _accepts(compiler, spec, json.dumps(value))
+    for other in ('{"city":"Paris","days":[1,2]}', '{ "city": "Paris", "days": [1, 2]}'):
+        assert json.loads(other) == value and not _accepts(compiler, spec, other)
+    assert not _accepts(compiler, spec, '{"city": \t"Paris"')
+
+
+def test_forced_call_arguments_take_one_blank_at_most(compiler: GrammarCompiler) -> None:
+    from proxima.proxy.structured import output_grammar
+    from proxima.proxy.tools import ToolChoice
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+    forced = output_grammar(
+        response_format=None,
+        tool_choice=ToolChoice("required"),
+        tools=[tool],
+        tool_parser="hermes",
+        parallel_tool_calls=None,
+    )
+    assert forced is not None and forced.kind == "structural_tag"
+    spec = GrammarSpec("structural_tag", forced.value)
+    head = '<tool_call>\n{"name": "f", "arguments": '
+    assert _accepts(compiler, spec, head + '{"a": 1}')
+    assert not _accepts(compiler, spec, head + '{"a":  1}')
+    assert not _accepts(compiler, spec, head + '{"a":\r \t1}')
