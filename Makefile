@@ -72,10 +72,11 @@ test: venv postgres haproxy lint harnesses
 demo: venv
 	$(VENV)/bin/proxima --log-format text --log-level warning train --config agents_examples/demo.toml
 
-# Lint and format are part of the suite (CI runs them through `make test`).
+# Lint, format and type checks are part of the suite (CI runs them through `make test`).
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(MAKE) --no-print-directory typecheck
 
 # mypy checks the package as it installs (proxima.proxy is proxy/, ...): it reads a tree of
 # links that mirrors the package-dir mapping, so a plain path run cannot see proxima.proxy as Any.

@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from proxima.agents_examples.common import (
     cli_data,
     cli_parser,
@@ -35,13 +36,13 @@ DEFAULT_MAX_TURNS = 3
 DEFAULT_MAX_TOKENS = 96
 
 
-async def solve(data: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
+async def solve(data: dict[str, Any]) -> tuple[float, list[ChatCompletionMessageParam]]:
     """Run the dialogue; returns the reward and the transcript."""
     ep = endpoint(data)
     client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
     try:
         model = await resolve_model(ep)
-        messages: list[dict[str, Any]] = []
+        messages: list[ChatCompletionMessageParam] = []
         if data.get("system"):
             messages.append({"role": "system", "content": str(data["system"])})
         messages.append({"role": "user", "content": str(data["question"])})

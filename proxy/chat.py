@@ -52,7 +52,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -396,7 +396,7 @@ class ChatRenderer:
         self.rendered = rendered if rendered is not None else RenderedTexts()
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        self._render = render_jinja_template
+        self._render: Callable[..., Any] = render_jinja_template
         self._special_tokens = dict(tokenizer.special_tokens_map)  # the template's variables
 
     def render_text(

@@ -173,8 +173,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "Invalid request.", None
     first = errors[0]
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(getattr(cause, "param", None), str):
-        return str(cause), cause.param
+    param = getattr(cause, "param", None)
+    if isinstance(param, str):
+        return str(cause), param
     if first.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request: " + first.get("msg", ""), None
     loc = _common_prefix([_field_path(e.get("loc", ())) for e in errors if e.get("loc")])

@@ -38,7 +38,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -156,7 +156,7 @@ class GenerationResult:
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
-    matched_stop: int | str | None = None
+    matched_stop: int | str | list[int] | None = None
     interruptions: int = 0
     backend: str | None = None
     forced: int = 0  # tokens appended by a reasoning budget, not sampled
@@ -316,7 +316,7 @@ async def generate(
     result: GenerationResult,
     sticky_key: str | None = None,
     request_id: str | None = None,
-) -> AsyncIterator[TokenChunk]:
+) -> AsyncGenerator[TokenChunk]:
     """Generate one completion, yielding its tokens as they arrive.
 
     ``result`` accumulates everything (tokens, logprobs, versions, finish

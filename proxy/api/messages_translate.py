@@ -167,10 +167,16 @@ def _assistant_turn(content: Any, where: str, seal: ReasoningSeal | None = None)
             calls.append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             )
+        elif kind == "redacted_thinking":
+            raise BadRequest(
+                f"{at} is a redacted_thinking block, which this server never produces: send "
+                "back the thinking blocks its replies carried, as they came.",
+                param=f"{at}.type",
+            )
         else:
             raise BadRequest(
                 f"Content block type {kind!r} in {at} is not supported in an assistant "
-                "message: send text and tool_use blocks.",
+                "message: send text, thinking and tool_use blocks.",
                 param=f"{at}.type",
             )
     message: Message = {"role": "assistant", "content": text}

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxima.proxy.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from proxima.proxy.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+)
 from proxima.proxy.chat import RESERVED_TEMPLATE_KWARGS, normalize_messages
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling, TextInput
@@ -58,7 +63,9 @@ def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
     messages = normalize_messages(req.messages)
     tools = req.tool_dicts  # as sent: the template keeps their key order
     tool_choice = (
-        req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        req.tool_choice.model_dump()
+        if isinstance(req.tool_choice, NamedToolChoice)
+        else req.tool_choice
     )
     return CanonicalRequest(
         input=ChatInput(

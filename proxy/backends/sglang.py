@@ -9,7 +9,7 @@ admin calls raise on ``success: false``.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +153,7 @@ class SGLangClient:
             content = await resp.read()
         return GenerateResponse.model_validate(self._check(resp.status, content, "/generate"))
 
-    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    async def generate_stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta]:
         """Stream ``/generate``; yields only the tokens that are new in each chunk.
 
         SGLang's default chunks are cumulative; with incremental streaming they

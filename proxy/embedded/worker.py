@@ -267,8 +267,9 @@ class EngineWorker:
             return
         self.stats.prefills += 1
         if request.finish_reason is None:
-            keys = [layer.keys for layer in prefill_cache.layers]  # each (1, H_kv, L, D)
-            values = [layer.values for layer in prefill_cache.layers]
+            # Each (1, H_kv, L, D); a layer that ran prefill holds its keys and values.
+            keys = [layer.keys for layer in prefill_cache.layers if layer.keys is not None]
+            values = [layer.values for layer in prefill_cache.layers if layer.values is not None]
             self._cache.add_row(keys, values)
             self._rows.append(request)
         self._emit(request)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -126,10 +126,10 @@ class GenerationDriver:
                         yield self._delta(prep, run, state, chunk)
                 finished.append((run, state.finish(prep, run)))
             else:
-                async for run, chunk in self._multiplex(prep, runs):
+                async for run, piece in self._multiplex(prep, runs):
                     state = states[run.index]
-                    if chunk is not None:
-                        yield self._delta(prep, run, state, chunk)
+                    if piece is not None:
+                        yield self._delta(prep, run, state, piece)
                     else:
                         finished.append((run, state.finish(prep, run)))
             await asyncio.shield(commit(prep, finished))
@@ -164,7 +164,7 @@ class GenerationDriver:
     def _runs(self, prep: Prepared) -> list[ChoiceRun]:
         return [ChoiceRun(i, cid) for i, cid in enumerate(prep.completion_ids)]
 
-    def _generate(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
+    def _generate(self, prep: Prepared, run: ChoiceRun) -> AsyncGenerator[TokenChunk]:
         """One choice's generation (its result accumulates the tokens)."""
         return generate(
             self._pool(prep),

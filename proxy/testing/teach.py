@@ -144,19 +144,18 @@ def teach_texts(
         model.eval()
         with torch.no_grad():
             caches = [
-                model(input_ids=head_ids, use_cache=True).past_key_values
-                for head_ids, _, _ in prepared
+                model(input_ids=head, use_cache=True).past_key_values for head, _, _ in prepared
             ]
         model.train()
         for _ in range(steps):
             optimizer.zero_grad()
-            for cache, (head_ids, ids, labels) in zip(caches, prepared, strict=True):
-                start = head_ids.shape[1]
+            for cache, (head_tensor, reply, reply_labels) in zip(caches, prepared, strict=True):
+                start = head_tensor.shape[1]
                 out = model(
-                    input_ids=ids,
+                    input_ids=reply,
                     past_key_values=copy.deepcopy(cache),
-                    position_ids=torch.arange(start, start + ids.shape[1])[None],
-                    labels=labels,
+                    position_ids=torch.arange(start, start + reply.shape[1])[None],
+                    labels=reply_labels,
                 )
                 (out.loss / len(prepared)).backward()
             optimizer.step()

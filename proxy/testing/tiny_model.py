@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens, as in Qwen: they stay visible in decoded text.
@@ -97,7 +101,7 @@ assert THINKING_CHAT_TEMPLATE.count("<think>") == 3, "the base template changed"
 
 def build_tiny_tokenizer(
     *, thinking: bool = False, merges_corpus: Sequence[str] = (), vocab_size: int = 2048
-):
+) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer: 256 byte tokens + chat specials, no merges.
 
     ``thinking``: the think markers are added tokens and the template is

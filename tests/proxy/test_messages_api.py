@@ -188,6 +188,20 @@ def test_unsupported_requests_are_400s_naming_the_parameter(
     assert info.value.param == param
 
 
+def test_a_redacted_thinking_block_is_refused_saying_what_to_send_back() -> None:
+    body = {
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]},
+            {"role": "user", "content": "Q2"},
+        ]
+    }
+    with pytest.raises(BadRequest) as info:
+        to_chat_request(req(**body))
+    assert info.value.param == "messages[1].content[0].type"
+    assert "never produces" in str(info.value) and "thinking blocks" in str(info.value)
+
+
 def test_errors_use_anthropics_envelope_and_types() -> None:
     assert error_of(BadRequest("bad", param="max_tokens")) == {
         "type": "error",

@@ -38,8 +38,8 @@ from typing import Any
 from proxima.proxy.errors import ContextTooLong, ProximaError
 from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.sse import named_sse
-from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
-from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
+from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
+from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 _ERROR_TYPES = {
@@ -168,7 +168,7 @@ class MessagesStream:
         self._saw_calls = False
 
     def start(self, input_tokens: int) -> list[bytes]:
-        message = {
+        message: dict[str, Any] = {
             "id": self.head.message_id,
             "type": "message",
             "role": "assistant",
@@ -183,7 +183,7 @@ class MessagesStream:
             named_sse({"type": "ping"}),
         ]
 
-    def feed(self, events: list[StreamEvent]) -> list[bytes]:
+    def feed(self, events: list[Part]) -> list[bytes]:
         out: list[bytes] = []
         for ev in events:
             if isinstance(ev, ReasoningDelta) and ev.text:

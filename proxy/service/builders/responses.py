@@ -32,8 +32,8 @@ from proxima.proxy.errors import ProximaError
 from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.chat import logprob_content
 from proxima.proxy.service.builders.sse import named_sse
-from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish
-from proxima.proxy.tools import ContentDelta, ParsedOutput, StreamEvent, ToolCallDelta
+from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
+from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
 
 
 def _item_id(prefix: str) -> str:
@@ -216,9 +216,7 @@ class ResponsesStream:
             self._event("response.in_progress", response=snapshot),
         ]
 
-    def feed(
-        self, events: list[StreamEvent], logprobs: list[dict[str, Any]] | None = None
-    ) -> list[bytes]:
+    def feed(self, events: list[Part], logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
         self._pending_logprobs.extend(logprobs or [])
         out: list[bytes] = []
         for ev in events:
