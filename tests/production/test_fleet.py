@@ -255,6 +255,48 @@ def test_a_push_through_one_replica_is_seen_by_all_within_a_second(fleet: Fleet)
     assert state.version == version
 
 
+def test_a_backend_restarted_after_a_push_serves_the_current_version_on_every_replica(
+    fleet: Fleet,
+) -> None:
+    """A backend SIGKILLed and restarted comes back with its start-up weights (version 0);
+    no replica routes to it until it reports the current version again."""
+    a = fleet.replicas[0]
+    version = fleet.store_call(lambda s: s.current_policy_version()) + 1
+    resp = httpx.post(
+        a.url + "/admin/weights",
+        json={"version": version, "path": f"/weights/v{version}"},
+        headers=ADMIN,
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    victim = fleet.backends[0]
+    victim.kill()
+    victim.start()
+    urls = [r.url for r in fleet.replicas]
+    served: list[set[int]] = []
+    for i in range(12):  # sessions hash over both backends; turns go to every replica
+        session = _create(urls[i % 3]).json()
+        messages = [{"role": "user", "content": f"after the restart {i}"}]
+        resp = _turn(urls[(i + 1) % 3], session["api_key"], fleet.model_name, messages)
+        assert resp.status_code == 200, resp.text
+        (completion,) = _trajectory(urls[i % 3], session["session_id"])
+        served.append(set(completion["output_versions"]))
+        _finish(urls[i % 3], session["session_id"], "failed")
+    assert served == [{version}] * 12
+
+    def back_everywhere() -> bool:
+        for replica in fleet.replicas:
+            health = httpx.get(replica.url + "/health", timeout=10).json()
+            (b,) = (b for b in health["backends"] if b["url"] == victim.url)
+            if not (b["healthy"] and b["version"] == version):
+                return False
+        return True
+
+    wait_until(back_everywhere, timeout=30, what="the restarted backend back on every replica")
+    reported = httpx.get(victim.url + "/model_info", timeout=10).json()["weight_version"]
+    assert reported == str(version)
+
+
 _SEED = (
     "INSERT INTO sessions (id, kind, status, metadata, created_at, finished_at, group_id) "
     "SELECT md5(random()::text || g::text), "
