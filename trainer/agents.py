@@ -168,6 +168,21 @@ def check_importable(spec: str, pythonpath: str = "") -> None:
 
 # Runs one agent in a fresh interpreter: spec in argv, item JSON on stdin, reward JSON on the
 # original stdout. The agent's own prints go to stderr so they cannot corrupt the result.
+def session_env(binding: SessionBinding, model: str | None) -> dict[str, str]:
+    """The environment variables that point the usual SDKs at one session."""
+    env = {
+        "OPENAI_BASE_URL": binding.base_url,
+        "OPENAI_API_KEY": binding.api_key,
+        # Anthropic clients append /v1/messages to the proxy's root themselves.
+        "ANTHROPIC_BASE_URL": binding.base_url.rstrip("/").removesuffix("/v1"),
+        "ANTHROPIC_API_KEY": binding.api_key,
+        "PROXIMA_SESSION_ID": binding.session_id,
+    }
+    if model is not None:
+        env["OPENAI_MODEL"] = model
+    return env
+
+
 SUBPROCESS_RUNNER = """\
 import asyncio, importlib, inspect, json, os, sys
 result_out = os.fdopen(os.dup(1), "w")
@@ -214,16 +229,7 @@ async def call_subprocess(
     Killed with its process group when cancelled (a timeout); a non-zero exit
     or no reward on stdout is an :class:`AgentError`.
     """
-    env = {
-        **os.environ,
-        "OPENAI_BASE_URL": binding.base_url,
-        "OPENAI_API_KEY": binding.api_key,
-        # Anthropic clients append /v1/messages to the proxy's root themselves.
-        "ANTHROPIC_BASE_URL": binding.base_url.rstrip("/").removesuffix("/v1"),
-        "ANTHROPIC_API_KEY": binding.api_key,
-        "PROXIMA_SESSION_ID": binding.session_id,
-        **env,
-    }
+    env = {**os.environ, **session_env(binding, None), **env}
     if model is not None:
         env["OPENAI_MODEL"] = model
     proc = await asyncio.create_subprocess_exec(

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.trainer.agents import AgentError, AgentFn, RolloutError, resolve_agent
+from proxima.trainer.agents import AgentError, AgentFn, RolloutError, resolve_agent, session_env
 from proxima.trainer.binding import SessionBinding, bind_session
 
 # Ray options of every agent task; the caller's ``ray_options`` are applied on top,
@@ -69,21 +69,6 @@ class RayOutcome:
 
     value: Any
     node_id: str
-
-
-def session_env(binding: SessionBinding, model: str | None) -> dict[str, str]:
-    """The environment variables that point the usual SDKs at one session."""
-    env = {
-        "OPENAI_BASE_URL": binding.base_url,
-        "OPENAI_API_KEY": binding.api_key,
-        # Anthropic clients append /v1/messages to the proxy's root themselves.
-        "ANTHROPIC_BASE_URL": binding.base_url.rstrip("/").removesuffix("/v1"),
-        "ANTHROPIC_API_KEY": binding.api_key,
-        "PROXIMA_SESSION_ID": binding.session_id,
-    }
-    if model is not None:
-        env["OPENAI_MODEL"] = model
-    return env
 
 
 def run_in_worker(
