@@ -1,11 +1,15 @@
-"""Codex CLI and Claude Code, the real binaries from npm, end to end against ``proxima serve``.
+"""Codex CLI and Claude Code (the real binaries from npm) and the OpenAI Agents SDK, end to end
+against ``proxima serve``.
 
 ``make harnesses`` installs ``@openai/codex`` and ``@anthropic-ai/claude-code``
 (pinned) under ``.cache/harnesses``. Each harness runs non-interactively
 (``codex exec`` with a custom provider, ``wire_api = "responses"``; ``claude
 -p`` with ``ANTHROPIC_BASE_URL``), offline: telemetry and update checks off,
 and every proxy variable pointing at a closed loopback port, so any request
-that is not to the proxy on 127.0.0.1 fails.
+that is not to the proxy on 127.0.0.1 fails. The Agents SDK runs as a script in
+a subprocess: an ``Agent`` with one function tool (``run_shell``) on the
+default Responses model, its client's base URL the session's, ``Runner.run``;
+it has its own taught model (its prompt is short: taught in seconds).
 
 The model is a tiny one taught the harness's task from the harness's own
 first request: the harness is run once against a capturing server on
@@ -26,6 +30,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -222,6 +227,56 @@ class ClaudeCode(Harness):
         return {"name": "Bash", "arguments": {"command": COMMAND}}
 
 
+# The Agents SDK run: one Agent, one function tool, the default Responses model on a client
+# with the session's base URL and key (argv: base_url api_key model task). It prints the run's
+# final output as JSON.
+AGENTS_SCRIPT = """\
+import asyncio, json, subprocess, sys
+
+from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+from openai import AsyncOpenAI
+
+base_url, api_key, model, task = sys.argv[1:5]
+set_tracing_disabled(True)
+set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+
+
+@function_tool
+def run_shell(command: str) -> str:
+    \"\"\"Run a shell command in the working directory; return its exit code and output.\"\"\"
+    done = subprocess.run(command, shell=True, capture_output=True, text=True)
+    return f"exit code {done.returncode}\\n{done.stdout}{done.stderr}"
+
+
+agent = Agent(
+    name="shell",
+    instructions="You complete tasks by running shell commands.",
+    model=model,
+    tools=[run_shell],
+)
+result = asyncio.run(Runner.run(agent, task, max_turns=4))
+print(json.dumps({"final_output": result.final_output}))
+"""
+
+
+class AgentsSDK(Harness):
+    name = "agents-sdk"
+    # run_shell's result for a command that prints nothing: deterministic.
+    tool_output_guesses = ["exit code 0\n"]
+
+    def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
+        script = self.root / "agent.py"
+        script.write_text(AGENTS_SCRIPT)
+        argv = [sys.executable, str(script), base_url, api_key, model, TASK]
+        return self._run(argv, {"OPENAI_AGENTS_DISABLE_TRACING": "1"})
+
+    def chat_input(self, body: dict[str, Any]) -> ChatInput:
+        return Codex.chat_input(self, body)  # type: ignore[arg-type]
+
+    def call(self) -> dict[str, Any]:
+        return {"name": "run_shell", "arguments": {"command": COMMAND}}
+
+
 # ----------------------------------------------------------------- capture and teach
 
 
@@ -303,21 +358,25 @@ def teaching_sequences(
     return sequences
 
 
-@pytest.fixture(scope="module")
-def harness_setup(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[[type[Harness]], tuple[Harness, LiveProxy]]]:
-    """Capture both harnesses' first requests, teach one model both tasks, serve it."""
+def serve_taught(
+    root: Path, classes: tuple[type[Harness], ...]
+) -> tuple[dict[str, Harness], LiveProxy]:
+    """Capture the harnesses' first requests, teach one model their tasks, start serving it."""
     model_name = "tiny-harness"
-    root = tmp_path_factory.mktemp("harnesses")
-    harnesses = {cls.name: cls(root / cls.name) for cls in (Codex, ClaudeCode)}
+    harnesses = {cls.name: cls(root / cls.name) for cls in classes}
     for h in harnesses.values():
-        harness_bin(h.name)
+        if not isinstance(h, AgentsSDK):
+            harness_bin(h.name)
     renderer = ChatRenderer(build_tiny_tokenizer())
-    sequences, chats = [], {}
+    sequences = []
     for h in harnesses.values():
-        chats[h.name] = h.chat_input(capture_first_body(h, model_name))
-        sequences += teaching_sequences(renderer, chats[h.name], h.call(), h.tool_output_guesses)
+        h.chat = h.chat_input(capture_first_body(h, model_name))  # type: ignore[attr-defined]
+        sequences += teaching_sequences(
+            renderer,
+            h.chat,  # type: ignore[attr-defined]
+            h.call(),
+            h.tool_output_guesses,
+        )
     texts = [text for seq in sequences for text, _ in seq]
     digest = hashlib.sha256(json.dumps(sequences).encode()).hexdigest()[:16]
     model_dir = CACHE / f"harness-taught-{digest}" / model_name
@@ -338,16 +397,35 @@ def harness_setup(
     )
     work.mkdir()
     proxy.start()
+    return harnesses, proxy
 
-    def get(cls: type[Harness]) -> tuple[Harness, LiveProxy]:
-        h = harnesses[cls.name]
-        h.chat = chats[cls.name]  # type: ignore[attr-defined]
-        return h, proxy
 
-    yield get
+def stop_serving(root: Path, proxy: LiveProxy) -> None:
     proxy.stop()
     if proxy.log_path and proxy.log_path.exists() and "Traceback" in proxy.log_path.read_text():
         shutil.copy(proxy.log_path, root / "serve-with-traceback.log")
+
+
+@pytest.fixture(scope="module")
+def harness_setup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[type[Harness]], tuple[Harness, LiveProxy]]]:
+    """Both CLI harnesses on one model taught both tasks."""
+    root = tmp_path_factory.mktemp("harnesses")
+    harnesses, proxy = serve_taught(root, (Codex, ClaudeCode))
+    yield lambda cls: (harnesses[cls.name], proxy)
+    stop_serving(root, proxy)
+
+
+@pytest.fixture(scope="module")
+def agents_sdk_setup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Harness, LiveProxy]]:
+    """The Agents SDK on its own model: its prompt is short, so teaching it alone is quick."""
+    root = tmp_path_factory.mktemp("agents-sdk")
+    harnesses, proxy = serve_taught(root, (AgentsSDK,))
+    yield harnesses[AgentsSDK.name], proxy
+    stop_serving(root, proxy)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -403,3 +481,15 @@ def test_claude_code_runs_its_bash_tool_through_the_proxy(
     result = json.loads(done.stdout)
     assert (result["result"], result["is_error"], result["num_turns"]) == (FINAL, False, 2)
     check_trajectory(proxy, s["session_id"], claude)
+
+
+def test_agents_sdk_responses_model_runs_its_function_tool_through_the_proxy(
+    agents_sdk_setup: tuple[Harness, LiveProxy],
+) -> None:
+    agent, proxy = agents_sdk_setup
+    s = proxy.new_session(group_id="agents-sdk")
+    done = agent.run(s["base_url"], s["api_key"], proxy.model_name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (agent.work / "done.txt").read_text() == "proxima\n"
+    assert json.loads(done.stdout.splitlines()[-1]) == {"final_output": FINAL}
+    check_trajectory(proxy, s["session_id"], agent)
