@@ -1,5 +1,5 @@
-"""Codex CLI and Claude Code (the real binaries from npm) and the OpenAI Agents SDK, end to end
-against ``proxima serve``.
+"""Codex CLI and Claude Code (the real binaries from npm), the OpenAI Agents SDK and mini-swe-agent,
+end to end against ``proxima serve``.
 
 ``make harnesses`` installs ``@openai/codex`` and ``@anthropic-ai/claude-code``
 (pinned) under ``.cache/harnesses``. Each harness runs non-interactively
@@ -9,7 +9,10 @@ and every proxy variable pointing at a closed loopback port, so any request
 that is not to the proxy on 127.0.0.1 fails. The Agents SDK runs as a script in
 a subprocess: an ``Agent`` with one function tool (``run_shell``) on the
 default Responses model, its client's base URL the session's, ``Runner.run``;
-it has its own taught model (its prompt is short: taught in seconds).
+it has its own taught model (its prompt is short: taught in seconds). So does
+mini-swe-agent (PyPI ``mini-swe-agent``, its ``mini`` CLI with its default
+``mini.yaml``, litellm's ``openai/`` provider on the session's base URL), whose
+second turn is its own submit command rather than a short answer.
 
 The model is a tiny one taught the harness's task from the harness's own
 first request: the harness is run once against a capturing server on
@@ -39,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.api import messages_translate, responses_translate
+from proxima.proxy.api import messages_translate, openai_translate, responses_translate
+from proxima.proxy.api.schemas import ChatCompletionRequest
 from proxima.proxy.chat import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.testing.live import LiveProxy
@@ -138,6 +142,9 @@ class Harness:
 
     name: str
     tool_output_guesses: list[str]
+    # What the model writes after the tool's result: a short answer (or, for a harness that
+    # ends on a tool call of its own, that call).
+    final = FINAL
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -277,6 +284,72 @@ class AgentsSDK(Harness):
         return {"name": "run_shell", "arguments": {"command": COMMAND}}
 
 
+# mini-swe-agent (`mini`, from PyPI): its default config (mini.yaml) on Chat Completions through
+# litellm's OpenAI provider, the model's base URL and key as litellm arguments; no confirmation
+# (--yolo), no prompt at the end (--exit-immediately), no cost limit or cost lookup (the served
+# model has no price), at most 4 steps. It ends when the model runs its submit command.
+MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+MINI_ENV = {
+    "MSWEA_CONFIGURED": "true",  # else it asks for a default model and keys on first run
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",  # an error ends the run at once (no backoff)
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm's bundled price list: no download
+}
+
+
+def mini_observation(returncode: int, output: str) -> str:
+    """The tool result mini-swe-agent sends: mini.yaml's observation template, rendered with
+    what its LocalEnvironment reports for a command that ran. (Found, not imported: importing
+    minisweagent writes its config directory under $HOME.)"""
+    import importlib.util
+
+    import yaml
+    from jinja2 import StrictUndefined, Template
+
+    spec = importlib.util.find_spec("minisweagent")
+    assert spec is not None and spec.origin is not None
+    config = yaml.safe_load((Path(spec.origin).parent / "config" / "mini.yaml").read_text())
+    template = Template(config["model"]["observation_template"], undefined=StrictUndefined)
+    ran = {"returncode": returncode, "output": output, "exception_info": ""}
+    return template.render(output=ran)
+
+
+class MiniSweAgent(Harness):
+    name = "mini-swe-agent"
+
+    @property
+    def tool_output_guesses(self) -> list[str]:  # type: ignore[override]
+        return [mini_observation(0, "")]  # `echo proxima > done.txt` prints nothing
+
+    @property
+    def final(self) -> str:  # type: ignore[override]
+        return call_text({"name": "bash", "arguments": {"command": MINI_SUBMIT}})
+
+    def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
+        self.trajectory = self.root / "trajectory.json"
+        argv = [sys.executable, "-m", "minisweagent.run.mini", "-c", "mini.yaml"]
+        for spec in (
+            f"model.model_kwargs.api_base={base_url}",
+            f"model.model_kwargs.api_key={api_key}",
+            "model.cost_tracking=ignore_errors",
+            "agent.step_limit=4",
+        ):
+            argv += ["-c", spec]
+        argv += ["-m", f"openai/{model}", "-t", TASK, "--yolo", "--exit-immediately"]
+        argv += ["--cost-limit", "0", "-o", str(self.trajectory)]
+        config_dir = {"MSWEA_GLOBAL_CONFIG_DIR": str(self.home / "mini-swe-agent")}
+        return self._run(argv, {**MINI_ENV, **config_dir})
+
+    def chat_input(self, body: dict[str, Any]) -> ChatInput:
+        req = ChatCompletionRequest.model_validate(body)
+        chat = openai_translate.chat_request(req).input
+        assert isinstance(chat, ChatInput)
+        return chat
+
+    def call(self) -> dict[str, Any]:
+        return {"name": "bash", "arguments": {"command": COMMAND}}
+
+
 # ----------------------------------------------------------------- capture and teach
 
 
@@ -340,7 +413,11 @@ def turn_two(chat: ChatInput, call: dict[str, Any], output: str) -> list[dict[st
 
 
 def teaching_sequences(
-    renderer: ChatRenderer, chat: ChatInput, call: dict[str, Any], guesses: list[str]
+    renderer: ChatRenderer,
+    chat: ChatInput,
+    call: dict[str, Any],
+    guesses: list[str],
+    final: str = FINAL,
 ) -> list[list[tuple[str, bool]]]:
     """Turn 1's prompt, the call, each guessed tool result, the final answer."""
     first = renderer.render_text(chat.messages, chat.tools, add_generation_prompt=True)
@@ -353,7 +430,7 @@ def teaching_sequences(
         assert full.startswith(head)
         sequences.append(
             [(first, False), (call_text(call) + END, True), (full[len(head) :], False)]
-            + [(FINAL + END, True)]
+            + [(final + END, True)]
         )
     return sequences
 
@@ -365,7 +442,7 @@ def serve_taught(
     model_name = "tiny-harness"
     harnesses = {cls.name: cls(root / cls.name) for cls in classes}
     for h in harnesses.values():
-        if not isinstance(h, AgentsSDK):
+        if not isinstance(h, AgentsSDK | MiniSweAgent):
             harness_bin(h.name)
     renderer = ChatRenderer(build_tiny_tokenizer())
     sequences = []
@@ -376,6 +453,7 @@ def serve_taught(
             h.chat,  # type: ignore[attr-defined]
             h.call(),
             h.tool_output_guesses,
+            h.final,
         )
     texts = [text for seq in sequences for text, _ in seq]
     digest = hashlib.sha256(json.dumps(sequences).encode()).hexdigest()[:16]
@@ -428,6 +506,17 @@ def agents_sdk_setup(
     stop_serving(root, proxy)
 
 
+@pytest.fixture(scope="module")
+def mini_swe_agent_setup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Harness, LiveProxy]]:
+    """mini-swe-agent on its own model (its prompt, mini.yaml's, is about 3 KB)."""
+    root = tmp_path_factory.mktemp("mini-swe-agent")
+    harnesses, proxy = serve_taught(root, (MiniSweAgent,))
+    yield harnesses[MiniSweAgent.name], proxy
+    stop_serving(root, proxy)
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -436,7 +525,7 @@ def check_trajectory(proxy: LiveProxy, session_id: str, harness: Harness) -> Non
     renderer = ChatRenderer(tokenizer)
     first, second = proxy.trajectory(session_id)["completions"]
     call = call_text(harness.call())
-    assert (first["response_text"], second["response_text"]) == (call, FINAL)
+    assert (first["response_text"], second["response_text"]) == (call, harness.final)
     for c in (first, second):
         assert len(c["output_logprobs"]) == len(c["output_ids"]) == len(c["output_versions"]) > 0
         assert all(lp <= 0.0 for lp in c["output_logprobs"])
@@ -493,3 +582,21 @@ def test_agents_sdk_responses_model_runs_its_function_tool_through_the_proxy(
     assert (agent.work / "done.txt").read_text() == "proxima\n"
     assert json.loads(done.stdout.splitlines()[-1]) == {"final_output": FINAL}
     check_trajectory(proxy, s["session_id"], agent)
+
+
+def test_mini_swe_agent_runs_its_bash_tool_through_the_proxy(
+    mini_swe_agent_setup: tuple[Harness, LiveProxy],
+) -> None:
+    mini, proxy = mini_swe_agent_setup
+    s = proxy.new_session(group_id="mini-swe-agent")
+    done = mini.run(s["base_url"], s["api_key"], proxy.model_name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (mini.work / "done.txt").read_text() == "proxima\n"
+    # Its own record of the run: submitted after two model calls, the first call's result as
+    # the tool message the proxy saw.
+    run = json.loads(mini.trajectory.read_text())  # type: ignore[attr-defined]
+    info = run["info"]
+    assert (info["exit_status"], info["model_stats"]["api_calls"]) == ("Submitted", 2)
+    tool_results = [m["content"] for m in run["messages"] if m["role"] == "tool"]
+    assert tool_results[0] == mini_observation(0, "")
+    check_trajectory(proxy, s["session_id"], mini)
