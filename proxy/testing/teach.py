@@ -73,7 +73,7 @@ def teach_texts(
     model_dir: str | Path,
     sequences: Sequence[Sequence_],
     *,
-    rounds: int = 40,
+    rounds: int = 300,
     steps: int = 20,
     lr: float = 1e-2,
     min_prob: float = 0.999,
@@ -94,7 +94,9 @@ def teach_texts(
     once per round and its keys and values reused for ``steps`` steps on the
     rest of the sequence (a few hundred tokens); each round recomputes them
     with the updated weights. Training stops once a full forward pass, with
-    no cached values, gives every taught token at least ``min_prob``: harnesses
+    no cached values, gives every taught token at least ``min_prob`` (a round
+    takes under a second; the harness prompts hold the date, and some days'
+    prompts need over a hundred rounds): harnesses
     sample at temperature 1 (they send none), so a 20-token reply must come out
     whole with near certainty, and no other engine's summation order can flip
     it; else an error.
