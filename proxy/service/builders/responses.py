@@ -230,61 +230,49 @@ class ResponsesStream:
         return out
 
     def _reasoning(self, text: str) -> list[bytes]:
-        out: list[bytes] = []
-        if self._open is None or self._open.item["type"] != "reasoning":
-            out += self._close()
-            out += self._add(self.head.reasoning_item(_item_id("rs"), "in_progress", None))
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self._open_id(),
-                    output_index=self._open_index(),
-                    content_index=0,
-                    part=_reasoning_part(""),
-                )
-            )
+        out = self._open_part(
+            "reasoning",
+            lambda: self.head.reasoning_item(_item_id("rs"), "in_progress", None),
+            _reasoning_part(""),
+        )
         assert self._open is not None
         self._open.text.append(text)
-        out.append(
-            self._event(
-                "response.reasoning_text.delta",
-                item_id=self._open_id(),
-                output_index=self._open_index(),
-                content_index=0,
-                delta=text,
-            )
-        )
+        out.append(self._part_event("response.reasoning_text.delta", delta=text))
         return out
 
     def _text(self, text: str) -> list[bytes]:
-        out: list[bytes] = []
-        if self._open is None or self._open.item["type"] != "message":
-            out += self._close()
-            out += self._add(_message_item(_item_id("msg"), "in_progress", None, None))
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self._open_id(),
-                    output_index=self._open_index(),
-                    content_index=0,
-                    part=_text_part("", None),
-                )
-            )
+        out = self._open_part(
+            "message",
+            lambda: _message_item(_item_id("msg"), "in_progress", None, None),
+            _text_part("", None),
+        )
         assert self._open is not None
         logprobs, self._pending_logprobs = self._pending_logprobs, []
         self._open.text.append(text)
         self._open.logprobs.extend(logprobs)
-        out.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self._open_id(),
-                output_index=self._open_index(),
-                content_index=0,
-                delta=text,
-                logprobs=logprobs,
-            )
-        )
+        out.append(self._part_event("response.output_text.delta", delta=text, logprobs=logprobs))
         return out
+
+    def _open_part(
+        self, kind: str, item: Callable[[], dict[str, Any]], part: dict[str, Any]
+    ) -> list[bytes]:
+        """Open ``item()`` and its one empty content part, unless an item of ``kind`` is open."""
+        if self._open is not None and self._open.item["type"] == kind:
+            return []
+        out = self._close()
+        out += self._add(item())
+        out.append(self._part_event("response.content_part.added", part=part))
+        return out
+
+    def _part_event(self, kind: str, **fields: Any) -> bytes:
+        """An event of the open item's content part (its only one: ``content_index`` 0)."""
+        return self._event(
+            kind,
+            item_id=self._open_id(),
+            output_index=self._open_index(),
+            content_index=0,
+            **fields,
+        )
 
     def _call(self, ev: ToolCallDelta) -> list[bytes]:
         out: list[bytes] = []
