@@ -43,6 +43,9 @@ sys.path.insert(0, str(ROOT))
 from proxima.trainer.config import load_raw_config  # noqa: E402
 from proxima.trainer.testbed import summary  # noqa: E402  (mean and sample std)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_seeds import step_rewards  # noqa: E402  (one reader of a run's train_log.jsonl)
+
 
 def run_one(
     base: dict[str, Any], eta: int, seed: int, steps: int | None, out_dir: Path
@@ -91,15 +94,6 @@ def run_one(
         flush=True,
     )
     return summary
-
-
-def step_rewards(run_dir: Path) -> list[float]:
-    """The training-batch reward of every PPO step of one run (from ``train_log.jsonl``)."""
-    logs = sorted(run_dir.rglob("train_log.jsonl"))
-    if not logs:
-        return []
-    rows = [json.loads(line) for line in logs[0].read_text().splitlines() if line.strip()]
-    return [float(r["reward_mean"]) for r in rows if r.get("event") == "step"]
 
 
 def table(results: dict[int, list[dict[str, Any]]]) -> str:
