@@ -95,6 +95,9 @@ def _engine(args: argparse.Namespace) -> int:
         port=args.port,
         max_running_requests=args.max_running_requests,
         weight_version=args.weight_version,
+        enable_lora=args.enable_lora,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank,
     )
     return 0
 
@@ -369,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--weight-version", default="0")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument(
+        "--max-loras-per-batch", type=int, default=8, help="distinct adapters in one batch"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=None, help="refuse higher ranks")
     p.set_defaults(func=_engine)
 
     _add_trainer(sub)
