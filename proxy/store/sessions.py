@@ -9,10 +9,10 @@ from typing import Any
 from proxima.proxy.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, new_id, of_policy
 from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.direct_sqlite import SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet
 from proxima.proxy.store.models import ApiKeyRow, CompletionRow, SessionRow, utcnow
 from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
-from proxima.proxy.store.writer import SqliteBusy
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
@@ -77,12 +77,12 @@ class SessionsMixin(StoreBase):
         """The session whose own API key hashes to ``api_key_hash``, or ``None``.
 
         Every session's first request (and one every key-cache period) asks this: on
-        SQLite it is read on the event loop when that needs no wait (see ``SqliteWriter``).
+        SQLite it is read on the event loop when that needs no wait (see ``DirectSqlite``).
         """
-        writer = self._sqlite_writer
-        if writer is not None:
+        direct = self._direct_sqlite
+        if direct is not None:
             try:
-                found = writer.read_one(SessionRow, "api_key_hash", api_key_hash)
+                found = direct.read_one(SessionRow, "api_key_hash", api_key_hash)
             except SqliteBusy:
                 pass
             else:
