@@ -10,13 +10,21 @@ from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.direct_sqlite import DirectSqlite
 from proxima.proxy.store.errors import NotFound
 from proxima.proxy.store.models import SessionRow
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import InstrumentedAttribute
 
 
 def new_id() -> str:
     """A fresh random identifier (128 bits, hex)."""
     return uuid.uuid4().hex
+
+
+def of_policy(
+    column: InstrumentedAttribute[str | None], adapter: str | None
+) -> ColumnElement[bool]:
+    """SQL condition: ``column`` names the policy ``adapter`` (``None``, the base: NULL)."""
+    return column.is_(None) if adapter is None else column == adapter
 
 
 class StoreBase:
