@@ -39,9 +39,12 @@ from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext,
 from dataclasses import dataclass, field
 
 import httpx
-from proxima.proxy.backends.errors import BackendConnectionError, BackendError
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendError,
+    BackendUnavailable,
+)
 from proxima.proxy.backends.sglang import SGLangClient
-from proxima.proxy.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
