@@ -8,7 +8,15 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from proxima.proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
+from proxima.proxy.api.deps import (
+    AdminDep,
+    HistoriesDep,
+    PoolDep,
+    PrincipalDep,
+    PrincipalsDep,
+    SettingsDep,
+    StoreDep,
+)
 from proxima.proxy.api.schemas import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -97,9 +105,10 @@ async def create_session(
                 code="staleness_capacity",
             ) from exc
     # Its first turn then reads neither its key nor its history from the store.
-    request.app.state.cache.remember_new_session(
+    request.app.state.principals.remember(
         key_hash, Principal(PrincipalKind.SESSION, session=session)
     )
+    request.app.state.histories.remember(session.id, [])
     base_url = settings.base_url(getattr(request.app.state, "bound_port", None))
     return CreateSessionResponse(session_id=session.id, api_key=key, base_url=base_url)
 
@@ -166,11 +175,13 @@ async def finish_session(
     session_id: str,
     principal: PrincipalDep,
     store: StoreDep,
-    cache: CacheDep,
+    principals: PrincipalsDep,
+    histories: HistoriesDep,
     body: FinishRequest | None = None,
 ) -> dict[str, Any]:
     session = await _owned_session(store, principal, session_id)
     status = SessionStatus(body.status) if body else SessionStatus.FINISHED
     session = await store.finish_session(session_id=session.id, status=status)
-    cache.forget_session(session.id)
+    principals.forget_session(session.id)
+    histories.forget_session(session.id)
     return _session_json(session)

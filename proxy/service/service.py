@@ -18,6 +18,7 @@ from typing import Any
 
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_model_version
 from proxima.proxy.errors import Conflict, NotFound
@@ -25,12 +26,12 @@ from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
 from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
 from proxima.proxy.service.events import Completion, Event
 from proxima.proxy.service.prepare import Prepared, PromptPreparer
-from proxima.proxy.service.recording import CompletionCommitter
+from proxima.proxy.service.recording import ChoiceRecorder
+from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
 from proxima.proxy.tools import detect_tool_parser, get_tool_parser
@@ -45,8 +46,9 @@ class CompletionService:
         pool: BackendPool,
         tokenizer: Any,
         context_length: int,
-        recorder: CompletionRecorder,
-        cache: SessionCache,
+        group_commit: GroupCommit,
+        principals: PrincipalCache,
+        histories: HistoryCache,
         metrics: Metrics,
         deployments: Deployments | None = None,
     ):
@@ -54,8 +56,8 @@ class CompletionService:
         self.store = store
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
         self.deployments = deployments or Deployments(Deployment(TRAINING, pool))
-        self.recorder = recorder
-        self.cache = cache
+        self.principals = principals
+        self.histories = histories
         self.metrics = metrics
         template = getattr(tokenizer, "chat_template", None)
         parser_name = settings.tool_parser or detect_tool_parser(
@@ -77,11 +79,11 @@ class CompletionService:
             settings.signing_key.get_secret_value() if settings.signing_key else None,
             settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
-        self.commit = CompletionCommitter(
+        self.commit = ChoiceRecorder(
             model_name=settings.model_name,
             pool=pool,
-            recorder=recorder,
-            cache=cache,
+            group_commit=group_commit,
+            histories=histories,
             metrics=metrics,
             rendered=self.preparer.rendered,
         )
@@ -274,11 +276,12 @@ class CompletionService:
         replica reloads it, and a session finished through another replica is a
         409 here at once. On SQLite (one process) the cache is the truth.
         """
-        history = self.cache.history(session.id)
+        history = self.histories.get(session.id)
         if self.store.shared:
             state = await self.store.session_state(session_id=session.id)
             if state.status is not SessionStatus.OPEN:
-                self.cache.forget_session(session.id)
+                self.principals.forget_session(session.id)
+                self.histories.forget_session(session.id)
                 raise Conflict(
                     f"Session {session.id} is {state.status.value}; open a new session.",
                     code="session_closed",
@@ -287,7 +290,7 @@ class CompletionService:
                 history = None
         if history is None:
             history = await self.store.list_completions(session_id=session.id)
-            self.cache.remember_history(session.id, history)
+            self.histories.remember(session.id, history)
         return history
 
 
