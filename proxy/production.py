@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxima.proxy.adapters import policy_label
-from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.deployments import (
     CANARY,
     PRODUCTION,
@@ -128,6 +128,8 @@ class ProductionController:
                 await pool.update_weights(version=version, path=path)
             else:
                 await pool.update_adapter(adapter=adapter, version=version, path=path or None)
+        except BackendUnavailable:
+            raise  # no backend to load into: a 503, not the version's fault
         except BackendError as exc:
             raise BadRequest(
                 f"The {deployment.name} backends could not load version {version} of "

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
-from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.deployments import TRAINING, Deployment, Deployments
 from proxima.proxy.errors import BadRequest, Conflict
@@ -51,6 +51,8 @@ async def update_weights(
                 update = await pool.update_adapter(
                     adapter=adapter, version=body.version, path=body.path
                 )
+        except BackendUnavailable:
+            raise  # no backend to load into: a 503, not the path's fault
         except BackendError as exc:
             raise BadRequest(
                 f"Loading {'weights' if adapter is None else 'the adapter'} from {body.path} "

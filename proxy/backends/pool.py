@@ -52,10 +52,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from proxima.proxy.backends.errors import BackendConnectionError, BackendError
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendError,
+    BackendUnavailable,
+)
 from proxima.proxy.backends.protocol import lora_name
 from proxima.proxy.backends.sglang import SGLangClient
-from proxima.proxy.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
