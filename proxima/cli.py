@@ -15,14 +15,15 @@ from pathlib import Path
 
 from proxima.proxy.logs import configure_logging
 
-DEFAULT_DB = "sqlite:///proxima.db"
-
 
 def _add_db(p: argparse.ArgumentParser) -> None:
+    from proxima.proxy.config import Settings
+
+    default = Settings.model_fields["db"].default
     p.add_argument(
         "--db",
-        default=os.environ.get("PROXIMA_DB", DEFAULT_DB),
-        help="SQLAlchemy URL of the trajectory store (default: %(default)s)",
+        default=os.environ.get("PROXIMA_DB", default),
+        help=f"SQLAlchemy URL of the trajectory store (default: PROXIMA_DB, else {default})",
     )
 
 
@@ -31,38 +32,25 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from proxima.proxy.app import ContextLengthMismatch, check_context_length, create_app
-    from proxima.proxy.config import Settings
+    from proxima.proxy.config import ENV_PREFIX, Settings, flag_name, flags_of
     from proxima.proxy.serving import bind_socket
 
-    overrides = {
-        k: v
-        for k, v in {
-            "model": args.model,
-            "host": args.host,
-            "port": args.port,
-            "db": args.db,
-            "backends": args.backend or None,
-            "production_backends": args.production_backend or None,
-            "production_engine": args.production_engine or None,
-            "canary_backends": args.canary_backend or None,
-            "admin_token": args.admin_token,
-            "served_model_name": args.served_model_name,
-            "tool_parser": args.tool_parser,
-            "reasoning_parser": args.reasoning_parser,
-            "max_staleness": args.max_staleness,
-            "train_batch_size": args.train_batch_size,
-            "context_length": args.context_length,
-            "clamp_max_tokens": args.clamp_max_tokens or None,
-            "tool_fallback": args.tool_fallback,
-        }.items()
-        if v is not None
-    }
     try:
-        settings = Settings(**overrides)
+        settings = Settings.load(flags_of(args), args.config)
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
+            if err["type"] == "missing" and loc in Settings.model_fields:
+                print(
+                    f"proxima serve: {flag_name(loc)} is required "
+                    f"(or {ENV_PREFIX}{loc.upper()}, or {loc} in --config)",
+                    file=sys.stderr,
+                )
+                continue
             print(f"proxima serve: {loc}: {err['msg']}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # the --config file
+        print(f"proxima serve: {exc}", file=sys.stderr)
         return 2
     try:
         check_context_length(settings)
@@ -282,6 +270,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from proxima.proxy.config import Settings
+    from proxima.proxy.config import add_arguments as add_settings_arguments
+
     parser = argparse.ArgumentParser(
         prog="proxima",
         description="Train unmodified LLM agents with "
@@ -298,76 +289,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the OpenAI-compatible proxy (and the embedded engine)")
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible proxy (and the embedded engine)",
+        description="Every setting below also comes from its environment variable or from "
+        "--config; a flag wins over the environment, which wins over the file.",
+    )
     p.add_argument(
-        "--model",
+        "--config",
         type=Path,
-        default=os.environ.get("PROXIMA_MODEL"),
-        help="HF model directory (tokenizer + chat template; served by the embedded engine)",
-    )
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 = any free port)")
-    _add_db(p)
-    p.add_argument(
-        "--backend",
-        action="append",
-        metavar="URL",
-        help="SGLang-protocol backend URL; repeat for several. None: embedded engine",
-    )
-    p.add_argument(
-        "--production-backend",
-        action="append",
-        metavar="URL",
-        help="backend of the production deployment (production keys, a pinned version); "
-        "repeat for several",
-    )
-    p.add_argument(
-        "--production-engine",
-        action="store_true",
-        help="a second embedded engine serves production keys at a pinned version",
-    )
-    p.add_argument(
-        "--canary-backend",
-        action="append",
-        metavar="URL",
-        help="backend of the production canary (with --production-engine, the canary's "
-        "embedded engine starts on the first canary promotion instead)",
-    )
-    p.add_argument(
-        "--admin-token", default=None, help="admin bearer token (or PROXIMA_ADMIN_TOKEN)"
-    )
-    p.add_argument("--served-model-name", default=None, help="model name in /v1/models")
-    p.add_argument(
-        "--tool-parser", default=None, help="hermes | llama3_json | none (default: detect)"
-    )
-    p.add_argument(
-        "--reasoning-parser",
         default=None,
-        help="qwen3 | deepseek-r1 | none: a thinking model's reasoning markers (default: detect)",
+        metavar="FILE",
+        help="TOML file of settings, keyed by name with underscores (max_staleness = 4)",
     )
-    p.add_argument("--max-staleness", type=int, default=None, help="eta of the staleness rule")
-    p.add_argument("--train-batch-size", type=int, default=None, help="trainer batch size B")
-    p.add_argument("--context-length", type=int, default=None, help="override the context window")
-    p.add_argument(
-        "--tool-fallback",
-        choices=["hermes"],
-        default=None,
-        help="for a chat template that does not render tools (SmolLM2's): write them into "
-        "the system prompt in this format (default: such requests are a 400)",
-    )
-    p.add_argument(
-        "--clamp-max-tokens",
-        action="store_true",
-        help="lower a max_tokens larger than the context leaves to what is left, instead of "
-        "answering 400 (for harnesses with a fixed max_tokens, e.g. Claude Code's 32000)",
-    )
+    add_settings_arguments(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("engine", help="run the embedded CPU engine alone (SGLang's native API)")
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=Settings.model_fields["engine_max_running_requests"].default,
+        help="requests decoded together in one batch (default: %(default)s)",
+    )
     p.add_argument("--weight-version", default="0")
     p.set_defaults(func=_engine)
 
@@ -428,9 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, json_logs=args.log_format == "json")
-    if args.command == "serve" and args.model is None:
-        print("proxima serve: --model DIR is required (or PROXIMA_MODEL)", file=sys.stderr)
-        return 2
     return int(args.func(args) or 0)
 
 

@@ -21,6 +21,7 @@ from proxima.proxy.api import admin, messages, openai, responses, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
@@ -30,8 +31,8 @@ from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.middleware import BodyLimitMiddleware
 from proxima.proxy.production import ProductionController
-from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service import CompletionService
+from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
 
@@ -205,17 +206,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.store = store
         app.state.pool = pool
         app.state.tokenizer = tokenizer
-        recorder = CompletionRecorder(store)
-        recorder.start()
-        app.state.cache = SessionCache(ttl=settings.key_cache_seconds)
+        group_commit = GroupCommit(store)
+        group_commit.start()
+        app.state.principals = PrincipalCache(ttl=settings.key_cache_seconds)
+        app.state.histories = HistoryCache()
         app.state.service = CompletionService(
             settings=settings,
             store=store,
             pool=pool,
             tokenizer=tokenizer,
             context_length=context_length,
-            recorder=recorder,
-            cache=app.state.cache,
+            group_commit=group_commit,
+            principals=app.state.principals,
+            histories=app.state.histories,
             metrics=app.state.metrics,
             deployments=deployments,
         )
@@ -231,7 +234,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         )
         yield
         await follower.close()
-        await recorder.close()
+        await group_commit.close()
         app.state.service.close()
     finally:
         if deployments is not None:

@@ -1,20 +1,47 @@
 """Proxy settings: one validated ``Settings`` object built at start-up.
 
-Every field can come from the CLI (``proxima serve --help``) or from an
-environment variable ``PROXIMA_<FIELD>`` (e.g. ``PROXIMA_ADMIN_TOKEN``).
+Each field is declared once, here, with its default and its description, and
+can come from three places (the first that gives it wins):
+
+1. a flag of ``proxima serve``: ``--<field>`` with dashes (``--max-staleness 4``);
+   a list's flag is its singular, repeated (``--backend URL --backend URL``); a
+   switch has its ``--no-`` form (``--no-record-production``);
+2. an environment variable ``PROXIMA_<FIELD>`` (``PROXIMA_ADMIN_TOKEN``; a list as
+   JSON, ``PROXIMA_BACKENDS='["http://a:30000"]'``);
+3. a TOML file given with ``proxima serve --config FILE``, keyed by field name
+   (``max_staleness = 4``, ``backends = ["http://a:30000"]``).
+
+The flags are generated from the fields (``add_arguments``), so their help is the
+description below and their default is the field's.
 """
 
 from __future__ import annotations
 
+import argparse
+import tomllib
+import types
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+ENV_PREFIX = "PROXIMA_"
+
+# The values of the ``--config`` file while ``Settings.load`` builds the settings.
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("settings_file", default=None)
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PROXIMA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     model: Path = Field(
         description="HF model directory: its tokenizer and chat template render prompts; "
@@ -130,6 +157,36 @@ class Settings(BaseSettings):
         32, ge=1, description="Embedded engine: requests decoded together in one batch."
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments (the flags), then the environment, then the ``--config`` file."""
+        sources = (init_settings, env_settings, dotenv_settings, file_secret_settings)
+        file_values = _file_values.get()
+        if file_values:
+            return (*sources, InitSettingsSource(settings_cls, init_kwargs=file_values))
+        return sources
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any], config_file: Path | None = None) -> Settings:
+        """The settings from ``flags`` (field name -> value), the environment and
+        ``config_file`` (TOML), in that order of precedence.
+
+        Raises ``pydantic.ValidationError`` for a bad value and ``ValueError`` for a
+        file that cannot be read or names a setting that does not exist.
+        """
+        token = _file_values.set(read_settings_file(config_file) if config_file else None)
+        try:
+            return cls(**flags)
+        finally:
+            _file_values.reset(token)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if not (self.model / "config.json").exists():
@@ -177,3 +234,92 @@ class Settings(BaseSettings):
         if self.public_base_url:
             return self.public_base_url.rstrip("/")
         return f"http://{self.host}:{bound_port or self.port}/v1"
+
+
+def read_settings_file(path: Path) -> dict[str, Any]:
+    """A ``--config`` file's settings; every key must name a field of ``Settings``."""
+    try:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from exc
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(
+            f"--config {path}: no such setting: {', '.join(unknown)} (settings are named as "
+            "in `proxima serve --help`, with underscores: max_staleness, backends, ...)"
+        )
+    return values
+
+
+# ------------------------------------------------------------------------ flags
+
+
+def flag_dest(name: str) -> str:
+    """The argparse destination of field ``name``'s flag: a list's is its singular."""
+    field = Settings.model_fields[name]
+    return name[:-1] if _is_list(field) and name.endswith("s") else name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``Settings`` field: type, choices, help and default from the field.
+
+    Every flag defaults to ``None`` (not given), so the environment, the file and the
+    field's own default fill what no flag sets (``flags_of``).
+    """
+    for name, field in Settings.model_fields.items():
+        dest = flag_dest(name)
+        flag = "--" + dest.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": _help(name, field)}
+        annotation = _unwrap_optional(field.annotation)
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif _is_list(field):
+            kwargs.update(action="append", metavar="URL")
+        elif get_origin(annotation) is Literal:
+            kwargs["choices"] = list(get_args(annotation))
+        else:
+            kwargs["type"] = _ARG_TYPES.get(annotation, str)
+            metavar = {Path: "DIR", int: "N", float: "SECONDS"}.get(annotation)
+            if metavar is not None:
+                kwargs["metavar"] = metavar
+        parser.add_argument(flag, **kwargs)
+
+
+def flags_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings a command line gave (field name -> value), for ``Settings.load``."""
+    given = {name: getattr(args, flag_dest(name), None) for name in Settings.model_fields}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def flag_name(name: str) -> str:
+    """Field ``name``'s flag as typed (``--backend`` for ``backends``)."""
+    return "--" + flag_dest(name).replace("_", "-")
+
+
+_ARG_TYPES: dict[Any, Any] = {int: int, float: float, str: str, Path: Path, SecretStr: str}
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _is_list(field: FieldInfo) -> bool:
+    return get_origin(_unwrap_optional(field.annotation)) is list
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    text = (field.description or "").replace("%", "%%")
+    if _is_list(field):
+        text += " Repeat the flag for several."
+    env = ENV_PREFIX + name.upper()
+    if field.is_required():
+        return f"{text} Required (or {env})."
+    default = field.get_default(call_default_factory=True)
+    if default is None or default == []:
+        # The description says what an unset value does.
+        return f"{text} Env {env}."
+    return f"{text} Default: {default!r}; env {env}."

@@ -17,6 +17,7 @@ bias the importance weight ``exp(prox - behav)`` (see ``proxima.trainer.loss``).
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -225,6 +226,59 @@ class MegatronConfig(_Section):
         return self
 
 
+ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+"""An adapter's name (the proxy's policies use the same rule; the base model has none)."""
+
+
+class LoraConfig(_Section):
+    """LoRA adapters trained on one frozen base (``[trainer.lora]``; torch backend, peft).
+
+    Each adapter is a policy of its own: it trains only on its own sessions,
+    keeps its own AdamW state and version sequence (1, 2, ...), and is pushed
+    as a peft directory. No adapters: full fine-tuning of the base model.
+    Hu et al. 2021: ``W x + (alpha / rank) * B A x`` with ``A`` random, ``B``
+    zero at the start, so a new adapter starts as the base model exactly.
+    """
+
+    adapters: tuple[str, ...] = Field(
+        (),
+        description="Names of the adapters to train (each matches ^[a-z0-9][a-z0-9_-]{0,63}$); "
+        "empty: full fine-tuning of the base model.",
+    )
+    rank: int = Field(8, ge=1, description="LoRA rank r of every adapter.")
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA alpha: the update B A x is scaled by alpha / rank."
+    )
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        min_length=1,
+        description="Names of the linear modules that get an adapter (peft's target_modules), "
+        "e.g. the attention projections q_proj, k_proj, v_proj, o_proj of Llama/Qwen.",
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input while training. 0 (the default) keeps the "
+        "training pass a deterministic function of the weights, as the decoupled loss assumes "
+        "when the proximal logprobs come from that pass.",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not ADAPTER_NAME.match(name):
+                raise ValueError(
+                    f"lora.adapters: {name!r} is not an adapter name; use lower-case letters, "
+                    "digits, '-' and '_' (first a letter or digit), at most 64 characters"
+                )
+        duplicates = sorted({n for n in value if value.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"lora.adapters names {duplicates} more than once")
+        return value
+
+
 class LoopConfig(_Section):
     """The training loop around the store and the proxy (``proxima.trainer.loop``)."""
 
@@ -321,6 +375,9 @@ class TrainerConfig(_Section):
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="Megatron layout (backend = megatron)."
     )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters (none: full fine-tuning)."
+    )
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Training loop.")
     connection: ConnectionConfig = Field(
         default_factory=ConnectionConfig, description="Proxy, store and initial model."
@@ -389,7 +446,20 @@ class TrainerConfig(_Section):
                 f"{self.ppo.ppo_minibatches}: some minibatches would be empty; raise batch_size "
                 "or lower ppo_minibatches"
             )
+        if self.lora.adapters and self.backend == "megatron":
+            # megatron-core 0.16.1 has no LoRA/PEFT layers (its "lora" ranks are MLA's
+            # low-rank projections, part of the architecture); adapters live in NeMo.
+            raise ValueError(
+                f'lora.adapters={list(self.lora.adapters)} needs backend = "torch": the megatron '
+                "backend trains full weights only (megatron-core 0.16 has no LoRA layers); set "
+                'backend = "torch" to train adapters, or remove lora.adapters'
+            )
         return self
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The adapters this trainer trains (empty: full fine-tuning)."""
+        return self.lora.adapters
 
 
 def load_config(path: str | Path) -> TrainerConfig:

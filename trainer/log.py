@@ -159,6 +159,7 @@ class TrainLog:
         console: bool = True,
         total_steps: int | None = None,
         stream: TextIO | None = None,
+        desc: str = "train",
     ) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / LOG_FILE
@@ -170,7 +171,7 @@ class TrainLog:
         self._bar: tqdm[Any] | None = None
         if console:
             self._bar = tqdm(
-                total=total_steps, unit="step", desc="train", file=self._stream, dynamic_ncols=True
+                total=total_steps, unit="step", desc=desc, file=self._stream, dynamic_ncols=True
             )
 
     def step(self, record: StepRecord) -> None:

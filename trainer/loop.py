@@ -41,6 +41,19 @@ Model work runs on one dedicated thread so the event loop stays responsive
 
 Under ``torchrun`` (``backend = "megatron"``) this loop runs on rank 0 alone;
 every backend call is replayed on the other ranks (``proxima.trainer.torchrun``).
+
+LoRA adapters (``[trainer.lora] adapters``): :class:`AdapterTrainers` runs one
+:class:`Trainer` per adapter over one ``LoraBackend`` (one frozen base in
+memory, one compute thread). Each is the loop above for its own policy: it
+claims only its adapter's sessions (under the trainer id
+``<trainer_id>/<adapter>``, so recovering one never releases another's
+claims), bounds staleness by its adapter's version, trains with its adapter
+applied and its own AdamW, and pushes the adapter alone as that adapter's
+next version (``proxima.trainer.weights`` layout, per policy). Between them
+the schedule is round-robin over the adapters with a full batch claimed
+(:func:`next_turn`): every adapter tops up its claims, then the next ready one
+after the last that stepped takes its step, so a busy tenant cannot starve a
+slower one.
 """
 
 from __future__ import annotations
@@ -90,6 +103,7 @@ from proxima.trainer.weights import (
     WeightSink,
     clear_pending,
     export_weights,
+    policy_home,
     prune_weights,
     read_pending,
     remove_partial_writes,
@@ -119,6 +133,8 @@ class Trainer:
         state: TrainerState,
         log: TrainLog,
         executor: ThreadPoolExecutor,
+        adapter: str | None = None,
+        owns_executor: bool = True,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -126,7 +142,11 @@ class Trainer:
         self.backend = backend
         self.state = state
         self.log = log
+        self.adapter = adapter  # the policy trained: None (full weights) or a LoRA adapter
+        self.home = policy_home(cfg.output_dir, adapter)  # its pending step, checkpoints, log
         self._executor = executor
+        self._owns_executor = owns_executor
+        self._claimed: list[SessionRecord] = []  # claims held toward the next batch
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
         self._vocab_size = vocab_size_of(cfg.connection.model_dir)
@@ -226,6 +246,7 @@ class Trainer:
         sessions = await self._claim_batch(stop)
         if sessions is None:
             return None
+        self._claimed = []  # this step owns them now
         wait_s = time.monotonic() - started
 
         # 2. Trajectories -> samples with returns and group-relative advantages. A session
@@ -276,11 +297,14 @@ class Trainer:
         new_version = version + 1
         t = time.monotonic()
         path = await self._compute(
-            export_weights, cfg.output_dir, new_version, self.backend.export_hf
+            export_weights, cfg.output_dir, new_version, self.backend.export_hf, self.adapter
         )
         export_s = time.monotonic() - t
-        write_pending(cfg.output_dir, PendingStep(self.state.trainer_id, new_version, trained_ids))
-        push = await self.sink.push(version=new_version, path=path)
+        write_pending(self.home, PendingStep(self.state.trainer_id, new_version, trained_ids))
+        if self.adapter is None:
+            push = await self.sink.push(version=new_version, path=path)
+        else:
+            push = await self.sink.push(version=new_version, path=path, adapter=self.adapter)
         push_s = time.monotonic() - t - export_s
         self._weights_ahead = False
 
@@ -288,9 +312,14 @@ class Trainer:
         await self.store.mark_sessions(
             session_ids=trained_ids, status=SessionStatus.TRAINED, trained_version=new_version
         )
-        clear_pending(cfg.output_dir)
+        clear_pending(self.home)
         self.state = dataclasses.replace(self.state, version=new_version, step=self.state.step + 1)
-        prune_weights(cfg.output_dir, keep=cfg.keep_versions, served_version=new_version)
+        prune_weights(
+            cfg.output_dir,
+            keep=cfg.keep_versions,
+            served_version=new_version,
+            adapter=self.adapter,
+        )
         if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
             await self.checkpoint()
         times = StepTimes(
@@ -311,7 +340,7 @@ class Trainer:
             return None
         state = self.state
         path = await self._compute(
-            lambda: save_checkpoint(self.cfg.output_dir, state, self.backend.state_dict())
+            lambda: save_checkpoint(self.home, state, self.backend.state_dict())
         )
         self._checkpointed_step = state.step
         return path
@@ -324,7 +353,7 @@ class Trainer:
         settled as at start-up before any claim is released.
         """
         try:
-            if self._weights_ahead and read_pending(self.cfg.output_dir) is not None:
+            if self._weights_ahead and read_pending(self.home) is not None:
                 await self._settle_interrupted_push()
             released = await self.store.release_claims(trainer_id=self.state.trainer_id)
             if self.cfg.checkpoint_every and self.state.step > self._checkpointed_step:
@@ -334,16 +363,17 @@ class Trainer:
             )
         finally:
             self.log.close()
-            self._executor.shutdown(wait=True)
+            if self._owns_executor:
+                self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ helpers
 
     async def _settle_interrupted_push(self) -> None:
         """Rule 1 of ``proxima.trainer.weights`` for this run's own failed push."""
-        pending = read_pending(self.cfg.output_dir)
+        pending = read_pending(self.home)
         assert pending is not None
-        pushed_version = await self.store.current_policy_version()
-        await settle_pending_step(self.store, self.cfg.output_dir, pushed_version)
+        pushed_version = await self.store.current_policy_version(adapter=self.adapter)
+        await settle_pending_step(self.store, self.cfg.output_dir, pushed_version, self.adapter)
         if pending.version == pushed_version:  # it landed: the weights in memory are served
             self.state = dataclasses.replace(
                 self.state, version=pending.version, step=self.state.step + 1
@@ -356,30 +386,41 @@ class Trainer:
         ``batch_size`` counts sessions in whole groups: the last group claimed
         may carry the batch past it, and no group is ever split across batches.
         """
+        while True:
+            await self.top_up()
+            if self.batch_ready:
+                return list(self._claimed)
+            if await stopped_within(stop, self.cfg.loop.poll_interval_s):
+                return None
+
+    @property
+    def batch_ready(self) -> bool:
+        """Whether the claims held make a full batch (``batch_size`` sessions)."""
+        return len(self._claimed) >= self.cfg.batch_size
+
+    async def top_up(self) -> None:
+        """One claim poll toward a full batch (claims are kept until a step takes them)."""
         size = self.cfg.batch_size
         kinds = [SessionKind(k) for k in self.cfg.loop.session_kinds]
         quota = production_quota(size, self.cfg.production_share)
-        claimed: list[SessionRecord] = []
-        while True:
-            if quota is None or SessionKind.PRODUCTION not in kinds:
-                claimed += await self._claim(size - len(claimed), kinds)
-            else:
-                # Production sessions up to their share, then rollout sessions fill the batch.
-                held = sum(s.kind is SessionKind.PRODUCTION for s in claimed)
-                room = min(quota - held, size - len(claimed))
-                claimed += await self._claim(room, [SessionKind.PRODUCTION])
-                others = [k for k in kinds if k is not SessionKind.PRODUCTION]
-                claimed += await self._claim(size - len(claimed), others)
-            if len(claimed) >= size:
-                return claimed
-            if await _stopped_within(stop, self.cfg.loop.poll_interval_s):
-                return None
+        claimed = self._claimed
+        if len(claimed) >= size:
+            return
+        if quota is None or SessionKind.PRODUCTION not in kinds:
+            claimed += await self._claim(size - len(claimed), kinds)
+        else:
+            # Production sessions up to their share, then rollout sessions fill the batch.
+            held = sum(s.kind is SessionKind.PRODUCTION for s in claimed)
+            room = min(quota - held, size - len(claimed))
+            claimed += await self._claim(room, [SessionKind.PRODUCTION])
+            others = [k for k in kinds if k is not SessionKind.PRODUCTION]
+            claimed += await self._claim(size - len(claimed), others)
 
     async def _claim(self, limit: int, kinds: Sequence[SessionKind]) -> list[SessionRecord]:
         if limit <= 0 or not kinds:
             return []
         return await self.store.claim_groups(
-            min_sessions=limit, trainer_id=self.state.trainer_id, kinds=kinds
+            min_sessions=limit, trainer_id=self.state.trainer_id, kinds=kinds, adapter=self.adapter
         )
 
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
@@ -436,7 +477,7 @@ class Trainer:
 # --------------------------------------------------------------------------- internals
 
 
-async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
     """Wait up to ``seconds`` for ``stop``; True if it is set."""
     try:
         await asyncio.wait_for(stop.wait(), timeout=seconds)

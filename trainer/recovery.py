@@ -19,6 +19,7 @@ from proxima.trainer.weights import (
     clear_pending,
     latest_checkpoint,
     plan_resume,
+    policy_home,
     read_pending,
     weights_dir,
 )
@@ -35,11 +36,17 @@ class Recovery:
     settled: int  # sessions marked TRAINED by settling a pending step
 
 
-async def recover(store: Store, output_dir: Path, trainer_id: str) -> Recovery:
-    """Settle a pending step, release stale claims and plan the resume (``weights`` rule)."""
-    pushed_version = await store.current_policy_version()
-    settled = await settle_pending_step(store, output_dir, pushed_version)
-    checkpoint = latest_checkpoint(output_dir)
+async def recover(
+    store: Store, output_dir: Path, trainer_id: str, adapter: str | None = None
+) -> Recovery:
+    """Settle a pending step, release stale claims and plan the resume (``weights`` rule).
+
+    Of one policy: the base (``adapter`` None), or an adapter, whose pending
+    step and checkpoints are in its home and whose version is its own.
+    """
+    pushed_version = await store.current_policy_version(adapter=adapter)
+    settled = await settle_pending_step(store, output_dir, pushed_version, adapter)
+    checkpoint = latest_checkpoint(policy_home(output_dir, adapter))
     released = await store.release_claims(trainer_id=trainer_id)
     if checkpoint is not None and checkpoint.state.trainer_id != trainer_id:
         logger.warning(
@@ -48,22 +55,27 @@ async def recover(store: Store, output_dir: Path, trainer_id: str) -> Recovery:
             trainer_id,
         )
         released += await store.release_claims(trainer_id=checkpoint.state.trainer_id)
-    records = await store.list_policy_versions()
+    records = await store.list_policy_versions(adapter=adapter)
     plan = plan_resume(
         output_dir=output_dir,
         checkpoint=checkpoint,
         pushed_version=pushed_version,
         pushed_paths=[(r.version, r.path) for r in records],
+        adapter=adapter,
     )
     return Recovery(plan=plan, released=released, settled=settled)
 
 
-async def settle_pending_step(store: Store, output_dir: Path, pushed_version: int) -> int:
+async def settle_pending_step(
+    store: Store, output_dir: Path, pushed_version: int, adapter: str | None = None
+) -> int:
     """Rule 1 of ``proxima.trainer.weights``: finish or undo a step that died around its push.
 
-    Returns the number of sessions marked TRAINED now.
+    Of one policy (``pushed_version`` is its version). Returns the number of
+    sessions marked TRAINED now.
     """
-    pending = read_pending(output_dir)
+    home = policy_home(output_dir, adapter)
+    pending = read_pending(home)
     if pending is None:
         return 0
     marked = 0
@@ -88,11 +100,11 @@ async def settle_pending_step(store: Store, output_dir: Path, pushed_version: in
             extra={"version": pending.version, "marked": marked},
         )
     else:
-        undo = weights_dir(output_dir, pending.version)
+        undo = weights_dir(output_dir, pending.version, adapter)
         if undo.exists():
             shutil.rmtree(undo)
         logger.info(
             "pending step undone: its push never landed", extra={"version": pending.version}
         )
-    clear_pending(output_dir)
+    clear_pending(home)
     return marked

@@ -2,7 +2,9 @@
 
 :func:`run_trainer` is what ``proxima trainer`` and ``proxima train`` call.
 Under torchrun rank 0 runs :class:`~proxima.trainer.loop.Trainer` and the
-other ranks replay its backend calls (``proxima.trainer.torchrun``).
+other ranks replay its backend calls (``proxima.trainer.torchrun``). With
+``[trainer.lora] adapters`` the process trains them all
+(:class:`~proxima.trainer.adapter_loop.AdapterTrainers`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from proxima.proxy.store import Store
+from proxima.trainer.adapter_loop import AdapterTrainers
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.loop import Trainer
 from proxima.trainer.proxy_settings import adopt_proxy_settings, fetch_proxy_settings
@@ -66,6 +69,9 @@ async def run_trainer(
                 conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s
             )
         try:
+            if cfg.adapters:  # LoRA adapters on a frozen base (torch backend, one process)
+                adapters = await AdapterTrainers.start(cfg, store=store, sink=sink, console=console)
+                return await adapters.run(stop_event or asyncio.Event())
             trainer = await Trainer.start(
                 cfg, store=store, sink=sink, console=console, leader=leader
             )

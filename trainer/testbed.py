@@ -180,7 +180,9 @@ class DelayedSink:
         self.paths: dict[int, Path] = {}
         self.served = 0
 
-    async def push(self, *, version: int, path: Path) -> PushResult:
+    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
+        if adapter is not None:
+            raise ValueError("the staleness testbed trains full weights, not adapters")
         self.paths[version] = path
         target = version - self.k
         if target > self.served:  # not already served by catch_up()

@@ -163,8 +163,13 @@ def _follow(cfg: TrainerConfig) -> int:
 def load_backend(cfg: TrainerConfig, model_dir: Path, plan: ResumePlan) -> PPOBackend:
     """Build the backend from the initial model and bring it to ``plan``'s state."""
     backend = build_backend(cfg, model_dir)
+    apply_plan(backend, plan)
+    return backend
+
+
+def apply_plan(backend: PPOBackend, plan: ResumePlan) -> None:
+    """Bring a freshly built backend (or one adapter's policy) to ``plan``'s state."""
     if plan.checkpoint is not None:
         backend.load_state_dict(plan.checkpoint.load_tensors())
     if plan.weights_path is not None:
         backend.load_hf_weights(plan.weights_path)
-    return backend

@@ -6,7 +6,15 @@ Layout of ``output_dir``::
     checkpoints/step-{s:08d}/   trainer_state.json + state.pt (model and optimizer)
     pending.json                the step being pushed: its version and the sessions it trains
     train_log.jsonl             one record per step (``proxima.trainer.log``)
+    adapters/<adapter>/         a LoRA adapter's own policy home ([trainer.lora] adapters):
+        v{n}/                   its version n, peft's files (adapter_config.json,
+                                adapter_model.safetensors)
+        checkpoints/, pending.json, train_log.jsonl   as above, for this adapter alone
     .tmp-*                      partial writes; removed at start-up
+
+Everything below holds per policy: the base model's files are the top level,
+an adapter's are its home (:func:`policy_home`); the store keeps a version
+sequence per policy, so the rule reads ``P`` of that policy.
 
 Every directory is written under a temporary name in the same parent, its
 files fsynced, then renamed into place (``os.rename`` is atomic within one
@@ -66,6 +74,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = "weights"
+ADAPTERS_DIR = "adapters"
 CHECKPOINTS_DIR = "checkpoints"
 PENDING_FILE = "pending.json"
 STATE_FILE = "trainer_state.json"
@@ -124,9 +133,11 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def remove_partial_writes(output_dir: Path) -> int:
-    """Delete ``.tmp-*`` leftovers of a crashed run; how many were removed."""
+    """Delete ``.tmp-*`` leftovers of a crashed run (every policy's); how many were removed."""
     removed = 0
-    for parent in (output_dir, output_dir / WEIGHTS_DIR, output_dir / CHECKPOINTS_DIR):
+    homes = [output_dir, *sorted((output_dir / ADAPTERS_DIR).glob("*"))]
+    parents = [p for home in homes for p in (home, home / WEIGHTS_DIR, home / CHECKPOINTS_DIR)]
+    for parent in parents:
         if not parent.is_dir():
             continue
         for path in parent.glob(f"{_TMP_PREFIX}*"):
@@ -141,24 +152,44 @@ def remove_partial_writes(output_dir: Path) -> int:
 # --------------------------------------------------------------------------- weight versions
 
 
-def weights_dir(output_dir: Path, version: int) -> Path:
-    """Where policy ``version`` is exported: ``<output_dir>/weights/v{version}``."""
-    return output_dir / WEIGHTS_DIR / f"v{version}"
+def policy_home(output_dir: Path, adapter: str | None = None) -> Path:
+    """Where a policy's pending step, checkpoints and log live: ``output_dir`` for the base,
+    ``<output_dir>/adapters/<adapter>`` for an adapter."""
+    return output_dir if adapter is None else output_dir / ADAPTERS_DIR / adapter
 
 
-def export_weights(output_dir: Path, version: int, write: Callable[[Path], None]) -> Path:
-    """Export policy ``version`` atomically; ``write(dir)`` writes the HF files into ``dir``."""
-    final = weights_dir(output_dir, version).resolve()
+def _versions_root(output_dir: Path, adapter: str | None) -> Path:
+    return output_dir / WEIGHTS_DIR if adapter is None else policy_home(output_dir, adapter)
+
+
+def weights_dir(output_dir: Path, version: int, adapter: str | None = None) -> Path:
+    """Where a policy's ``version`` is exported: ``<output_dir>/weights/v{version}`` (the
+    base), ``<output_dir>/adapters/<adapter>/v{version}`` (an adapter)."""
+    return _versions_root(output_dir, adapter) / f"v{version}"
+
+
+def marker_file(adapter: str | None) -> str:
+    """The file every complete export of the policy has: HF's config, or peft's."""
+    return "config.json" if adapter is None else "adapter_config.json"
+
+
+def export_weights(
+    output_dir: Path, version: int, write: Callable[[Path], None], adapter: str | None = None
+) -> Path:
+    """Export a policy's ``version`` atomically; ``write(dir)`` writes its files into ``dir``
+    (HF's config and safetensors; an adapter's peft config and safetensors)."""
+    final = weights_dir(output_dir, version, adapter).resolve()
+    marker = marker_file(adapter)
     with atomic_dir(final) as tmp:
         write(tmp)
-        if not any(tmp.glob("*.safetensors")) or not (tmp / "config.json").is_file():
-            raise RuntimeError(f"export of version {version} wrote no config.json/*.safetensors")
+        if not any(tmp.glob("*.safetensors")) or not (tmp / marker).is_file():
+            raise RuntimeError(f"export of version {version} wrote no {marker}/*.safetensors")
     return final
 
 
-def exported_versions(output_dir: Path) -> list[int]:
-    """Versions with a complete ``weights/v{n}`` directory, ascending."""
-    root = output_dir / WEIGHTS_DIR
+def exported_versions(output_dir: Path, adapter: str | None = None) -> list[int]:
+    """Versions of a policy with a complete export directory, ascending."""
+    root = _versions_root(output_dir, adapter)
     if not root.is_dir():
         return []
     versions = []
@@ -168,13 +199,15 @@ def exported_versions(output_dir: Path) -> list[int]:
     return sorted(versions)
 
 
-def prune_weights(output_dir: Path, *, keep: int, served_version: int) -> list[int]:
-    """Delete exported versions but the newest ``keep`` and ``served_version``; return deleted."""
-    versions = exported_versions(output_dir)
+def prune_weights(
+    output_dir: Path, *, keep: int, served_version: int, adapter: str | None = None
+) -> list[int]:
+    """Delete a policy's exports but the newest ``keep`` and ``served_version``; return deleted."""
+    versions = exported_versions(output_dir, adapter)
     kept = set(versions[-keep:]) | {served_version}
     deleted = [v for v in versions if v not in kept]
     for version in deleted:
-        shutil.rmtree(weights_dir(output_dir, version), ignore_errors=True)
+        shutil.rmtree(weights_dir(output_dir, version, adapter), ignore_errors=True)
     if deleted:
         logger.info("pruned weight versions", extra={"deleted": deleted})
     return deleted
@@ -196,8 +229,9 @@ class PushResult:
 class WeightSink(Protocol):
     """Where new weight versions go (the proxy, in production)."""
 
-    async def push(self, *, version: int, path: Path) -> PushResult:
-        """Make ``version`` (HF directory ``path``) the served policy, or raise."""
+    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
+        """Make ``version`` (HF directory ``path``; with ``adapter``, that adapter's peft
+        directory) the served version of the policy, or raise."""
         ...
 
     async def aclose(self) -> None:
@@ -207,6 +241,11 @@ class WeightSink(Protocol):
 
 class ProxyWeightSink:
     """``POST {proxy}/admin/weights {version, path}`` with the admin token.
+
+    An adapter's push adds ``"adapter": name`` to the body: ``path`` is then a
+    peft directory and ``version`` that adapter's next version; the proxy
+    loads it beside the other policies and only interrupts that adapter's
+    generations.
 
     ``proxy_url`` is one proxy, a fleet's load balancer, or several replicas
     (comma-separated). Replicas on one database share the pushed version: a
@@ -238,10 +277,12 @@ class ProxyWeightSink:
             headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
         )
 
-    async def push(self, *, version: int, path: Path) -> PushResult:
+    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
         """Push ``version`` and wait until every backend of the proxy loaded it."""
         started = time.monotonic()
-        body = {"version": version, "path": str(path)}
+        body: dict[str, Any] = {"version": version, "path": str(path)}
+        if adapter is not None:
+            body["adapter"] = adapter
         urls = self.proxy_urls
         tries = _PUSH_ATTEMPTS * len(urls)
         for attempt in range(1, tries + 1):
@@ -259,7 +300,8 @@ class ProxyWeightSink:
                 continue
             if resp.status_code == 200:
                 answer = resp.json()
-                await self._confirm(version, pushed_to=url)
+                if adapter is None:  # replicas report the base's version on /health
+                    await self._confirm(version, pushed_to=url)
                 return PushResult(
                     version=version,
                     path=str(path),
@@ -267,12 +309,13 @@ class ProxyWeightSink:
                     http_seconds=time.monotonic() - started,
                 )
             if resp.status_code == 409:
-                served = await self.served_version(url)
+                served = await self.served_version(url, adapter=adapter)
                 if served == version:
                     return PushResult(version, str(path), 0.0, time.monotonic() - started)
+                whose = "" if adapter is None else f" of adapter {adapter}"
                 raise WeightPushError(
-                    f"the proxy refused version {version}: it serves version {served}; is another "
-                    "trainer pushing to this proxy?"
+                    f"the proxy refused version {version}{whose}: it serves version {served}; is "
+                    "another trainer pushing to this proxy?"
                 )
             raise WeightPushError(
                 f"POST {url}/admin/weights answered {resp.status_code}: {resp.text}"
@@ -300,11 +343,17 @@ class ProxyWeightSink:
                 self.confirm_s,
             )
 
-    async def served_version(self, url: str | None = None) -> int:
-        """The version ``GET /health`` reports (of ``url``, default the first proxy URL)."""
+    async def served_version(self, url: str | None = None, *, adapter: str | None = None) -> int:
+        """The version ``GET /health`` reports (of ``url``, default the first proxy URL).
+
+        An adapter's is in ``adapters``: ``{name: version}`` (-1 when the proxy lists none).
+        """
         resp = await self._client.get((url or self.proxy_url) + "/health")
         resp.raise_for_status()
-        return int(resp.json()["version"])
+        answer = resp.json()
+        if adapter is None:
+            return int(answer["version"])
+        return int((answer.get("adapters") or {}).get(adapter, -1))
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
@@ -417,8 +466,12 @@ def plan_resume(
     checkpoint: Checkpoint | None,
     pushed_version: int,
     pushed_paths: Sequence[tuple[int, str | None]] = (),
+    adapter: str | None = None,
 ) -> ResumePlan:
-    """Apply the recovery rule; ``pushed_paths`` are the store's ``(version, path)`` records."""
+    """Apply the recovery rule to one policy (the base, or ``adapter``).
+
+    ``pushed_paths`` are the store's ``(version, path)`` records of that policy.
+    """
     if checkpoint is None and pushed_version == 0:
         return ResumePlan("initial", 0, 0, None, None)
     if checkpoint is not None:
@@ -431,9 +484,9 @@ def plan_resume(
             )
         if c == pushed_version:
             return ResumePlan("checkpoint", c, checkpoint.state.step, checkpoint, None)
-    local = weights_dir(output_dir, pushed_version)
+    local = weights_dir(output_dir, pushed_version, adapter)
     recorded = dict(pushed_paths).get(pushed_version)
-    if (local / "config.json").is_file():
+    if (local / marker_file(adapter)).is_file():
         path = local
     elif recorded is not None and Path(recorded).is_dir():
         path = Path(recorded)

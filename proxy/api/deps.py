@@ -13,9 +13,9 @@ from fastapi import Depends, Header, Request
 from proxima.proxy.api.schemas import MAX_ID_LENGTH
 from proxima.proxy.auth import Principal, PrincipalKind, bearer_token, hash_key, is_admin_token
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import AuthenticationFailed, BadRequest
-from proxima.proxy.recorder import SessionCache
 from proxima.proxy.service import CompletionService
 from proxima.proxy.store.store import Store
 
@@ -74,11 +74,16 @@ PoolDep = Annotated[BackendPool, Depends(get_pool)]
 ServiceDep = Annotated[CompletionService, Depends(get_service)]
 
 
-async def get_cache(request: Request) -> SessionCache:
-    return request.app.state.cache
+async def get_principals(request: Request) -> PrincipalCache:
+    return request.app.state.principals
 
 
-CacheDep = Annotated[SessionCache, Depends(get_cache)]
+async def get_histories(request: Request) -> HistoryCache:
+    return request.app.state.histories
+
+
+PrincipalsDep = Annotated[PrincipalCache, Depends(get_principals)]
+HistoriesDep = Annotated[HistoryCache, Depends(get_histories)]
 
 
 async def get_principal(request: Request) -> Principal:
@@ -93,7 +98,7 @@ async def get_principal(request: Request) -> Principal:
 
 async def _principal(state: Any, authorization: str | None, x_api_key: str | None) -> Principal:
     settings: Settings = state.settings
-    cache: SessionCache = state.cache
+    principals: PrincipalCache = state.principals
     store: Store = state.store
     # Anthropic's SDK sends the key as ``x-api-key``; ``Authorization`` wins when both come.
     token = x_api_key.strip() if x_api_key and not authorization else bearer_token(authorization)
@@ -103,7 +108,7 @@ async def _principal(state: Any, authorization: str | None, x_api_key: str | Non
     if is_admin_token(token, admin):
         return Principal(PrincipalKind.ADMIN)
     digest = hash_key(token)
-    principal = cache.principal(digest)
+    principal = principals.get(digest)
     if principal is not None:
         return principal
     session = await store.get_session_by_key_hash(api_key_hash=digest)
@@ -114,7 +119,7 @@ async def _principal(state: Any, authorization: str | None, x_api_key: str | Non
         if api_key is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         principal = Principal(PrincipalKind.PRODUCTION, api_key=api_key)
-    cache.remember_principal(digest, principal)
+    principals.remember(digest, principal)
     return principal
 
 

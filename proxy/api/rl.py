@@ -8,7 +8,15 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from proxima.proxy.api.deps import AdminDep, CacheDep, PoolDep, PrincipalDep, SettingsDep, StoreDep
+from proxima.proxy.api.deps import (
+    AdminDep,
+    HistoriesDep,
+    PoolDep,
+    PrincipalDep,
+    PrincipalsDep,
+    SettingsDep,
+    StoreDep,
+)
 from proxima.proxy.api.schemas import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -68,7 +76,8 @@ async def create_session(
             open_sessions=state.open,
             # The fleet's version is the store's (a push through another replica counts
             # at once); this replica's pool is never ahead of it but may lag a moment.
-            version=max(state.version, pool.version),
+            # Both are the session's policy's: an adapter's sessions count against its own.
+            version=max(state.version, pool.policy(body.adapter)[0]),
             max_staleness=settings.max_staleness,
             batch_size=settings.train_batch_size,
             max_open_sessions=settings.max_open_sessions,
@@ -89,6 +98,7 @@ async def create_session(
                 group_id=body.group_id,
                 data_id=body.data_id,
                 metadata=body.metadata or {},
+                adapter=body.adapter,
             )
         except NotAdmitted as exc:
             raise RateLimited(
@@ -97,9 +107,10 @@ async def create_session(
                 code="staleness_capacity",
             ) from exc
     # Its first turn then reads neither its key nor its history from the store.
-    request.app.state.cache.remember_new_session(
+    request.app.state.principals.remember(
         key_hash, Principal(PrincipalKind.SESSION, session=session)
     )
+    request.app.state.histories.remember(session.id, [])
     base_url = settings.base_url(getattr(request.app.state, "bound_port", None))
     return CreateSessionResponse(session_id=session.id, api_key=key, base_url=base_url)
 
@@ -108,6 +119,7 @@ def _session_json(session: SessionRecord) -> dict[str, Any]:
     return {
         "session_id": session.id,
         "kind": session.kind.value,
+        "adapter": session.adapter,
         "status": session.status.value,
         "reward": session.reward,
         "group_id": session.group_id,
@@ -137,6 +149,7 @@ def _completion_json(c: CompletionRecord) -> dict[str, Any]:
         "time_to_first_token": c.time_to_first_token,
         "duration": c.duration,
         "backend": c.backend,
+        "adapter": c.adapter,
     }
 
 
@@ -166,11 +179,13 @@ async def finish_session(
     session_id: str,
     principal: PrincipalDep,
     store: StoreDep,
-    cache: CacheDep,
+    principals: PrincipalsDep,
+    histories: HistoriesDep,
     body: FinishRequest | None = None,
 ) -> dict[str, Any]:
     session = await _owned_session(store, principal, session_id)
     status = SessionStatus(body.status) if body else SessionStatus.FINISHED
     session = await store.finish_session(session_id=session.id, status=status)
-    cache.forget_session(session.id)
+    principals.forget_session(session.id)
+    histories.forget_session(session.id)
     return _session_json(session)

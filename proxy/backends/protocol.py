@@ -22,10 +22,38 @@ accepts both (see ``SGLangClient.generate_stream``).
 
 To add a sampling option, add a field to :class:`SamplingParams` with SGLang's
 name and default; the engine, the fake and the client then accept it.
+
+LoRA adapters (SGLang launched with ``--enable-lora``; ``http_server.py``,
+``managers/tokenizer_control_mixin.py``, ``lora/lora_registry.py``,
+``lora/lora_manager.py``):
+
+- ``POST /load_lora_adapter {lora_name, lora_path, pinned}`` and ``POST
+  /unload_lora_adapter {lora_name}`` answer :class:`LoRAUpdateResponse`
+  (``success``, ``error_message``, ``loaded_adapters``: name -> path), HTTP
+  400 when ``success`` is false: LoRA not enabled, a name already loaded, a
+  path without ``adapter_config.json``, a rank over ``--max-lora-rank``, an
+  unload of a name not loaded.
+- An unload first unregisters the name (new requests cannot use it), then
+  waits until every request running with it has finished before it answers:
+  it blocks while such a request runs, so abort those first.
+- ``/generate`` names the adapter in ``lora_path`` (the *name* it was loaded
+  under, despite the field's name). A name never loaded is refused before any
+  token, as 400 ``{"error": {"message": ...}}`` or, streamed, one ``data:
+  {"error": {...}}`` event then ``[DONE]``; a name that was loaded and then
+  unloaded is loaded again from its old path first (SGLang's reload of an
+  evicted adapter), so never send a name after unloading it.
+- Loaded adapters are listed by ``GET /v1/models``: one card per adapter
+  (``id`` the name, ``root`` the path, ``parent`` the served model) after
+  the base model's card.
+
+On the backend an adapter version is loaded under :func:`lora_name`
+(``tenant-a@v3``): one name per version, so a new version loads beside the
+old one.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,6 +63,28 @@ GREEDY_TEMPERATURE = 1e-5
 
 _STRICT = ConfigDict(extra="forbid")
 _LENIENT = ConfigDict(extra="allow")
+
+ADAPTER_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+"""What an adapter (a policy other than the base) may be called."""
+
+_LORA_NAME = re.compile(r"^(?P<adapter>[a-z0-9][a-z0-9_-]{0,63})@v(?P<version>0|[1-9][0-9]*)$")
+
+
+def lora_name(adapter: str, version: int) -> str:
+    """The name version ``version`` of ``adapter`` is loaded under on a backend: ``tenant-a@v3``."""
+    if not ADAPTER_NAME_PATTERN.match(adapter):
+        raise ValueError(f"bad adapter name {adapter!r}: must match {ADAPTER_NAME_PATTERN.pattern}")
+    if version < 0:
+        raise ValueError(f"bad adapter version {version}: must be >= 0")
+    return f"{adapter}@v{version}"
+
+
+def parse_lora_name(name: str) -> tuple[str, int]:
+    """The inverse of :func:`lora_name`: ``"tenant-a@v3"`` -> ``("tenant-a", 3)``."""
+    match = _LORA_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a Proxima LoRA name (<adapter>@v<version>)")
+    return match["adapter"], int(match["version"])
 
 
 class SamplingParams(BaseModel):
@@ -106,6 +156,9 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = -1
     rid: str | None = None
     stream: bool = False
+    lora_path: str | None = Field(
+        None, description="The loaded LoRA adapter's name (not a path); None: the base model."
+    )
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> GenerateRequest:
@@ -234,3 +287,60 @@ class StatusResponse(BaseModel):
 
     message: str
     status: str = "ok"
+
+
+class LoadLoRAAdapterBody(BaseModel):
+    """Body of ``POST /load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: str = Field(description="The name requests use (``lora_path`` of /generate).")
+    lora_path: str = Field(description="A peft adapter directory.")
+    pinned: bool = Field(False, description="Keep it in the adapter memory pool (SGLang).")
+
+
+class UnloadLoRAAdapterBody(BaseModel):
+    """Body of ``POST /unload_lora_adapter`` (SGLang's ``UnloadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: str
+
+
+class LoRAUpdateResponse(BaseModel):
+    """Reply of ``/load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang's
+    ``LoRAUpdateOutput``; HTTP 400 when ``success`` is false).
+
+    ``loaded_adapters`` maps every loaded name to its path after the call; it is
+    null when the call was refused before reaching the scheduler (LoRA not
+    enabled, an unload of an unknown name). ``error_message`` is ``""`` on success.
+    """
+
+    model_config = _LENIENT
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``: the base model, or a loaded adapter (``parent`` set)."""
+
+    model_config = _LENIENT
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "sglang"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """Reply of ``GET /v1/models``."""
+
+    model_config = _LENIENT
+
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -25,8 +25,12 @@ from proxima.proxy.backends.protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterBody,
+    LoRAUpdateResponse,
     ModelInfo,
+    ModelList,
     PauseGenerationBody,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightsResponse,
 )
@@ -138,7 +142,7 @@ class SGLangClient:
             )
         if status >= 400:
             raise BackendRejected(
-                _error_message(status, content), url=self.base_url, status_code=status
+                _error_message(status, content), url=self.base_url, backend_status=status
             )
         if not content:
             return None
@@ -276,6 +280,52 @@ class SGLangClient:
                 url=self.base_url,
             )
         return result
+
+    async def _lora_update(self, path: str, body: dict[str, Any]) -> LoRAUpdateResponse:
+        """SGLang answers 400 with the reply body when ``success`` is false: read it either way."""
+        try:
+            resp = await self._http.post(self.base_url + path, json=body, timeout=ADMIN_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise BackendConnectionError(f"{path} failed: {exc!r}", url=self.base_url) from exc
+        if resp.status_code == 400:
+            try:
+                result = LoRAUpdateResponse.model_validate_json(resp.content)
+            except ValueError:
+                result = None  # a refused body: SGLang's {"error": ...}
+            if result is not None and not result.success:
+                raise BackendOperationFailed(
+                    f"{path} {body['lora_name']!r} failed: {result.error_message}",
+                    url=self.base_url,
+                )
+        return LoRAUpdateResponse.model_validate(self._check(resp.status_code, resp.content, path))
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, pinned: bool = False
+    ) -> LoRAUpdateResponse:
+        """Load the peft adapter directory ``path`` under ``name`` (``lora_path`` of later
+        requests). Raises ``BackendOperationFailed`` on ``success: false`` (a name already
+        loaded, LoRA not enabled, a bad adapter): ask :meth:`loaded_lora_adapters` for the
+        backend's own view before retrying."""
+        body = LoadLoRAAdapterBody(lora_name=name, lora_path=path, pinned=pinned).model_dump()
+        return await self._lora_update("/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
+        """Unload ``name``. The backend stops giving it to new requests at once but answers
+        only when the requests running with it have finished: abort them first (the pool
+        resumes them on the new version). Raises ``BackendOperationFailed`` for a name
+        not loaded."""
+        body = UnloadLoRAAdapterBody(lora_name=name).model_dump()
+        return await self._lora_update("/unload_lora_adapter", body)
+
+    async def loaded_lora_adapters(self) -> set[str]:
+        """The names of the adapters loaded now (SGLang lists them in ``GET /v1/models``,
+        the cards with a ``parent``); empty when LoRA is not enabled."""
+        try:
+            resp = await self._http.get(self.base_url + "/v1/models", timeout=ADMIN_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise BackendConnectionError(f"/v1/models failed: {exc!r}", url=self.base_url) from exc
+        models = ModelList.model_validate(self._check(resp.status_code, resp.content, "/v1/models"))
+        return {card.id for card in models.data if card.parent is not None}
 
     async def flush_cache(self) -> None:
         await self._post("/flush_cache", None, ADMIN_TIMEOUT)

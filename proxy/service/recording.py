@@ -1,11 +1,11 @@
 """Recording: finished choices to durable completion records (the durability rule).
 
-``CompletionCommitter`` is the driver's ``commit`` step. It turns each
-finished choice into a ``CompletionRecord`` (canonical request messages and
-reply, token ids, behaviour logprobs, per-token policy versions, timings),
-commits them through the group-commit recorder and returns only when they
-are durable; then it makes them visible to the session's next turn (the
-history cache) and counts them (tokens, interruptions, staleness).
+``ChoiceRecorder`` is the driver's ``commit`` step. It turns each finished
+choice into a ``CompletionRecord`` (canonical request messages and reply,
+token ids, behaviour logprobs, per-token policy versions, timings), commits
+them through ``GroupCommit`` and returns only when they are durable; then it
+makes them visible to the session's next turn (``HistoryCache``) and counts
+them (tokens, interruptions, staleness).
 """
 
 from __future__ import annotations
@@ -15,32 +15,33 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.caches import HistoryCache
 from proxima.proxy.chat import RenderedTexts
 from proxima.proxy.metrics import Metrics
-from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.driver import ChoiceRun
 from proxima.proxy.service.events import Finish
 from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.records import CompletionRecord
 
 
-class CompletionCommitter:
+class ChoiceRecorder:
     def __init__(
         self,
         *,
         model_name: str,
         pool: BackendPool,
-        recorder: CompletionRecorder,
-        cache: SessionCache,
+        group_commit: GroupCommit,
+        histories: HistoryCache,
         metrics: Metrics,
         rendered: RenderedTexts | None = None,
     ) -> None:
         self.model_name = model_name
         self.rendered = rendered  # the prompt texts of chat completions, for their next turn
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
-        self.recorder = recorder
-        self.cache = cache
+        self.group_commit = group_commit
+        self.histories = histories
         self.metrics = metrics
 
     async def __call__(self, prep: Prepared, finished: list[tuple[ChoiceRun, Finish]]) -> None:
@@ -50,11 +51,11 @@ class CompletionCommitter:
         if prep.session is None:
             return
         records = [self.record(prep, run, finish) for run, finish in finished]
-        await self.recorder.record(records, parent=prep.parent)
-        self.cache.add_completions(records)
+        await self.group_commit.commit(records, parent=prep.parent)
+        self.histories.append(records)
         if self.rendered is not None and prep.rendered is not None:
             self.rendered.add([r.id for r in records], *prep.rendered)
-        current = self.pool.version
+        current = self.pool.policy(prep.adapter)[0]
         m = self.metrics
         for r in records:
             m.child(m.completions, "chat" if r.request_messages is not None else "text").inc()
@@ -88,6 +89,7 @@ class CompletionCommitter:
             time_to_first_token=(run.first_token_at - run.started) if run.first_token_at else None,
             duration=time.monotonic() - run.started,
             backend=r.backend,
+            adapter=prep.adapter,
         )
 
     def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:

@@ -16,21 +16,23 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from proxima.proxy.adapters import check_adapter, policy_label, split_policy
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_model_version
-from proxima.proxy.errors import Conflict, NotFound
+from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
 from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.recorder import CompletionRecorder, SessionCache
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
 from proxima.proxy.service.events import Completion, Event
 from proxima.proxy.service.prepare import Prepared, PromptPreparer
-from proxima.proxy.service.recording import CompletionCommitter
+from proxima.proxy.service.recording import ChoiceRecorder
+from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus
 from proxima.proxy.store.store import Store
 from proxima.proxy.tools import detect_tool_parser, get_tool_parser
@@ -45,8 +47,9 @@ class CompletionService:
         pool: BackendPool,
         tokenizer: Any,
         context_length: int,
-        recorder: CompletionRecorder,
-        cache: SessionCache,
+        group_commit: GroupCommit,
+        principals: PrincipalCache,
+        histories: HistoryCache,
         metrics: Metrics,
         deployments: Deployments | None = None,
     ):
@@ -54,8 +57,8 @@ class CompletionService:
         self.store = store
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
         self.deployments = deployments or Deployments(Deployment(TRAINING, pool))
-        self.recorder = recorder
-        self.cache = cache
+        self.principals = principals
+        self.histories = histories
         self.metrics = metrics
         template = getattr(tokenizer, "chat_template", None)
         parser_name = settings.tool_parser or detect_tool_parser(
@@ -77,11 +80,11 @@ class CompletionService:
             settings.signing_key.get_secret_value() if settings.signing_key else None,
             settings.admin_token.get_secret_value() if settings.admin_token else None,
         )
-        self.commit = CompletionCommitter(
+        self.commit = ChoiceRecorder(
             model_name=settings.model_name,
             pool=pool,
-            recorder=recorder,
-            cache=cache,
+            group_commit=group_commit,
+            histories=histories,
             metrics=metrics,
             rendered=self.preparer.rendered,
         )
@@ -91,7 +94,9 @@ class CompletionService:
 
     # ----------------------------------------------------------------- requests
     def check_model(self, model: str) -> None:
-        """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N)."""
+        """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N,
+        ``<name>:<adapter>`` names a policy: checked against the caller in ``prepare``)."""
+        model = split_policy(model, self.settings.model_name)[0]
         if split_model_version(model)[0] != self.settings.model_name:
             raise NotFound(
                 f"The model '{model}' does not exist; this server serves "
@@ -124,12 +129,14 @@ class CompletionService:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
         deployment = self._route(request, principal, session, external_id)
+        adapter = self._policy(request, principal)
         if isinstance(request.input, ChatInput):
             prep = await self.preparer.chat(request, request.input, session, history)
         else:
             assert text_ids is not None
             prep = self.preparer.text(request, text_ids, session, history)
         prep.deployment = deployment
+        prep.adapter = adapter
         if prep.parent_id is not None:
             prep.parent = next((r for r in reversed(history) if r.id == prep.parent_id), None)
         return prep
@@ -157,9 +164,42 @@ class CompletionService:
             version=version,
         )
 
+    def _policy(self, request: CanonicalRequest, principal: Principal) -> str | None:
+        """The policy (adapter, or None for the base) that serves the request.
+
+        The credential decides: a session key its session's adapter, a production
+        key the adapter it is bound to. ``model`` may name it (``<served>:<adapter>``)
+        and must then agree (400, ``param: "model"``); the admin token has no policy
+        of its own, so its ``model`` picks one.
+        """
+        named = None
+        if request.model:
+            named = split_policy(request.model, self.settings.model_name)[1]
+        if named is not None:
+            try:
+                check_adapter(named)
+            except ValueError as exc:
+                raise BadRequest(f"The model '{request.model}': {exc}.", param="model") from None
+        if principal.is_admin:
+            return named
+        if principal.session is not None:
+            own = principal.session.adapter
+        else:
+            own = principal.api_key.adapter if principal.api_key is not None else None
+        if named is not None and named != own:
+            served = self.settings.model_name
+            mine = served if own is None else f"{served}:{own}"
+            raise BadRequest(
+                f"The model '{request.model}' names {policy_label(named)}, but this key "
+                f"serves {policy_label(own)}: use model '{mine}' (or '{served}').",
+                param="model",
+                code="model_policy_mismatch",
+            )
+        return own
+
     def version_of(self, prep: Prepared) -> int:
-        """The version the request's deployment serves now."""
-        return (prep.deployment or self.deployments.training).version
+        """The version of the request's policy its deployment serves now."""
+        return (prep.deployment or self.deployments.training).pool.policy(prep.adapter)[0]
 
     async def complete(self, prep: Prepared) -> Completion:
         """Every choice, generated and committed."""
@@ -274,11 +314,12 @@ class CompletionService:
         replica reloads it, and a session finished through another replica is a
         409 here at once. On SQLite (one process) the cache is the truth.
         """
-        history = self.cache.history(session.id)
+        history = self.histories.get(session.id)
         if self.store.shared:
             state = await self.store.session_state(session_id=session.id)
             if state.status is not SessionStatus.OPEN:
-                self.cache.forget_session(session.id)
+                self.principals.forget_session(session.id)
+                self.histories.forget_session(session.id)
                 raise Conflict(
                     f"Session {session.id} is {state.status.value}; open a new session.",
                     code="session_closed",
@@ -287,7 +328,7 @@ class CompletionService:
                 history = None
         if history is None:
             history = await self.store.list_completions(session_id=session.id)
-            self.cache.remember_history(session.id, history)
+            self.histories.remember(session.id, history)
         return history
 
 

@@ -7,16 +7,24 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
+from proxima.proxy.store.direct_sqlite import DirectSqlite
 from proxima.proxy.store.errors import NotFound
 from proxima.proxy.store.models import SessionRow
-from proxima.proxy.store.writer import SqliteWriter
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import InstrumentedAttribute
 
 
 def new_id() -> str:
     """A fresh random identifier (128 bits, hex)."""
     return uuid.uuid4().hex
+
+
+def of_policy(
+    column: InstrumentedAttribute[str | None], adapter: str | None
+) -> ColumnElement[bool]:
+    """SQL condition: ``column`` names the policy ``adapter`` (``None``, the base: NULL)."""
+    return column.is_(None) if adapter is None else column == adapter
 
 
 class StoreBase:
@@ -25,8 +33,10 @@ class StoreBase:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._sessionmaker = async_sessionmaker(engine, expire_on_commit=False)
-        # SQLite files: completions are written on a dedicated thread (see writer.py).
-        self._sqlite_writer = SqliteWriter(engine.url) if SqliteWriter.usable(engine.url) else None
+        # SQLite files: the completion insert and the session-key lookup go to the driver
+        # (direct_sqlite.py).
+        usable = DirectSqlite.usable(engine.url)
+        self._direct_sqlite = DirectSqlite(engine.url) if usable else None
 
     @property
     def engine(self) -> AsyncEngine:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from proxima.proxy.store._base import StoreBase
+from proxima.proxy.store._base import StoreBase, of_policy
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import CompletionRow, SessionRow
@@ -43,8 +43,13 @@ class ClaimsMixin(StoreBase):
         limit: int,
         trainer_id: str,
         kinds: Collection[SessionKind] = _DEFAULT_KINDS,
+        adapter: str | None = None,
     ) -> list[SessionRecord]:
-        """Atomically take up to ``limit`` rewarded FINISHED sessions, oldest finished first."""
+        """Atomically take up to ``limit`` rewarded FINISHED sessions, oldest finished first.
+
+        Only sessions of the policy ``adapter`` (``None``: the base model's) are taken: a
+        trainer trains one policy on its own sessions.
+        """
         if limit < 1:
             return []
         rewarded = _rewarded()
@@ -53,6 +58,7 @@ class ClaimsMixin(StoreBase):
             .where(
                 SessionRow.status == SessionStatus.FINISHED.value,
                 SessionRow.kind.in_([SessionKind(k).value for k in kinds]),
+                of_policy(SessionRow.adapter, adapter),
                 rewarded,
             )
             .order_by(SessionRow.finished_at, SessionRow.created_at, SessionRow.id)
@@ -76,8 +82,11 @@ class ClaimsMixin(StoreBase):
         min_sessions: int,
         trainer_id: str,
         kinds: Collection[SessionKind] = _DEFAULT_KINDS,
+        adapter: str | None = None,
     ) -> list[SessionRecord]:
         """Atomically take whole complete groups, oldest first, until ``min_sessions`` are held.
+
+        Only groups of the policy ``adapter`` (``None``: the base model's) are taken.
 
         A group is complete when none of its sessions is OPEN and, if its
         sessions' metadata names a ``group_size``, at least that many sessions
@@ -96,6 +105,7 @@ class ClaimsMixin(StoreBase):
             .where(
                 SessionRow.status == SessionStatus.FINISHED.value,
                 SessionRow.kind.in_([SessionKind(k).value for k in kinds]),
+                of_policy(SessionRow.adapter, adapter),
                 _rewarded(),
             )
             .order_by(SessionRow.finished_at, SessionRow.created_at, SessionRow.id)

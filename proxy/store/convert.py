@@ -7,6 +7,7 @@ from typing import Any
 from proxima.proxy.store.chains import rebuild, split
 from proxima.proxy.store.codec import decode_float32, decode_int32, encode_float32, encode_int32
 from proxima.proxy.store.models import (
+    AdapterVersionRow,
     ApiKeyRow,
     CompletionRow,
     PolicyVersionRow,
@@ -42,6 +43,7 @@ def session_record(row: SessionRow) -> SessionRecord:
         external_id=row.external_id,
         api_key_id=row.api_key_id,
         trained_version=row.trained_version,
+        adapter=row.adapter,
     )
 
 
@@ -92,6 +94,7 @@ def completion_values(
         "time_to_first_token": record.time_to_first_token,
         "duration": record.duration,
         "backend": record.backend,
+        "adapter": record.adapter,
     }
 
 
@@ -136,6 +139,7 @@ def completion_record(
         time_to_first_token=row.time_to_first_token,
         duration=row.duration,
         backend=row.backend,
+        adapter=row.adapter,
     )
 
 
@@ -147,12 +151,18 @@ def api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
         record=row.record,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
+        adapter=row.adapter,
     )
 
 
-def policy_version_record(row: PolicyVersionRow) -> PolicyVersionRecord:
-    """Build the record of a policy version row."""
-    return PolicyVersionRecord(version=row.version, path=row.path, created_at=row.created_at)
+def policy_version_record(row: PolicyVersionRow | AdapterVersionRow) -> PolicyVersionRecord:
+    """Build the record of a policy version row (the base's or an adapter's)."""
+    return PolicyVersionRecord(
+        version=row.version,
+        path=row.path,
+        created_at=row.created_at,
+        adapter=row.adapter if isinstance(row, AdapterVersionRow) else None,
+    )
 
 
 def version_eval_record(row: VersionEvalRow) -> VersionEvalRecord:
@@ -163,6 +173,7 @@ def version_eval_record(row: VersionEvalRow) -> VersionEvalRecord:
         items=row.items,
         name=row.name,
         created_at=row.created_at,
+        adapter=row.adapter,
     )
 
 
@@ -175,4 +186,5 @@ def promotion_record(row: PromotionRow) -> PromotionRecord:
         canary_version=row.canary_version,
         canary_fraction=row.canary_fraction,
         created_at=row.created_at,
+        adapter=row.adapter,
     )

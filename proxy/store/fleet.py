@@ -5,9 +5,9 @@ proxy only if what each decides comes from the database, not from its memory:
 
 - **admission** (``admit_train_session``) is one transaction under a lock
   every replica takes (a PostgreSQL transaction-level advisory lock): it reads
-  the admitted-session counter row (kept by triggers, migration 0005), the
-  open sessions (an index range) and the newest policy version, decides, and
-  inserts. N creates spread over any number of replicas admit exactly the
+  the session's policy's admitted-session counter row (kept by triggers,
+  migrations 0005 and 0006), the open sessions (an index range) and the
+  policy's newest version, decides, and inserts. N creates spread over any number of replicas admit exactly the
   capacity, in time independent of how many sessions were ever created.
 - **session state** (``session_state``): a session's status and number of
   completions in one indexed read, which a replica asks before rendering a
@@ -32,10 +32,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from proxima.proxy.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, new_id
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import NotAdmitted, NotFound
 from proxima.proxy.store.models import (
+    AdapterVersionRow,
     CompletionRow,
     FleetCounterRow,
     PolicyVersionRow,
@@ -63,12 +65,18 @@ _NOT_ADMITTED = (SessionStatus.FAILED.value, SessionStatus.DROPPED.value)
 
 @dataclass(frozen=True, slots=True)
 class AdmissionState:
-    """What admission decides on, read in the admitting transaction."""
+    """What admission decides on, read in the admitting transaction.
 
-    admitted: int  # training sessions admitted so far (not FAILED, not DROPPED)
-    open: int  # training sessions OPEN now
-    version: int  # the newest recorded policy version
+    ``admitted`` and ``version`` are the session's policy's (the base's, or its
+    adapter's): sessions of one adapter count against that adapter's versions
+    only. ``open`` counts every policy's open sessions (they share the backends).
+    """
+
+    admitted: int  # the policy's training sessions admitted so far (not FAILED, not DROPPED)
+    open: int  # training sessions OPEN now, every policy's
+    version: int  # the policy's newest recorded version
     joins_admitted_group: bool  # the session's group already has an admitted session
+    adapter: str | None = None  # the policy: an adapter, or None for the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +108,10 @@ class FleetMixin(StoreBase):
         group_id: str | None = None,
         data_id: str | None = None,
         metadata: dict[str, Any] | None = None,
+        adapter: str | None = None,
     ) -> SessionRecord:
-        """Create a training session if ``decide`` admits it, atomically across replicas.
+        """Create a training session of the policy ``adapter`` (``None``: the base) if
+        ``decide`` admits it, atomically across replicas.
 
         ``decide`` gets the ``AdmissionState`` read under the fleet-wide
         admission lock and returns ``None`` to admit or the reason to refuse
@@ -111,11 +121,12 @@ class FleetMixin(StoreBase):
         async with self._write() as db:
             if self.shared:
                 await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
-            state = await _admission_state(db, group_id)
+            state = await _admission_state(db, group_id, check_adapter(adapter))
             reason = decide(state)
             if reason is not None:
                 raise NotAdmitted(reason)
             row = SessionRow(
+                adapter=adapter,
                 id=new_id(),
                 kind=SessionKind.TRAIN.value,
                 status=SessionStatus.OPEN.value,
@@ -130,10 +141,12 @@ class FleetMixin(StoreBase):
             await db.flush()
             return session_record(row)
 
-    async def admission_state(self, *, group_id: str | None = None) -> AdmissionState:
+    async def admission_state(
+        self, *, group_id: str | None = None, adapter: str | None = None
+    ) -> AdmissionState:
         """The numbers admission would decide on now (diagnostics, tests)."""
         async with self._read() as db:
-            return await _admission_state(db, group_id)
+            return await _admission_state(db, group_id, adapter)
 
     async def session_state(self, *, session_id: str) -> SessionState:
         """A session's status and completion count, in one indexed read."""
@@ -182,10 +195,28 @@ class FleetMixin(StoreBase):
                 await conn.commit()
 
 
-async def _admission_state(db: AsyncSession, group_id: str | None) -> AdmissionState:
+def admitted_counter(adapter: str | None) -> str:
+    """The ``fleet_counters`` row counting a policy's admitted sessions (migration 0006)."""
+    return ADMITTED_COUNTER if adapter is None else f"{ADMITTED_COUNTER}:{adapter}"
+
+
+async def newest_version(db: AsyncSession, adapter: str | None) -> int:
+    """The newest recorded version of a policy inside ``db``'s transaction (0: none)."""
+    if adapter is None:
+        query = select(func.max(PolicyVersionRow.version))
+    else:
+        query = select(func.max(AdapterVersionRow.version)).where(
+            AdapterVersionRow.adapter == adapter
+        )
+    return int((await db.execute(query)).scalar() or 0)
+
+
+async def _admission_state(
+    db: AsyncSession, group_id: str | None, adapter: str | None
+) -> AdmissionState:
     admitted = (
         await db.execute(
-            select(FleetCounterRow.value).where(FleetCounterRow.name == ADMITTED_COUNTER)
+            select(FleetCounterRow.value).where(FleetCounterRow.name == admitted_counter(adapter))
         )
     ).scalar()
     open_now = (
@@ -196,7 +227,7 @@ async def _admission_state(db: AsyncSession, group_id: str | None) -> AdmissionS
             )
         )
     ).scalar_one()
-    version = (await db.execute(select(func.max(PolicyVersionRow.version)))).scalar()
+    version = await newest_version(db, adapter)
     joins = False
     if group_id is not None:
         member = select(SessionRow.id).where(
@@ -206,6 +237,7 @@ async def _admission_state(db: AsyncSession, group_id: str | None) -> AdmissionS
     return AdmissionState(
         admitted=int(admitted or 0),
         open=int(open_now),
-        version=int(version or 0),
+        version=version,
         joins_admitted_group=joins,
+        adapter=adapter,
     )

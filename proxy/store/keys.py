@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from proxima.proxy.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, new_id
 from proxima.proxy.store.convert import api_key_record
 from proxima.proxy.store.errors import Conflict, NotFound
@@ -18,10 +19,18 @@ logger = logging.getLogger(__name__)
 class ApiKeysMixin(StoreBase):
     """Production API keys; the store only ever sees their sha256 hashes."""
 
-    async def create_api_key(self, *, name: str, key_hash: str, record: bool) -> ApiKeyRecord:
-        """Register a production key by its hash. Raises ``Conflict`` on a duplicate hash."""
+    async def create_api_key(
+        self, *, name: str, key_hash: str, record: bool, adapter: str | None = None
+    ) -> ApiKeyRecord:
+        """Register a production key by its hash, bound to the policy ``adapter`` (``None``:
+        the base model). Raises ``Conflict`` on a duplicate hash."""
         row = ApiKeyRow(
-            id=new_id(), name=name, key_hash=key_hash, record=record, created_at=utcnow()
+            id=new_id(),
+            name=name,
+            key_hash=key_hash,
+            record=record,
+            created_at=utcnow(),
+            adapter=check_adapter(adapter),
         )
         try:
             async with self._write() as db:

@@ -88,6 +88,8 @@ class ApiKeyRow(Base):
     record: Mapped[bool] = mapped_column(Boolean)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The policy this key serves: a named adapter, or NULL for the base model.
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class SessionRow(Base):
@@ -99,6 +101,7 @@ class SessionRow(Base):
         Index("ix_sessions_status_finished_at", "status", "finished_at"),
         Index("ix_sessions_kind_status", "kind", "status"),
         Index("ix_sessions_group_id", "group_id"),
+        Index("ix_sessions_adapter_status", "adapter", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -119,6 +122,8 @@ class SessionRow(Base):
         String(64), ForeignKey("api_keys.id"), nullable=True
     )
     trained_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The policy the session generates with (set at creation): an adapter, or NULL (the base).
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class CompletionRow(Base):
@@ -157,6 +162,8 @@ class CompletionRow(Base):
     time_to_first_token: Mapped[float | None] = mapped_column(Float, nullable=True)
     duration: Mapped[float | None] = mapped_column(Float, nullable=True)
     backend: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # The policy that generated it (NULL: the base); ``output_versions`` are its versions.
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class PolicyVersionRow(Base):
@@ -164,6 +171,17 @@ class PolicyVersionRow(Base):
 
     __tablename__ = "policy_versions"
 
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AdapterVersionRow(Base):
+    """A version of a named adapter pushed to the backends (its own sequence, from 1)."""
+
+    __tablename__ = "adapter_versions"
+
+    adapter: Mapped[str] = mapped_column(String(64), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     path: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -180,6 +198,7 @@ class VersionEvalRow(Base):
     items: Mapped[int | None] = mapped_column(Integer, nullable=True)
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)  # NULL: the base
 
 
 class PromotionRow(Base):
@@ -193,14 +212,16 @@ class PromotionRow(Base):
     canary_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     canary_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)  # NULL: the base
 
 
 class FleetCounterRow(Base):
     """A count kept exact by database triggers, read in O(1) by every replica.
 
     ``admitted_train_sessions``: training sessions neither FAILED nor DROPPED
-    (the ``N`` of the staleness rule); maintained by triggers on ``sessions``
-    (migration 0005).
+    (the ``N`` of the staleness rule) of the base model; ``admitted_train_sessions:<adapter>``:
+    the same count for one adapter. Maintained by triggers on ``sessions`` (migrations 0005,
+    0006).
     """
 
     __tablename__ = "fleet_counters"

@@ -45,6 +45,7 @@ class SessionRecord:
     external_id: str | None = None  # X-Session-Id / `user` of production traffic
     api_key_id: str | None = None  # production key that owns the session, if any
     trained_version: int | None = None  # policy version the session was trained into
+    adapter: str | None = None  # the policy it generates with: an adapter, None the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,7 @@ class CompletionRecord:
     time_to_first_token: float | None = None  # seconds
     duration: float | None = None  # seconds
     backend: str | None = None
+    adapter: str | None = None  # the policy that generated it; ``output_versions`` are its
 
     @property
     def temperature(self) -> float:
@@ -89,6 +91,7 @@ class ApiKeyRecord:
     record: bool  # record this key's traffic into production sessions
     created_at: datetime
     revoked_at: datetime | None = None
+    adapter: str | None = None  # the policy the key serves (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,7 @@ class PolicyVersionRecord:
     version: int
     path: str | None
     created_at: datetime
+    adapter: str | None = None  # whose version: an adapter's, or the base's (None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class VersionEvalRecord:
     items: int | None
     name: str
     created_at: datetime
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +122,4 @@ class PromotionRecord:
     canary_version: int | None
     canary_fraction: float | None
     created_at: datetime
+    adapter: str | None = None  # the policy whose production changed (None: the base)

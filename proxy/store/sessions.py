@@ -6,12 +6,13 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
-from proxima.proxy.store._base import StoreBase, new_id
+from proxima.proxy.adapters import check_adapter
+from proxima.proxy.store._base import StoreBase, new_id, of_policy
 from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.direct_sqlite import SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet
 from proxima.proxy.store.models import ApiKeyRow, CompletionRow, SessionRow, utcnow
 from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
-from proxima.proxy.store.writer import SqliteBusy
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
@@ -36,13 +37,15 @@ class SessionsMixin(StoreBase):
         metadata: dict[str, Any] | None = None,
         external_id: str | None = None,
         api_key_id: str | None = None,
+        adapter: str | None = None,
     ) -> SessionRecord:
-        """Open a new session.
+        """Open a new session of the policy ``adapter`` (``None``: the base model).
 
         ``api_key_hash`` is the sha256 hash of the session's own API key (train
         sessions); it must be unique. Raises ``Conflict`` if it is already used.
         """
         row = SessionRow(
+            adapter=check_adapter(adapter),
             id=new_id(),
             kind=SessionKind(kind).value,
             status=SessionStatus.OPEN.value,
@@ -74,12 +77,12 @@ class SessionsMixin(StoreBase):
         """The session whose own API key hashes to ``api_key_hash``, or ``None``.
 
         Every session's first request (and one every key-cache period) asks this: on
-        SQLite it is read on the event loop when that needs no wait (see ``SqliteWriter``).
+        SQLite it is read on the event loop when that needs no wait (see ``DirectSqlite``).
         """
-        writer = self._sqlite_writer
-        if writer is not None:
+        direct = self._direct_sqlite
+        if direct is not None:
             try:
-                found = writer.read_one(SessionRow, "api_key_hash", api_key_hash)
+                found = direct.read_one(SessionRow, "api_key_hash", api_key_hash)
             except SqliteBusy:
                 pass
             else:
@@ -100,9 +103,12 @@ class SessionsMixin(StoreBase):
         the API key does not exist.
         """
         if external_id is None:
-            await self._require_api_key(api_key_id)
+            key = await self._require_api_key(api_key_id)
             return await self.create_session(
-                api_key_hash=None, kind=SessionKind.PRODUCTION, api_key_id=api_key_id
+                api_key_hash=None,
+                kind=SessionKind.PRODUCTION,
+                api_key_id=api_key_id,
+                adapter=key.adapter,
             )
         for attempt in range(3):
             try:
@@ -112,10 +118,12 @@ class SessionsMixin(StoreBase):
                 logger.debug("production session insert race", extra={"attempt": attempt})
         raise Conflict(f"could not get or create production session {external_id!r}")
 
-    async def _require_api_key(self, api_key_id: str) -> None:
+    async def _require_api_key(self, api_key_id: str) -> ApiKeyRow:
         async with self._read() as db:
-            if await db.get(ApiKeyRow, api_key_id) is None:
+            key = await db.get(ApiKeyRow, api_key_id)
+            if key is None:
                 raise NotFound(f"api key {api_key_id} not found")
+            return key
 
     async def _get_or_insert_production(self, api_key_id: str, external_id: str) -> SessionRecord:
         async with self._write() as db:
@@ -125,9 +133,11 @@ class SessionsMixin(StoreBase):
             row = (await db.execute(query)).scalar_one_or_none()
             if row is not None:
                 return session_record(row)
-            if await db.get(ApiKeyRow, api_key_id) is None:
+            key = await db.get(ApiKeyRow, api_key_id)
+            if key is None:
                 raise NotFound(f"api key {api_key_id} not found")
             row = SessionRow(
+                adapter=key.adapter,  # a production key's sessions are its policy's
                 id=new_id(),
                 kind=SessionKind.PRODUCTION.value,
                 status=SessionStatus.OPEN.value,
@@ -204,9 +214,14 @@ class SessionsMixin(StoreBase):
         *,
         kind: SessionKind = SessionKind.TRAIN,
         statuses: Collection[SessionStatus] | None = None,
+        adapter: str | None = None,
     ) -> int:
-        """Number of sessions of ``kind`` ever admitted (optionally only ``statuses``)."""
-        query = select(func.count()).select_from(SessionRow).where(SessionRow.kind == kind.value)
+        """Number of sessions of ``kind`` of one policy (optionally only ``statuses``)."""
+        query = (
+            select(func.count())
+            .select_from(SessionRow)
+            .where(SessionRow.kind == kind.value, of_policy(SessionRow.adapter, adapter))
+        )
         if statuses is not None:
             query = query.where(SessionRow.status.in_([SessionStatus(s).value for s in statuses]))
         async with self._read() as db:

@@ -58,8 +58,8 @@ class Store(
 
     async def close(self) -> None:
         """Close every pooled connection (and SQLite's writer thread)."""
-        if self._sqlite_writer is not None:
-            await self._sqlite_writer.close()
+        if self._direct_sqlite is not None:
+            await self._direct_sqlite.close()
         await self._engine.dispose()
 
 

@@ -1,13 +1,19 @@
-"""Policy version operations of the ``Store``: which weights carry which version number."""
+"""Policy version operations of the ``Store``: which weights carry which version number.
+
+Every policy has its own sequence: the base model's versions are
+``policy_versions``, each adapter's are ``adapter_versions`` rows of its name
+(from 1; an adapter's version 0 is the base weights with no adapter applied).
+"""
 
 from __future__ import annotations
 
 import logging
 
+from proxima.proxy.adapters import check_adapter, policy_label
 from proxima.proxy.store.convert import policy_version_record
 from proxima.proxy.store.errors import Conflict
-from proxima.proxy.store.fleet import FleetMixin
-from proxima.proxy.store.models import PolicyVersionRow, utcnow
+from proxima.proxy.store.fleet import FleetMixin, newest_version
+from proxima.proxy.store.models import AdapterVersionRow, PolicyVersionRow, utcnow
 from proxima.proxy.store.records import PolicyVersionRecord
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -16,47 +22,95 @@ logger = logging.getLogger(__name__)
 
 
 class PolicyVersionsMixin(FleetMixin):
-    """The history of policy (weights) versions pushed to the backends."""
+    """The history of policy (weights or adapter) versions pushed to the backends."""
 
-    async def record_policy_version(self, *, version: int, path: str | None) -> PolicyVersionRecord:
-        """Record a new policy version; versions only grow.
+    async def record_policy_version(
+        self, *, version: int, path: str | None, adapter: str | None = None
+    ) -> PolicyVersionRecord:
+        """Record a new version of the policy ``adapter`` (``None``: the base); versions only grow.
 
         Re-recording the newest version with the same path is a no-op (a
         retried weight push). Raises ``Conflict`` for a version that is not
-        newer than the current one, or the same version with another path.
+        newer than the policy's current one, or the same version with another path.
         """
+        check_adapter(adapter)
         if version < 1:
             raise ValueError(f"policy versions start at 1, got {version}")
         try:
-            return await self._insert_policy_version(version, path)
+            return await self._insert_policy_version(version, path, adapter)
         except IntegrityError as exc:
-            raise Conflict(f"policy version {version} was recorded concurrently") from exc
+            raise Conflict(
+                f"{policy_label(adapter)} version {version} was recorded concurrently"
+            ) from exc
 
-    async def _insert_policy_version(self, version: int, path: str | None) -> PolicyVersionRecord:
+    async def _insert_policy_version(
+        self, version: int, path: str | None, adapter: str | None
+    ) -> PolicyVersionRecord:
         async with self._write() as db:
-            existing = await db.get(PolicyVersionRow, version)
-            if existing is not None:
-                if existing.path == path:
-                    return policy_version_record(existing)
-                raise Conflict(f"policy version {version} already recorded with another path")
-            current = (await db.execute(select(func.max(PolicyVersionRow.version)))).scalar()
-            if current is not None and version <= current:
-                raise Conflict(f"policy version {version} is not newer than {current}")
-            row = PolicyVersionRow(version=version, path=path, created_at=utcnow())
+            row: PolicyVersionRow | AdapterVersionRow | None
+            if adapter is None:
+                row = await db.get(PolicyVersionRow, version)
+            else:
+                row = await db.get(AdapterVersionRow, (adapter, version))
+            if row is not None:
+                if row.path == path:
+                    return policy_version_record(row)
+                raise Conflict(
+                    f"{policy_label(adapter)} version {version} already recorded with another path"
+                )
+            current = await newest_version(db, adapter)
+            if current and version <= current:
+                raise Conflict(
+                    f"{policy_label(adapter)} version {version} is not newer than {current}"
+                )
+            if adapter is None:
+                row = PolicyVersionRow(version=version, path=path, created_at=utcnow())
+            else:
+                row = AdapterVersionRow(
+                    adapter=adapter, version=version, path=path, created_at=utcnow()
+                )
             db.add(row)
             await db.flush()
-            await self.notify_change(db, f"policy:{version}")
-        logger.info("policy version recorded", extra={"version": version, "path": path})
+            notice = f"policy:{version}" if adapter is None else f"adapter:{adapter}:{version}"
+            await self.notify_change(db, notice)
+        logger.info(
+            "policy version recorded",
+            extra={"version": version, "path": path, "adapter": adapter},
+        )
         return policy_version_record(row)
 
-    async def current_policy_version(self) -> int:
-        """The newest recorded policy version; 0 (the initial weights) when none."""
+    async def current_policy_version(self, *, adapter: str | None = None) -> int:
+        """The policy's newest recorded version; 0 (the initial weights) when none."""
         async with self._read() as db:
-            current = (await db.execute(select(func.max(PolicyVersionRow.version)))).scalar()
-            return int(current or 0)
+            return await newest_version(db, adapter)
 
-    async def list_policy_versions(self) -> list[PolicyVersionRecord]:
-        """All recorded policy versions, oldest first."""
-        query = select(PolicyVersionRow).order_by(PolicyVersionRow.version)
+    async def list_policy_versions(
+        self, *, adapter: str | None = None
+    ) -> list[PolicyVersionRecord]:
+        """All recorded versions of the policy ``adapter`` (``None``: the base), oldest first."""
         async with self._read() as db:
+            if adapter is None:
+                base = select(PolicyVersionRow).order_by(PolicyVersionRow.version)
+                return [policy_version_record(row) for row in (await db.execute(base)).scalars()]
+            query = (
+                select(AdapterVersionRow)
+                .where(AdapterVersionRow.adapter == adapter)
+                .order_by(AdapterVersionRow.version)
+            )
             return [policy_version_record(row) for row in (await db.execute(query)).scalars()]
+
+    async def adapter_heads(self) -> dict[str, PolicyVersionRecord]:
+        """Every adapter's newest version (what a backend must serve for it), by name."""
+        newest = (
+            select(AdapterVersionRow.adapter, func.max(AdapterVersionRow.version).label("v"))
+            .group_by(AdapterVersionRow.adapter)
+            .subquery()
+        )
+        query = select(AdapterVersionRow).join(
+            newest,
+            (AdapterVersionRow.adapter == newest.c.adapter)
+            & (AdapterVersionRow.version == newest.c.v),
+        )
+        async with self._read() as db:
+            rows = (await db.execute(query)).scalars()
+            return {row.adapter: policy_version_record(row) for row in rows}

@@ -30,13 +30,24 @@ cope with each:
 - logprobs of -inf are JSON ``null`` (orjson): top-k alternatives of a
   greedy request beyond the chosen token, and the chosen token's own logprob
   at the positions listed in ``null_logprob_at``;
-- ``num_paused_requests`` is a list of ``dp_size`` counts when ``dp_size > 1``.
+- ``num_paused_requests`` is a list of ``dp_size`` counts when ``dp_size > 1``;
+- LoRA (``enable_lora``, SGLang's ``--enable-lora``): ``/load_lora_adapter``
+  reads the peft directory's ``adapter_config.json`` and refuses a name already
+  loaded, a rank over ``max_lora_rank`` or a DoRA adapter with SGLang's
+  messages; ``/unload_lora_adapter`` unregisters the name at once, then waits
+  until the requests running with it finish (``LoRARegistry.wait_for_unload``);
+  a ``/generate`` naming an adapter never loaded is refused before any token,
+  and one unloaded earlier is loaded again from its old path
+  (``TokenizerManager._resolve_lora_path``). Each adapter draws other tokens
+  than the base (the seed includes ``lora_path``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import time
 import uuid
@@ -47,10 +58,18 @@ from fastapi import FastAPI
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     GenerateRequest,
+    LoadLoRAAdapterBody,
+    LoRAUpdateResponse,
     SamplingParams,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
 )
-from proxima.proxy.testing.sglang_routes import Chunk, generate_response, sglang_app
+from proxima.proxy.testing.sglang_routes import (
+    Chunk,
+    RequestRefused,
+    generate_response,
+    sglang_app,
+)
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 
@@ -75,6 +94,8 @@ class FakeBackend:
         script: list[int] | None = None,
         abort_at: frozenset[int] = frozenset(),
         text_of: Callable[[list[int]], str] | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int | None = None,
     ):
         self.vocab_size = vocab_size
         self.tokens_per_s = tokens_per_s
@@ -106,6 +127,7 @@ class FakeBackend:
         self.record_bodies = record_bodies
         self.bodies: list[dict[str, Any]] = []  # every /generate body (with record_bodies)
         self.last_receive = 0.0  # monotonic time of the last token (last_receive_tstamp)
+        self.lora = FakeLoRA(max_lora_rank=max_lora_rank) if enable_lora else None
 
     @property
     def paused(self) -> bool:
@@ -119,6 +141,8 @@ class FakeBackend:
 
     def _rng(self, request: GenerateRequest) -> random.Random:
         seed = request.sampling_params.sampling_seed
+        if request.lora_path is not None:
+            return random.Random(f"{seed}:{request.lora_path}:{request.input_ids}")
         if seed is None:
             return self.rng
         return random.Random(f"{seed}:{request.input_ids}")
@@ -187,11 +211,20 @@ class FakeBackend:
             text = self.text_of(ids[start:]) if self.text_of else ""
             return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
+        lora_id = None
         try:
             if self.max_input_tokens is not None and prompt_len >= self.max_input_tokens:
                 yield chunk(self._finish("too_long", 0, request))
                 return
             await self.gate.wait()  # TokenizerManager holds new requests while paused
+            if request.lora_path:
+                if self.lora is None:
+                    raise RequestRefused(
+                        f"LoRA adapter '{request.lora_path}' was requested, but LoRA is not "
+                        "enabled. Please launch the server with --enable-lora flag and preload "
+                        "adapters using --lora-paths or /load_lora_adapter endpoint."
+                    )
+                lora_id = await self.lora.acquire(request.lora_path)
             self.running.add(rid)  # only now does the scheduler know it
             finish = None
             while finish is None:
@@ -238,6 +271,8 @@ class FakeBackend:
             self.running.discard(rid)
             self.aborted.discard(rid)
             self.retracted.discard(rid)
+            if lora_id is not None and self.lora is not None:
+                self.lora.release(lora_id)
 
     def _matched_stop(self, ids: list[int], params: SamplingParams) -> str | None:
         """SGLang's check: stop strings are looked for in this request's output only."""
@@ -278,6 +313,119 @@ class FakeBackend:
             "message": "Succeeded to update model weights.",
             "num_paused_requests": counts,
         }
+
+
+class FakeLoRA:
+    """SGLang's adapter registry: names, paths, and the requests using each loaded copy.
+
+    Each load gets a fresh id (``LoRARef.lora_id``) and its own count of running
+    requests, so an unload waits only for the requests of the copy it removes.
+    """
+
+    def __init__(self, *, max_lora_rank: int | None = None):
+        self.max_lora_rank = max_lora_rank
+        self.registry: dict[str, tuple[str, str]] = {}  # name -> (lora_id, path), in load order
+        self.ever_loaded: dict[str, str] = {}  # name -> path (TokenizerManager.lora_ref_cache)
+        self.users: dict[str, int] = {}  # lora_id -> running requests
+        self.loads = 0
+        self._lock = asyncio.Lock()  # lora_update_lock
+        self._released = asyncio.Condition()
+
+    def loaded(self) -> dict[str, str]:
+        return {name: path for name, (_, path) in self.registry.items()}
+
+    def _result(self, success: bool, error: str = "") -> LoRAUpdateResponse:
+        return LoRAUpdateResponse(
+            success=success, error_message=error, loaded_adapters=self.loaded()
+        )
+
+    def _check_adapter(self, name: str, path: str) -> None:
+        """``LoRAConfig`` and ``LoRAManager.validate_new_adapter``'s checks, their messages."""
+        if not os.path.isdir(path):
+            # SGLang takes a path that is not a directory for a Hugging Face repo id
+            # (snapshot_download); an absolute path fails huggingface_hub's validation.
+            raise ValueError(
+                "Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+                f"'{path}'. Use `repo_type` argument if needed."
+            )
+        with open(os.path.join(path, "adapter_config.json")) as f:  # FileNotFoundError's text
+            config = json.load(f)
+        rank = config["r"]
+        _ = (config["lora_alpha"], config["target_modules"])  # a KeyError as SGLang's
+        if config.get("use_dora", False):
+            raise ValueError(
+                f"Failed to load {name} because LoRA serving currently doesn't support DoRA "
+                "adapters"
+            )
+        if name in self.registry:
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise ValueError(
+                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA "
+                "memory pool configuration. Please ensure that the LoRA adapter's rank is within "
+                "the configured `--max-lora-rank` and that the target modules are included in "
+                "`--lora-target-modules`."
+            )
+
+    async def load(self, body: LoadLoRAAdapterBody) -> LoRAUpdateResponse:
+        async with self._lock:
+            return self._load_locked(body.lora_name, body.lora_path)
+
+    def _load_locked(self, name: str, path: str) -> LoRAUpdateResponse:
+        try:
+            self._check_adapter(name, path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return self._result(False, str(exc))
+        lora_id = uuid.uuid4().hex
+        self.registry[name] = (lora_id, path)
+        self.ever_loaded[name] = path
+        self.users[lora_id] = 0
+        self.loads += 1
+        return self._result(True)
+
+    async def unload(self, body: UnloadLoRAAdapterBody) -> LoRAUpdateResponse:
+        async with self._lock:
+            entry = self.registry.pop(body.lora_name, None)
+            if entry is None:
+                keys = list(self.registry)
+                return LoRAUpdateResponse(
+                    success=False,
+                    error_message=f"LoRA with name {body.lora_name} does not exist. "
+                    f"Loaded LoRAs: odict_keys({keys})",
+                )
+            lora_id = entry[0]
+            async with self._released:  # the requests already running with it finish first
+                await self._released.wait_for(lambda: self.users[lora_id] == 0)
+            del self.users[lora_id]
+            return self._result(True)
+
+    async def acquire(self, name: str) -> str:
+        """The id of the copy a new request of ``name`` runs with (counted until released)."""
+        if name not in self.registry:
+            if name not in self.ever_loaded:
+                raise RequestRefused(
+                    f"Got LoRA adapter that has never been loaded: {name}\n"
+                    f"All loaded adapters: dict_keys({list(self.ever_loaded)})."
+                )
+            async with self._lock:  # reload the evicted adapter, after any unload in progress
+                if name not in self.registry:
+                    result = self._load_locked(name, self.ever_loaded[name])
+                    if not result.success:
+                        raise RequestRefused(
+                            f"Failed to implicitly load LoRA adapter {name}: {result.error_message}"
+                        )
+        lora_id = self.registry[name][0]
+        self.users[lora_id] += 1
+        return lora_id
+
+    def release(self, lora_id: str) -> None:
+        self.users[lora_id] -= 1
+
+        async def notify() -> None:
+            async with self._released:
+                self._released.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
 
 
 async def health_probe(fake: FakeBackend) -> int:
@@ -322,6 +470,9 @@ def create_fake_app(backend: FakeBackend | None = None) -> FastAPI:
         weight_version=lambda: fake.weight_version,
         health=lambda: health_probe(fake),
         on_body=fake.bodies.append if fake.record_bodies else None,
+        load_lora=fake.lora.load if fake.lora else None,
+        unload_lora=fake.lora.unload if fake.lora else None,
+        loaded_loras=fake.lora.loaded if fake.lora else None,
     )
     app.state.fake = fake
     return app
@@ -336,12 +487,16 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--chunk-tokens", type=int, default=1)
     p.add_argument("--incremental-streaming-output", action="store_true")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
     args = p.parse_args()
     backend = FakeBackend(
         vocab_size=args.vocab_size,
         tokens_per_s=args.tokens_per_s,
         chunk_tokens=args.chunk_tokens,
         incremental=args.incremental_streaming_output,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
     )
     uvicorn.run(
         create_fake_app(backend),

@@ -18,12 +18,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     GenerateRequest,
+    LoadLoRAAdapterBody,
+    LoRAUpdateResponse,
+    ModelCard,
+    ModelList,
     PauseGenerationBody,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
 )
 from pydantic import BaseModel, ValidationError
 
 Chunk = dict[str, Any]
+
+
+class RequestRefused(ValueError):
+    """Raised by a ``run`` before or between chunks: SGLang's tokenizer manager raises
+    ``ValueError`` (an unknown LoRA adapter, say), which its HTTP server answers as 400
+    ``{"error": {"message"}}``, or, once a stream has begun, as one error event."""
 
 
 def _bad_request(exc: ValidationError | json.JSONDecodeError) -> JSONResponse:
@@ -45,14 +56,26 @@ async def generate_response(
     if request.stream:
 
         async def events() -> AsyncIterator[bytes]:
-            async for out in run(request):
-                yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            try:
+                async for out in run(request):
+                    yield b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            except RequestRefused as exc:  # http_server.py's stream_results
+                error = {
+                    "message": str(exc),
+                    "type": "invalid_request_error",
+                    "code": 400,
+                    "retryable": False,
+                }
+                yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
     last: Chunk = {}
-    async for out in run(request):
-        last = out
+    try:
+        async for out in run(request):
+            last = out
+    except RequestRefused as exc:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
     return JSONResponse({**last, "output_ids": list(last["output_ids"])})
 
 
@@ -68,6 +91,9 @@ def sglang_app(
     weight_version: Callable[[], str],
     health: Callable[[], Awaitable[int]] | None = None,
     on_body: Callable[[dict[str, Any]], None] | None = None,
+    load_lora: Callable[[LoadLoRAAdapterBody], Awaitable[LoRAUpdateResponse]] | None = None,
+    unload_lora: Callable[[UnloadLoRAAdapterBody], Awaitable[LoRAUpdateResponse]] | None = None,
+    loaded_loras: Callable[[], dict[str, str]] | None = None,
 ) -> FastAPI:
     """An app with SGLang's native routes over the given callbacks; bodies are checked strictly.
 
@@ -75,7 +101,10 @@ def sglang_app(
     ``abort`` the ``/abort_request`` body; ``pause`` the pause mode;
     ``update`` the weight update body, returning SGLang's reply;
     ``health`` the status of ``/health`` (200 at once when not given);
-    ``on_body`` sees every raw ``/generate`` body.
+    ``on_body`` sees every raw ``/generate`` body; ``load_lora`` and
+    ``unload_lora`` serve the LoRA calls (without them: SGLang's refusal when
+    ``--enable-lora`` is not given); ``loaded_loras`` (name -> path) adds the
+    adapters' cards to ``/v1/models``.
     """
     app = FastAPI(title=title)
 
@@ -125,9 +154,44 @@ def sglang_app(
     async def health_route() -> Response:
         return Response(status_code=200 if health is None else await health())
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_route(request: Request) -> Any:
+        parsed = await _parse(request, LoadLoRAAdapterBody)
+        if isinstance(parsed, Response):
+            return parsed
+        result = LORA_NOT_ENABLED if load_lora is None else await load_lora(parsed)
+        return _lora_reply(result)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_route(request: Request) -> Any:
+        parsed = await _parse(request, UnloadLoRAAdapterBody)
+        if isinstance(parsed, Response):
+            return parsed
+        result = LORA_NOT_ENABLED if unload_lora is None else await unload_lora(parsed)
+        return _lora_reply(result)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=model_path, root=model_path)]
+        for name, path in (loaded_loras() if loaded_loras else {}).items():
+            cards.append(ModelCard(id=name, root=path, parent=model_path))
+        return ModelList(data=cards).model_dump()
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def info() -> dict[str, Any]:
         return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
 
     return app
+
+
+LORA_NOT_ENABLED = LoRAUpdateResponse(
+    success=False, error_message="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+)
+
+
+def _lora_reply(result: LoRAUpdateResponse) -> JSONResponse:
+    """SGLang's reply: the whole ``LoRAUpdateOutput`` (with IPC fields ``rid`` and
+    ``http_worker_ipc``, always null over HTTP), 400 when it failed."""
+    body = {"rid": None, "http_worker_ipc": None, **result.model_dump()}
+    return JSONResponse(body, status_code=200 if result.success else 400)

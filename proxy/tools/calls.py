@@ -11,6 +11,7 @@ formats and the streaming contract.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -192,6 +193,28 @@ def decode_call(body: str) -> tuple[str, str] | None:
     except (json.JSONDecodeError, RecursionError):
         return None
     return call_from_object(obj)
+
+
+_HERMES_SCAN = re.compile(r'\\.|"|' + re.escape(HERMES_END), re.DOTALL)
+
+
+def hermes_block_end(text: str, start: int) -> int:
+    """Where the hermes block whose body starts at ``start`` ends: the first end marker outside
+    a JSON string, or -1 if none has arrived yet.
+
+    A call's arguments may hold the end marker itself (a string value that mentions
+    ``</tool_call>``; a small model sampled at temperature 1 under a forced-call grammar writes it
+    now and then), so a marker inside a string does not end the block. Quotes are counted from the
+    block's start, with backslash escapes inside strings.
+    """
+    in_string = False
+    for match in _HERMES_SCAN.finditer(text, start):
+        token = match.group()
+        if token == '"':
+            in_string = not in_string
+        elif token == HERMES_END and not in_string:
+            return match.start()
+    return -1
 
 
 def partial_marker_len(text: str, marker: str) -> int:

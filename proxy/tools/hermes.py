@@ -3,6 +3,11 @@
 Several blocks may follow each other; text around them is content, minus the
 whitespace that only separates it from a block. A block that is not a valid
 call stays in the content verbatim.
+
+A block ends at the first end marker outside a JSON string of its body
+(:func:`hermes_block_end`), so arguments may mention ``</tool_call>``. When no
+marker qualifies but one is there (text that is not JSON, with an odd quote),
+the first marker ends the block and the block is content.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from proxima.proxy.tools.calls import (
     ToolCallStream,
     decode_call,
     header_and_arguments,
+    hermes_block_end,
     new_tool_call_id,
     partial_marker_len,
 )
@@ -38,7 +44,7 @@ class HermesToolParser(ToolCallParser):
         pos = 0
         while True:
             start = text.find(HERMES_START, pos)
-            end = -1 if start < 0 else text.find(HERMES_END, start + len(HERMES_START))
+            end = -1 if start < 0 else _block_end(text, start + len(HERMES_START))
             if end < 0:
                 current.append(text[pos:])
                 break
@@ -65,6 +71,12 @@ class HermesToolParser(ToolCallParser):
         return _HermesStream()
 
 
+def _block_end(text: str, body: int) -> int:
+    """The end of a complete text's block whose body starts at ``body``, or -1 if unclosed."""
+    end = hermes_block_end(text, body)
+    return end if end >= 0 else text.find(HERMES_END, body)
+
+
 class _HermesStream(ToolCallStream):
     """Incremental ``HermesToolParser.parse``.
 
@@ -85,7 +97,7 @@ class _HermesStream(ToolCallStream):
         self._in_block = False
         self._block = ""
         self._block_space = ""
-        self._searched = 0  # ``_block`` holds no end marker before this offset
+        self._searched = 0  # no marker before this offset in ``_block`` ends it
         self._calls = 0
 
     def _feed(self, delta_text: str) -> list[StreamEvent]:
@@ -99,6 +111,12 @@ class _HermesStream(ToolCallStream):
 
     def _finish(self) -> list[StreamEvent]:
         events: list[StreamEvent] = []
+        while self._in_block and (end := self._block.find(HERMES_END)) >= 0:
+            # Every marker sat inside a string: the first one ends the block after all.
+            body, rest = self._block[:end], self._block[end + len(HERMES_END) :]
+            self._close_block(body, events)
+            self._pending = rest
+            self._advance(events)
         if self._in_block:  # never closed: the block is content
             self._emit_raw(self._block_space + HERMES_START + self._block, events)
             self._in_block = False
@@ -114,9 +132,10 @@ class _HermesStream(ToolCallStream):
     def _advance(self, events: list[StreamEvent]) -> None:
         while True:
             if self._in_block:
-                end = self._block.find(HERMES_END, self._searched)
-                if end < 0:
-                    self._searched = max(0, len(self._block) - len(HERMES_END) + 1)
+                marker = self._block.find(HERMES_END, self._searched)
+                end = -1 if marker < 0 else hermes_block_end(self._block, 0)
+                if end < 0:  # no marker yet, or each one inside a string
+                    self._searched = max(self._searched, len(self._block) - len(HERMES_END) + 1)
                     return
                 body, rest = self._block[:end], self._block[end + len(HERMES_END) :]
                 self._close_block(body, events)

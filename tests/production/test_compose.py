@@ -275,8 +275,9 @@ def test_dockerfile() -> None:
     torch_at = next(i for i, s in enumerate(steps) if s.startswith("RUN pip install torch==2.13.0"))
     project_at = next(i for i, s in enumerate(steps) if s.startswith('RUN pip install ".'))
     assert torch_at < project_at
-    # Tensor-parallel training (torchrun + megatron-core) and Ray agent workers run from the image.
-    assert steps[project_at].startswith('RUN pip install ".[megatron,ray]"')
+    # Tensor-parallel training (torchrun + megatron-core), LoRA adapters (peft) and Ray agent
+    # workers run from the image.
+    assert steps[project_at].startswith('RUN pip install ".[megatron,ray,trainer]"')
     copied = {s.split()[1] for s in steps if s.startswith("COPY")}
     for package in (
         "proxima",

@@ -18,8 +18,8 @@ from fastapi.routing import APIRoute
 from proxima.proxy.api.deps import PrincipalDep
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.api.schemas import ChatCompletionRequest
+from proxima.proxy.caches import PrincipalCache
 from proxima.proxy.errors import install_error_handlers
-from proxima.proxy.recorder import SessionCache
 
 ADMIN = "admin-token"
 
@@ -54,7 +54,7 @@ def make_app() -> FastAPI:
     app.state.settings = SimpleNamespace(
         admin_token=SimpleNamespace(get_secret_value=lambda: ADMIN)
     )
-    app.state.cache = SessionCache()
+    app.state.principals = PrincipalCache()
     app.state.store = NoKeys()
     return app
 

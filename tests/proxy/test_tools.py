@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from proxima.proxy.errors import BadRequest
 from proxima.proxy.testing.tiny_model import CHAT_TEMPLATE
 from proxima.proxy.tools import (
     ContentDelta,
@@ -51,6 +52,13 @@ HERMES_CORPUS = [
     '<tool_call>{"name": "s", "arguments": "{\\"q\\": 1}"}</tool_call>',
     '<tool_call>{"arguments": {"a": 1}, "name": "reordered"}</tool_call>',
     "unicode: caf\u00e9 \u4f60\u597d " + hermes_block("echo", {"text": "\u00fcber"}),
+    # Arguments that mention the end marker (a forced call sampled at temperature 1 did).
+    hermes_block("get_weather", {"city": "geat_w.</tool_call></tool_call>.v"}) + " after",
+    hermes_block("say", {"a": 'q\\"</tool_call>', "b": "<tool_call>"}) + TIME,
+    # An odd quote in a block that is not JSON: the first marker ends it, as content.
+    'odd <tool_call>it"s</tool_call> then ' + TIME,
+    '<tool_call>"a</tool_call> <tool_call>"b</tool_call> tail',
+    '<tool_call>x"</tool_call> <tool_call>{"name": "y"}',
     "",
     "   \n",
 ]
@@ -162,6 +170,20 @@ def test_hermes_malformed_call_stays_content(text: str) -> None:
 def test_hermes_malformed_block_beside_valid_call() -> None:
     parsed = get_tool_parser("hermes").parse("see <tool_call>oops</tool_call> " + TIME)
     assert parsed.content == "see <tool_call>oops</tool_call>"
+    assert [c.name for c in parsed.tool_calls] == ["get_time"]
+
+
+def test_hermes_arguments_may_hold_the_end_marker() -> None:
+    arguments = {"city": "geat_w.</tool_call></tool_call>.v", "note": 'a \\" </tool_call>'}
+    parsed = get_tool_parser("hermes").parse("hi " + hermes_block("get_weather", arguments))
+    assert parsed.content == "hi"
+    [call] = parsed.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", arguments)
+
+
+def test_hermes_block_with_an_odd_quote_ends_at_its_first_marker() -> None:
+    parsed = get_tool_parser("hermes").parse('odd <tool_call>it"s</tool_call> then ' + TIME)
+    assert parsed.content == 'odd <tool_call>it"s</tool_call> then'
     assert [c.name for c in parsed.tool_calls] == ["get_time"]
 
 
@@ -342,7 +364,7 @@ def test_invalid_tool_choice(
     with pytest.raises(InvalidToolChoice) as info:
         resolve_tool_choice(tool_choice, tools)
     assert info.value.param == "tool_choice"
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, BadRequest)  # one error tree: a 400, not a ValueError
 
 
 def test_required_tool_choice_returns_what_the_model_produced() -> None:

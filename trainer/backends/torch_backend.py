@@ -49,6 +49,72 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def load_train_model(model_dir: Path, device: torch.device, optim: OptimConfig) -> Any:
+    """The HF causal LM of ``model_dir`` in float32 on ``device``, with exact packed attention."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]  # HF's stub of .to() takes a model
+    use_varlen_attention(model)
+    if optim.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def run_compute_logprobs(
+    model: Any, samples: Sequence[Sample], batching: BatchingConfig, device: torch.device
+) -> list[list[float]]:
+    """Token-aligned logprobs of each sample under ``model``, no grad, at loss tokens only."""
+    model.eval()
+    with torch.no_grad():
+        return logprobs_by_sample(
+            samples,
+            batching,
+            lambda packed: forward_logprobs(model, packed.to(device), loss_tokens_only=True),
+        )
+
+
+def run_train_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    *,
+    params: Sequence[Tensor],
+    ppo: PPOConfig,
+    batching: BatchingConfig,
+    grad_clip: float | None,
+    device: torch.device,
+) -> StepStats:
+    """``ppo.ppo_minibatches`` steps of ``optimizer`` over ``params`` (``base``'s plan).
+
+    ``params`` are the parameters whose gradients are clipped (those
+    ``optimizer`` steps): the whole model, or one LoRA adapter.
+    """
+    if not samples:
+        raise ValueError("train_step needs at least one sample")
+    model.train()
+    stats: list[PPOStats] = []
+    losses: list[Tensor] = []
+    grad_norms: list[float] = []
+    minibatches = split_minibatches(samples, ppo.ppo_minibatches)
+    for k, minibatch in enumerate(minibatches):
+        total_loss_tokens = sum(s.num_loss_tokens for s in minibatch)
+        loss_fn = ppo_loss_fn(ppo, total_loss_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        mb_stats = []
+        for indices in micro_batches(minibatch, batching):
+            packed = pack([minibatch[i] for i in indices]).to(device)
+            logprobs = forward_logprobs(model, packed, loss_tokens_only=True)  # (T,)
+            loss, loss_stats = loss_fn(logprobs, **loss_inputs(packed, first_minibatch=k == 0))
+            loss.backward()  # micro-batch losses sum to the minibatch token mean
+            mb_stats.append(loss_stats)
+        grad_norms.append(clip_grad_norm(params, grad_clip))
+        optimizer.step()
+        merged = PPOStats.merge(mb_stats)
+        losses.append(merged.loss)
+        stats.extend(mb_stats)
+    optimizer.zero_grad(set_to_none=True)
+    return step_stats(stats, losses, grad_norms)
+
+
 class TorchBackend:
     """An HF causal LM in float32 with AdamW, on the CPU or one GPU.
 
@@ -75,13 +141,7 @@ class TorchBackend:
         self.batching = batching
         self.optim_config = optim
         self.device = resolve_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.to(self.device)  # type: ignore[arg-type]  # HF's stub of .to() takes a model
-        use_varlen_attention(self.model)
-        if optim.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        self.model = load_train_model(self.model_dir, self.device, optim)
         self.optimizer = build_optimizer(self.model.parameters(), optim)
         logger.info(
             "torch backend ready",
@@ -94,43 +154,20 @@ class TorchBackend:
         Computed at loss tokens only (the generated ones, where PPO reads them);
         every other entry is 0.0.
         """
-        self.model.eval()
-        with torch.no_grad():
-            return logprobs_by_sample(
-                samples,
-                self.batching,
-                lambda packed: forward_logprobs(
-                    self.model, packed.to(self.device), loss_tokens_only=True
-                ),
-            )
+        return run_compute_logprobs(self.model, samples, self.batching, self.device)
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
         """``ppo.ppo_minibatches`` AdamW steps (see the module docstring)."""
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        self.model.train()
-        stats: list[PPOStats] = []
-        losses: list[Tensor] = []
-        grad_norms: list[float] = []
-        minibatches = split_minibatches(samples, self.ppo.ppo_minibatches)
-        for k, minibatch in enumerate(minibatches):
-            total_loss_tokens = sum(s.num_loss_tokens for s in minibatch)
-            loss_fn = ppo_loss_fn(self.ppo, total_loss_tokens)
-            self.optimizer.zero_grad(set_to_none=True)
-            mb_stats = []
-            for indices in micro_batches(minibatch, self.batching):
-                packed = pack([minibatch[i] for i in indices]).to(self.device)
-                logprobs = forward_logprobs(self.model, packed, loss_tokens_only=True)  # (T,)
-                loss, loss_stats = loss_fn(logprobs, **loss_inputs(packed, first_minibatch=k == 0))
-                loss.backward()  # micro-batch losses sum to the minibatch token mean
-                mb_stats.append(loss_stats)
-            grad_norms.append(clip_grad_norm(self.model.parameters(), self.optim_config.grad_clip))
-            self.optimizer.step()
-            merged = PPOStats.merge(mb_stats)
-            losses.append(merged.loss)
-            stats.extend(mb_stats)
-        self.optimizer.zero_grad(set_to_none=True)
-        return step_stats(stats, losses, grad_norms)
+        return run_train_step(
+            self.model,
+            self.optimizer,
+            samples,
+            params=list(self.model.parameters()),
+            ppo=self.ppo,
+            batching=self.batching,
+            grad_clip=self.optim_config.grad_clip,
+            device=self.device,
+        )
 
     def export_hf(self, out_dir: Path) -> None:
         """``save_pretrained`` (safetensors; tied weights stored once) plus tokenizer files."""

@@ -28,6 +28,7 @@ TABLES = {
     "version_evals",
     "production_promotions",
     "fleet_counters",
+    "adapter_versions",
 }
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from proxima.proxy.store import Conflict, Store, ensure_schema
-from proxima.proxy.store import writer as writer_module
+from proxima.proxy.store import direct_sqlite as direct_sqlite_module
 from proxima.proxy.store.completions import insert_completions
 from proxima.proxy.store.convert import completion_values
 from sqlalchemy import create_engine
@@ -43,7 +43,7 @@ async def test_record_waits_for_another_writer_then_commits(sqlite_store) -> Non
     other.execute("COMMIT")
     other.close()
     await asyncio.wait_for(record, 30)
-    assert store._sqlite_writer.thread_commits == 1  # it waited on the writer thread
+    assert store._direct_sqlite.thread_commits == 1  # it waited on the writer thread
     assert len(await store.list_completions(session_id=session.id)) == 1
     # Committed: a fresh connection (another process) sees the row.
     fresh = sqlite3.connect(path)
@@ -67,8 +67,8 @@ async def test_a_free_lock_commits_on_the_loop_and_checkpoints_on_the_thread(
     sqlite_store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, path = sqlite_store
-    monkeypatch.setattr(writer_module, "CHECKPOINT_EVERY", 3)
-    writer = store._sqlite_writer
+    monkeypatch.setattr(direct_sqlite_module, "CHECKPOINT_EVERY", 3)
+    writer = store._direct_sqlite
     session = await store.create_session(api_key_hash=key_hash())
     for i in range(3):
         await store.record_completion(completion=completion(session.id, seconds=i))
