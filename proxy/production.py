@@ -29,7 +29,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.deployments import CANARY, PRODUCTION, CanarySplit, Deployment, Deployments
 from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.store.records import PromotionRecord
@@ -106,6 +106,8 @@ class ProductionController:
             return
         try:
             await deployment.pool.update_weights(version=version, path=path)
+        except BackendUnavailable:
+            raise  # no backend to load into: a 503, not the version's fault
         except BackendError as exc:
             raise BadRequest(
                 f"The {deployment.name} backends could not load version {version} from "

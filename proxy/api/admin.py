@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StateDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
-from proxima.proxy.backends.errors import BackendError
+from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.errors import BadRequest, Conflict
 from proxima.proxy.store.records import SessionKind
 
@@ -21,6 +21,10 @@ async def update_weights(
 ) -> dict[str, Any]:
     """Interrupt generation, load ``path`` as policy ``version`` everywhere, resume.
 
+    With ``adapter``: ``path`` is a LoRA adapter (a peft directory), ``version``
+    that adapter's next version; it is loaded beside the others and only that
+    adapter's generations are interrupted (``BackendPool.update_adapter``).
+
     The check that ``version`` is newer, the load and the record in the store
     are one critical section: of two concurrent pushes the second sees the
     first's version, so the store, the pool and every backend agree on which
@@ -28,27 +32,39 @@ async def update_weights(
     """
     # One push at a time in the fleet (replicas on one PostgreSQL share the backends), then
     # in this process; the store's version is the fleet's, this pool may lag it a moment.
+    adapter = body.adapter
     async with store.publish_lock(), pool.publish_lock:
-        current = max(pool.version, await store.current_policy_version())
+        current = max(pool.policy(adapter)[0], await store.current_policy_version(adapter=adapter))
         if body.version <= current:
+            whose = "" if adapter is None else f" of adapter {adapter}"
             raise Conflict(
-                f"version {body.version} is not newer than the current version {current}.",
+                f"version {body.version} is not newer than the current version{whose} {current}.",
                 param="version",
                 code="version_not_newer",
             )
         try:
-            update = await pool.update_weights(version=body.version, path=body.path)
+            if adapter is None:
+                update = await pool.update_weights(version=body.version, path=body.path)
+            else:
+                update = await pool.update_adapter(
+                    adapter=adapter, version=body.version, path=body.path
+                )
+        except BackendUnavailable:
+            raise  # no backend to load into: a 503, not the path's fault
         except BackendError as exc:
             raise BadRequest(
-                f"Loading weights from {body.path} failed: {exc}", param="path"
+                f"Loading {'weights' if adapter is None else 'the adapter'} from {body.path} "
+                f"failed: {exc}",
+                param="path",
             ) from exc
-        await store.record_policy_version(version=body.version, path=body.path)
+        await store.record_policy_version(version=body.version, path=body.path, adapter=adapter)
     state.metrics.weight_updates.observe(update.seconds)
     return {
         "version": update.version,
         "path": update.path,
         "seconds": update.seconds,
         "backends": update.backends,
+        "adapter": adapter,
     }
 
 

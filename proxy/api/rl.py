@@ -74,7 +74,8 @@ async def create_session(
             open_sessions=state.open,
             # The fleet's version is the store's (a push through another replica counts
             # at once); this replica's pool is never ahead of it but may lag a moment.
-            version=max(state.version, pool.version),
+            # Both are the session's policy's: an adapter's sessions count against its own.
+            version=max(state.version, pool.policy(body.adapter)[0]),
             max_staleness=settings.max_staleness,
             batch_size=settings.train_batch_size,
             max_open_sessions=settings.max_open_sessions,
@@ -94,6 +95,7 @@ async def create_session(
                 group_id=body.group_id,
                 data_id=body.data_id,
                 metadata=body.metadata or {},
+                adapter=body.adapter,
             )
         except NotAdmitted as exc:
             raise RateLimited(
@@ -111,6 +113,7 @@ def _session_json(session: SessionRecord) -> dict[str, Any]:
     return {
         "session_id": session.id,
         "kind": session.kind.value,
+        "adapter": session.adapter,
         "status": session.status.value,
         "reward": session.reward,
         "group_id": session.group_id,
@@ -140,6 +143,7 @@ def _completion_json(c: CompletionRecord) -> dict[str, Any]:
         "time_to_first_token": c.time_to_first_token,
         "duration": c.duration,
         "backend": c.backend,
+        "adapter": c.adapter,
     }
 
 

@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from proxima.proxy.adapters import check_adapter
 from proxima.proxy.unicode import InvalidString, check_unicode
 from pydantic import (
     BaseModel,
@@ -232,11 +233,20 @@ class CreateSessionRequest(_Open, _Body):
     group_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     data_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     metadata: dict[str, Any] | None = None
+    # The policy the session generates with and trains: a LoRA adapter's name, or null
+    # (absent) for the base model. Any valid name may start sessions before its first push:
+    # its version 0 is the base weights with no adapter (a freshly initialised LoRA adds 0).
+    adapter: str | None = None
 
     @field_validator("group_id", "data_id")
     @classmethod
     def _ids(cls, v: str | None, info: Any) -> str | None:
         return check_identifier(v, info.field_name)
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter(cls, v: str | None) -> str | None:
+        return check_adapter(v)
 
 
 class CreateSessionResponse(BaseModel):
@@ -264,6 +274,13 @@ class WeightsRequest(_Body):
     # Per-token versions are stored as int32.
     version: int = Field(ge=0, le=2**31 - 1)
     path: str = Field(min_length=1)
+    # A LoRA adapter's version (a peft directory at ``path``); absent: the full weights.
+    adapter: str | None = None
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter(cls, v: str | None) -> str | None:
+        return check_adapter(v)
 
     @field_validator("path")
     @classmethod

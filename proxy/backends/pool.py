@@ -26,6 +26,18 @@ generation starts, pause every backend in abort mode (in-flight requests
 return ``finish_reason: abort`` with their partial tokens), load the new
 weights on each, resume, set the current version and open the gate. The
 generation loop resumes each interrupted completion from its partial tokens.
+
+Adapters (``update_adapter``): a policy other than the base is a LoRA adapter,
+version ``v`` of adapter ``a`` loaded on every backend under
+``lora_name(a, v)`` (``a@v3``). Nothing pauses: the new name is loaded beside
+the old one, new requests of ``a`` are sent with it, the requests of ``a``
+still running on the old name are aborted (and resumed on the new one by the
+generation loop, which registers each adapter request here while it runs),
+and once none is left the old name is unloaded. The base's and the other
+adapters' requests never notice. An adapter's version 0 is the base weights
+with no adapter (no ``lora_path``). A backend is routed to only while it has
+every adapter's current version loaded: one that restarted (or missed a push)
+is kept out until ``_rejoin`` has loaded them, as for the base weights.
 """
 
 from __future__ import annotations
@@ -34,14 +46,18 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 
 import httpx
-from proxima.proxy.backends.errors import BackendConnectionError, BackendError
+from proxima.proxy.backends.errors import (
+    BackendConnectionError,
+    BackendError,
+    BackendUnavailable,
+)
+from proxima.proxy.backends.protocol import lora_name
 from proxima.proxy.backends.sglang import SGLangClient
-from proxima.proxy.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +108,27 @@ class WeightUpdate:
     path: str
     seconds: float
     backends: list[str] = field(default_factory=list)
+    adapter: str | None = None  # None: the base weights
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """The version of one adapter the pool serves, and where its files are."""
+
+    adapter: str
+    version: int
+    path: str | None
+
+    @property
+    def lora(self) -> str | None:
+        """The name requests carry as ``lora_path``; None at version 0 (the bare base)."""
+        return None if self.version == 0 else lora_name(self.adapter, self.version)
+
+
+# How long a push waits for the requests still running on an adapter's old version to end
+# (they are aborted, and aborted again every ``_ABORT_AGAIN_S``) before it unloads it.
+RETIRE_WAIT_S = 30.0
+_ABORT_AGAIN_S = 0.5
 
 
 class BackendPool:
@@ -115,6 +152,10 @@ class BackendPool:
         self._rejoining: set[Backend] = set()  # stale backends being brought up to date
         self._updates_begun = 0  # weight updates started; health probes that overlap one are void
         self.last_update: WeightUpdate | None = None
+        # Every adapter's current version (absent: version 0, the base weights).
+        self.adapters: dict[str, AdapterVersion] = {}
+        # The adapter requests running now: adapter -> rid -> (backend, the lora name sent).
+        self._adapter_requests: dict[str, dict[str, tuple[Backend, str | None]]] = {}
 
     # -- routing -------------------------------------------------------------
     @property
@@ -171,6 +212,20 @@ class BackendPool:
         backend.healthy = False
         backend.version = reported
         backend.last_error = f"reports version {reported}, current is {self.version}"
+        self._schedule_rejoin(backend)
+
+    def mark_missing_adapter(self, backend: Backend, name: str) -> None:
+        """Take out a backend that lacks the current adapter ``name`` (it restarted, or
+        missed a push); ``_rejoin`` loads every current adapter on it and puts it back."""
+        if backend.healthy:
+            logger.warning(
+                "backend %s lacks adapter %s: taken out until it loads it", backend.url, name
+            )
+        backend.healthy = False
+        backend.last_error = f"lacks adapter {name}"
+        self._schedule_rejoin(backend)
+
+    def _schedule_rejoin(self, backend: Backend) -> None:
         if backend not in self._rejoining:
             self._rejoining.add(backend)
             task = asyncio.get_running_loop().create_task(self._rejoin(backend))
@@ -231,6 +286,10 @@ class BackendPool:
                 continue
             if backend.healthy and reported != self.version:
                 self.mark_stale(backend, reported)
+            if backend.healthy and self.adapters:
+                missing = await self._missing_adapters(backend)
+                if missing is None or missing:
+                    self.mark_missing_adapter(backend, ", ".join(missing or ["(unknown)"]))
             if not backend.healthy:
                 await self._rejoin(backend)
 
@@ -278,6 +337,8 @@ class BackendPool:
                 logger.warning("backend %s could not load v%s: %s", backend.url, version, exc)
                 return
             backend.version = reported
+            if reported == version and not await self._load_adapters(backend):
+                return
             if reported != version:
                 backend.last_error = f"reports version {reported}, current is {version}"
                 logger.log(
@@ -350,6 +411,159 @@ class BackendPool:
                 await self._health_task
         for backend in self.backends:
             backend.client.close()
+
+    # -- adapters --------------------------------------------------------------
+    def policy(self, adapter: str | None) -> tuple[int, str | None]:
+        """``(version, lora name)`` a new request of ``adapter`` is served with now."""
+        if adapter is None:
+            return self.version, None
+        current = self.adapters.get(adapter)
+        return (0, None) if current is None else (current.version, current.lora)
+
+    def adapter_version(self, adapter: str) -> int:
+        """The adapter's current version (0: never pushed, the bare base)."""
+        current = self.adapters.get(adapter)
+        return 0 if current is None else current.version
+
+    @contextmanager
+    def adapter_request(
+        self, adapter: str, backend: Backend, rid: str, lora: str | None
+    ) -> Iterator[None]:
+        """Register a running request of ``adapter`` (a push aborts it and waits for it)."""
+        running = self._adapter_requests.setdefault(adapter, {})
+        running[rid] = (backend, lora)
+        try:
+            yield
+        finally:
+            running.pop(rid, None)
+
+    def _current_loras(self) -> dict[str, str]:
+        """The lora name -> path of every adapter's current version (version 0 has none)."""
+        return {
+            a.lora: a.path
+            for a in self.adapters.values()
+            if a.lora is not None and a.path is not None
+        }
+
+    async def _missing_adapters(self, backend: Backend) -> list[str] | None:
+        """The current adapter names ``backend`` has not loaded (None: it does not answer)."""
+        wanted = self._current_loras()
+        if not wanted:
+            return []
+        try:
+            loaded = await backend.client.loaded_lora_adapters()
+        except BackendError:
+            return None
+        return sorted(set(wanted) - loaded)
+
+    async def _load_adapters(self, backend: Backend) -> bool:
+        """Load every adapter's current version that ``backend`` lacks; whether it has all."""
+        wanted = self._current_loras()
+        missing = await self._missing_adapters(backend)
+        if missing is None:
+            return False
+        for name in missing:
+            try:
+                await backend.client.load_lora_adapter(name, wanted[name])
+            except BackendError as exc:
+                backend.last_error = f"could not load adapter {name}: {exc}"
+                logger.warning("backend %s could not load adapter %s: %s", backend.url, name, exc)
+                return False
+        if missing:
+            logger.info("backend %s loaded adapters %s", backend.url, ", ".join(missing))
+        return True
+
+    def restore_adapters(self, versions: Mapping[str, tuple[int, str | None]]) -> None:
+        """Serve these adapter versions (a proxy that starts: the store's newest); backends
+        that lack them are loaded by the health checks before they serve."""
+        for adapter, (version, path) in versions.items():
+            self.adapters[adapter] = AdapterVersion(adapter, version, path)
+
+    async def update_adapter(self, *, adapter: str, version: int, path: str) -> WeightUpdate:
+        """Serve ``path`` as ``version`` of ``adapter``; nothing else pauses (module docstring).
+
+        Loads the new name on every healthy backend, switches new requests of
+        ``adapter`` to it, aborts the requests still running on the old one (the
+        generation loop resumes them on the new), and unloads the old name once
+        they are gone. A backend that refuses is taken out until it loads it.
+        """
+        name = lora_name(adapter, version)
+        async with self._update_lock:
+            started = time.monotonic()
+            targets = self.healthy_backends()
+            if not targets:
+                raise BackendUnavailable("No healthy backend to load the adapter into.")
+            results = await asyncio.gather(
+                *(b.client.load_lora_adapter(name, path) for b in targets), return_exceptions=True
+            )
+            loaded = []
+            for backend, result in zip(targets, results, strict=True):
+                if isinstance(result, BackendConnectionError):
+                    self.mark_failed(backend, result)
+                elif isinstance(result, BaseException):
+                    logger.error("backend %s refused %s: %s", backend.url, name, result)
+                else:
+                    loaded.append(backend)
+            if not loaded:
+                first = next(r for r in results if isinstance(r, BaseException))
+                raise first
+            old = self.adapters.get(adapter)
+            self.adapters[adapter] = AdapterVersion(adapter, version, path)
+            for backend in targets:
+                if backend not in loaded and backend.healthy:
+                    self.mark_missing_adapter(backend, name)
+        await self._retire(adapter, None if old is None else old.lora, loaded)
+        update = WeightUpdate(
+            version, path, time.monotonic() - started, [b.url for b in loaded], adapter=adapter
+        )
+        logger.info(
+            "adapter %s v%s loaded on %d backend(s) in %.3fs",
+            adapter,
+            version,
+            len(loaded),
+            update.seconds,
+        )
+        return update
+
+    async def _retire(self, adapter: str, old: str | None, backends: list[Backend]) -> None:
+        """Abort the requests of ``adapter`` still on its old name ``old`` (None: the bare
+        base), wait until they have left, then unload ``old`` from ``backends``.
+
+        No new request takes ``old`` (the switch came first), so the set only
+        shrinks. An abort can reach a backend before the request it names; such a
+        request is aborted again after ``_ABORT_AGAIN_S``. A name is unloaded only
+        once no request of this pool uses it: SGLang loads an unloaded name again
+        when a request names it.
+        """
+        deadline = time.monotonic() + RETIRE_WAIT_S
+        while True:
+            running = self._adapter_requests.get(adapter, {})
+            stale = [(b, rid) for rid, (b, lora) in running.items() if lora == old]
+            if not stale:
+                break
+            if time.monotonic() >= deadline:
+                logger.error(
+                    "%d request(s) of adapter %s still run on %s after %.0fs",
+                    len(stale),
+                    adapter,
+                    old or "the base",
+                    RETIRE_WAIT_S,
+                )
+                break
+            await asyncio.gather(
+                *(b.client.abort_request(rid=rid) for b, rid in stale), return_exceptions=True
+            )
+            again = time.monotonic() + _ABORT_AGAIN_S
+            while time.monotonic() < again and any(rid in running for _, rid in stale):
+                await asyncio.sleep(0.01)
+        if old is None:
+            return
+        results = await asyncio.gather(
+            *(b.client.unload_lora_adapter(old) for b in backends), return_exceptions=True
+        )
+        for backend, result in zip(backends, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("backend %s could not unload %s: %s", backend.url, old, result)
 
     # -- weights ---------------------------------------------------------------
     async def update_weights(self, *, version: int, path: str) -> WeightUpdate:

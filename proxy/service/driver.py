@@ -99,7 +99,7 @@ class GenerationDriver:
         return Completion(
             choices=[f for _, f in finished],
             usage=self._usage(prep, runs),
-            policy_version=self._pool(prep).version,
+            policy_version=self._pool(prep).policy(prep.adapter)[0],
         )
 
     async def stream(
@@ -137,7 +137,7 @@ class GenerationDriver:
                 yield finish
             usage = self._usage(prep, runs)
             outcome, tokens = "ok", usage.completion_tokens
-            yield Done(usage, self._pool(prep).version)
+            yield Done(usage, self._pool(prep).policy(prep.adapter)[0])
         except Exception as exc:  # the response has started: it ends with an error event
             outcome = "error"
             error = as_proxima_error(exc)
@@ -173,6 +173,7 @@ class GenerationDriver:
             result=run.result,
             sticky_key=prep.session.id if prep.session else None,
             request_id=run.completion_id,
+            adapter=prep.adapter,
         )
 
     async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:

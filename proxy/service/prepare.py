@@ -86,6 +86,9 @@ class Prepared:
     # The template's text of ``messages`` and the template variables it was rendered with
     # (chat input only), kept for the next turn (``RenderedTexts``).
     rendered: tuple[str, dict[str, Any] | None] | None = None
+    # The policy that serves it: a LoRA adapter's name, or None for the base model
+    # (``proxima.proxy.adapters``; the credential decides).
+    adapter: str | None = None
 
     @property
     def completion_ids(self) -> list[str]:

@@ -55,7 +55,7 @@ class ChoiceRecorder:
         self.histories.append(records)
         if self.rendered is not None and prep.rendered is not None:
             self.rendered.add([r.id for r in records], *prep.rendered)
-        current = self.pool.version
+        current = self.pool.policy(prep.adapter)[0]
         m = self.metrics
         for r in records:
             m.child(m.completions, "chat" if r.request_messages is not None else "text").inc()
@@ -89,6 +89,7 @@ class ChoiceRecorder:
             time_to_first_token=(run.first_token_at - run.started) if run.first_token_at else None,
             duration=time.monotonic() - run.started,
             backend=r.backend,
+            adapter=prep.adapter,
         )
 
     def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:

@@ -16,12 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from proxima.proxy.adapters import check_adapter, policy_label, split_policy
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_model_version
-from proxima.proxy.errors import Conflict, NotFound
+from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
@@ -93,7 +94,9 @@ class CompletionService:
 
     # ----------------------------------------------------------------- requests
     def check_model(self, model: str) -> None:
-        """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N)."""
+        """404 unless ``model`` is the served name (``<name>@v<N>`` asks for version N,
+        ``<name>:<adapter>`` names a policy: checked against the caller in ``prepare``)."""
+        model = split_policy(model, self.settings.model_name)[0]
         if split_model_version(model)[0] != self.settings.model_name:
             raise NotFound(
                 f"The model '{model}' does not exist; this server serves "
@@ -126,12 +129,14 @@ class CompletionService:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
         deployment = self._route(request, principal, session, external_id)
+        adapter = self._policy(request, principal)
         if isinstance(request.input, ChatInput):
             prep = await self.preparer.chat(request, request.input, session, history)
         else:
             assert text_ids is not None
             prep = self.preparer.text(request, text_ids, session, history)
         prep.deployment = deployment
+        prep.adapter = adapter
         if prep.parent_id is not None:
             prep.parent = next((r for r in reversed(history) if r.id == prep.parent_id), None)
         return prep
@@ -159,9 +164,42 @@ class CompletionService:
             version=version,
         )
 
+    def _policy(self, request: CanonicalRequest, principal: Principal) -> str | None:
+        """The policy (adapter, or None for the base) that serves the request.
+
+        The credential decides: a session key its session's adapter, a production
+        key the adapter it is bound to. ``model`` may name it (``<served>:<adapter>``)
+        and must then agree (400, ``param: "model"``); the admin token has no policy
+        of its own, so its ``model`` picks one.
+        """
+        named = None
+        if request.model:
+            named = split_policy(request.model, self.settings.model_name)[1]
+        if named is not None:
+            try:
+                check_adapter(named)
+            except ValueError as exc:
+                raise BadRequest(f"The model '{request.model}': {exc}.", param="model") from None
+        if principal.is_admin:
+            return named
+        if principal.session is not None:
+            own = principal.session.adapter
+        else:
+            own = principal.api_key.adapter if principal.api_key is not None else None
+        if named is not None and named != own:
+            served = self.settings.model_name
+            mine = served if own is None else f"{served}:{own}"
+            raise BadRequest(
+                f"The model '{request.model}' names {policy_label(named)}, but this key "
+                f"serves {policy_label(own)}: use model '{mine}' (or '{served}').",
+                param="model",
+                code="model_policy_mismatch",
+            )
+        return own
+
     def version_of(self, prep: Prepared) -> int:
-        """The version the request's deployment serves now."""
-        return (prep.deployment or self.deployments.training).version
+        """The version of the request's policy its deployment serves now."""
+        return (prep.deployment or self.deployments.training).pool.policy(prep.adapter)[0]
 
     async def complete(self, prep: Prepared) -> Completion:
         """Every choice, generated and committed."""

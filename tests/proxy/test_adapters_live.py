@@ -1,0 +1,192 @@
+"""Many policies behind one endpoint, through a real ``proxima serve`` and the official SDKs.
+
+The backend is the fake SGLang with LoRA enabled (SGLang 0.5.23's adapter registry: the
+proxy's ``lora_path`` names must be loaded, an unload waits for running requests). Two
+adapters and the base are served at once; every completion records its adapter and every
+token its adapter's version; a push of one adapter interrupts only that adapter's streams;
+``model`` may name the caller's policy but no other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from proxima.proxy.serving import ThreadedServer
+from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
+from proxima.proxy.testing.live import LiveProxy
+
+Setup = tuple[LiveProxy, FakeBackend, Path]
+
+
+@pytest.fixture(scope="module")
+def lora_proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    fake = FakeBackend(tokens_per_s=200, enable_lora=True, record_bodies=True)
+    work = tmp_path_factory.mktemp("adapters")
+    with ThreadedServer(create_fake_app(fake)) as server:
+        proxy = LiveProxy(
+            tiny_model_dir,
+            db_url=f"sqlite:///{work / 'store.db'}",
+            log_path=work / "serve.log",
+            extra_args=["--backend", server.url],
+        )
+        proxy.start()
+        try:
+            yield proxy, fake, work
+        finally:
+            proxy.stop()
+
+
+def _adapter_dir(root: Path, name: str) -> str:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _push(proxy: LiveProxy, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        proxy.url + "/admin/weights", json=body, headers=proxy.admin_headers(), timeout=60
+    )
+
+
+def _chat(proxy: LiveProxy, key: str, model: str, max_tokens: int = 6) -> Any:
+    client = OpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens
+    )
+
+
+def test_two_adapters_and_the_base_are_served_and_recorded_apart(lora_proxy: Setup) -> None:
+    proxy, fake, work = lora_proxy
+    a = proxy.new_session(adapter="tenant-a")
+    b = proxy.new_session(adapter="tenant-b")
+    base = proxy.new_session()
+    pushed = _push(proxy, {"version": 1, "path": _adapter_dir(work, "a1"), "adapter": "tenant-a"})
+    assert pushed.status_code == 200, pushed.text
+    assert pushed.json()["adapter"] == "tenant-a" and pushed.json()["version"] == 1
+    again = _push(proxy, {"version": 1, "path": _adapter_dir(work, "a1"), "adapter": "tenant-a"})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "version_not_newer"
+    for session in (a, b, base):
+        _chat(proxy, session["api_key"], proxy.model_name)
+    seen = {}
+    for name, session in (("tenant-a", a), ("tenant-b", b), (None, base)):
+        trajectory = proxy.trajectory(session["session_id"])
+        assert trajectory["adapter"] == name
+        (completion,) = trajectory["completions"]
+        assert completion["adapter"] == name
+        seen[name] = set(completion["output_versions"])
+    # tenant-a's tokens are its version 1; tenant-b was never pushed (its version 0 is
+    # the base weights with no adapter); the base is at version 0.
+    assert seen == {"tenant-a": {1}, "tenant-b": {0}, None: {0}}
+    loras = {body.get("lora_path") for body in fake.bodies}
+    assert "tenant-a@v1" in loras and None in loras
+    assert fake.lora is not None and set(fake.lora.loaded()) == {"tenant-a@v1"}
+
+
+def test_model_may_name_the_callers_policy_and_no_other(lora_proxy: Setup) -> None:
+    proxy, _, _ = lora_proxy
+    key = proxy.new_session(adapter="tenant-a")["api_key"]
+    served = proxy.model_name
+    assert _chat(proxy, key, f"{served}:tenant-a").choices[0].message is not None
+    client = OpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+    other = f"{served}:tenant-b"
+    with pytest.raises(openai.BadRequestError) as chat:
+        _chat(proxy, key, other)
+    assert chat.value.param == "model" and "tenant-b" in chat.value.message
+    with pytest.raises(openai.BadRequestError) as text:
+        client.completions.create(model=other, prompt="Once", max_tokens=4)
+    assert text.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as responses:
+        client.responses.create(model=other, input="hi", max_output_tokens=16)
+    assert responses.value.param == "model"
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key=key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="tenant-b"):
+        claude.messages.create(
+            model=other, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    base_key = proxy.new_session()["api_key"]
+    with pytest.raises(openai.BadRequestError) as base:
+        _chat(proxy, base_key, f"{served}:tenant-a")
+    assert base.value.param == "model" and "base" in base.value.message
+
+
+def test_a_session_of_an_invalid_adapter_name_is_refused(lora_proxy: Setup) -> None:
+    proxy, _, _ = lora_proxy
+    for name in ("Tenant-A", "a b", "-x", "a" * 65):
+        resp = httpx.post(
+            proxy.url + "/rl/sessions",
+            json={"adapter": name},
+            headers=proxy.admin_headers(),
+            timeout=30,
+        )
+        assert resp.status_code == 400, (name, resp.text)
+        assert "adapter" in resp.text
+
+
+def test_a_push_mid_stream_interrupts_and_resumes_only_that_adapter(lora_proxy: Setup) -> None:
+    proxy, fake, work = lora_proxy
+    sessions = {name: proxy.new_session(adapter=name) for name in ("tenant-a", "tenant-b")}
+    sessions["base"] = proxy.new_session()
+    current = httpx.get(proxy.url + "/health", timeout=30).json()
+    assert current["status"] == "ok"
+
+    async def main() -> dict[str, str]:
+        counts = dict.fromkeys(sessions, 0)
+        texts = dict.fromkeys(sessions, "")
+
+        async def stream(name: str) -> None:
+            client = AsyncOpenAI(
+                base_url=proxy.base_url, api_key=sessions[name]["api_key"], max_retries=0
+            )
+            reply = await client.chat.completions.create(
+                model=proxy.model_name,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=120,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in reply:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    counts[name] += 1
+                    texts[name] += chunk.choices[0].delta.content
+            await client.close()
+
+        tasks = [asyncio.create_task(stream(name)) for name in sessions]
+        while min(counts.values()) < 5:
+            await asyncio.sleep(0.02)
+            if any(t.done() for t in tasks):
+                break
+        assert all(not t.done() for t in tasks), "every stream was still running at the push"
+        async with httpx.AsyncClient() as http:
+            pushed = await http.post(
+                proxy.url + "/admin/weights",
+                json={"version": 2, "path": _adapter_dir(work, "a2"), "adapter": "tenant-a"},
+                headers=proxy.admin_headers(),
+                timeout=60,
+            )
+        assert pushed.status_code == 200, pushed.text
+        await asyncio.gather(*tasks)
+        return texts
+
+    asyncio.run(main())
+    versions = {}
+    for name, session in sessions.items():
+        (completion,) = proxy.trajectory(session["session_id"])["completions"]
+        assert len(completion["output_ids"]) == 120
+        versions[name] = completion["output_versions"]
+    a = versions["tenant-a"]
+    assert a[0] == 1 and a[-1] == 2 and a == sorted(a)  # v1 tokens, then v2 tokens
+    assert set(versions["tenant-b"]) == {0} and set(versions["base"]) == {0}
+    assert not fake.paused
+    assert fake.lora is not None and "tenant-a@v1" not in fake.lora.loaded()
+    assert "tenant-a@v2" in fake.lora.loaded()
