@@ -15,6 +15,7 @@ from proxima.proxy.adapters import check_adapter
 from proxima.proxy.api.deps import AdminDep
 from proxima.proxy.deployments import CanarySplit
 from proxima.proxy.production import ProductionController
+from proxima.proxy.state import state_of
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 router = APIRouter(tags=["deployments"])
@@ -60,7 +61,7 @@ class EvalScoreRequest(BaseModel):
 
 
 async def get_production(request: Request) -> ProductionController:
-    return request.app.state.production
+    return state_of(request).production
 
 
 ProductionDep = Annotated[ProductionController, Depends(get_production)]
