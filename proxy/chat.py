@@ -76,7 +76,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _PART_SEPARATOR = "\n"
 
 
-class InvalidMessages(errors.BadRequest, ValueError):
+class InvalidMessages(errors.BadRequest):
     """``messages`` cannot be served; ``param`` names the offending field."""
 
     def __init__(self, message: str, *, param: str = "messages") -> None:

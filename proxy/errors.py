@@ -1,36 +1,46 @@
-"""Domain errors of the proxy and their mapping to OpenAI's error envelope.
+"""Every error the proxy raises on purpose, and the one table of their statuses.
 
-Services raise these; one exception handler (``install_error_handlers``) turns
-them into ``{"error": {"message", "type", "param", "code"}}`` with the right
-HTTP status, so no route formats errors by hand.
+One root, as httpx's ``_exceptions.py`` has it; the store and the backend
+layer raise their own subtrees (re-exported by ``proxima.proxy.store.errors``
+and ``proxima.proxy.backends.errors``), and no layer below the edge knows
+HTTP::
 
     ProximaError                      500 api_error
     ├── BadRequest                    400 invalid_request_error
     │   └── ContextTooLong            400 invalid_request_error / context_length_exceeded
     ├── AuthenticationFailed          401 authentication_error / invalid_api_key
     ├── PermissionDenied              403 permission_error
-    ├── NotFound                      404 not_found_error (model_not_found for models)
-    ├── Conflict                      409 conflict_error (reward twice, finished session)
+    ├── NotFound                      404 not_found_error (a model, a session, a key...)
+    ├── Conflict                      409 conflict_error
+    │   ├── RewardAlreadySet          409 conflict_error / reward_already_set   (store)
+    │   ├── SessionClosed             409 conflict_error / session_closed       (store)
+    │   └── NotAdmitted               409 conflict_error (the /rl route: a 429)  (store)
     ├── PayloadTooLarge               413 invalid_request_error
     ├── RateLimited                   429 rate_limit_error (+ Retry-After)
     ├── ClientDisconnected            499 client_disconnected (nobody reads the answer)
-    └── BackendUnavailable            503 service_unavailable (no healthy backend)
+    ├── StoreError                    500 api_error, message withheld (the store's own failure)
+    └── BackendError                  503 service_unavailable
+        ├── BackendUnavailable        no healthy backend; generation interrupted too often
+        ├── BackendConnectionError    unreachable or died mid-request (the pool fails over)
+        ├── BackendRejected           the backend refused the request (its 4xx)
+        └── BackendOperationFailed    an admin call answered ``success: false`` or a 5xx
 
-Request validation errors (bad JSON, wrong types) become 400s that name the
-offending parameter; they never leak a raw pydantic dump. Store errors
-(``proxima.proxy.store.errors``) map to 404 / 409. Once a stream has started,
-``as_proxima_error`` picks the error event that ends it.
-
-Under ``/v1/messages`` every error this module answers (a 404 or 405 of the
-router, a 500 of a bug) is in Anthropic's envelope ``{"type": "error",
-"error": {"type", "message"}}`` instead: the Messages routes' own errors are
-turned into it by their route class, and this is the edge for the rest.
+:data:`KINDS` is the table: an error's status, type and code are its nearest
+class's row (:func:`kind_of`). Each API surface writes the error in its own
+envelope from that row (OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` by :func:`openai_envelope`, Anthropic's in
+``proxima.proxy.surfaces.messages``); ``install_error_handlers`` is the edge that
+answers them, and ``as_proxima_error`` picks the error that ends a stream
+that has started. Request validation errors (bad JSON, wrong types) become
+400s that name the offending parameter; they never leak a raw pydantic dump.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,28 +50,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+INTERNAL_MESSAGE = "The server had an error while processing your request."
+
 
 class ProximaError(Exception):
-    status_code = 500
-    error_type = "api_error"
-    default_code: str | None = None
+    """The root. ``param`` names the request field at fault; ``code`` overrides the table's."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code if code is not None else self.default_code
+        self.code = code if code is not None else kind_of(self).code
+
+    @property
+    def status_code(self) -> int:
+        return kind_of(self).status
+
+    @property
+    def error_type(self) -> str:
+        return kind_of(self).type
 
     def envelope(self) -> dict[str, Any]:
-        return error_envelope(self.message, self.error_type, param=self.param, code=self.code)
+        """OpenAI's error envelope of this error."""
+        return openai_envelope(self)
 
     def headers(self) -> dict[str, str] | None:
         return None
 
 
+# ----------------------------------------------------------------- the request's fault
+
+
 class BadRequest(ProximaError):
-    status_code = 400
-    error_type = "invalid_request_error"
+    pass
 
 
 class ContextTooLong(BadRequest):
@@ -70,8 +91,6 @@ class ContextTooLong(BadRequest):
     The numbers let each API word the error as its own server does (Anthropic's
     Messages API: ``input length and `max_tokens` exceed context limit: ...``).
     """
-
-    default_code = "context_length_exceeded"
 
     def __init__(
         self,
@@ -89,35 +108,26 @@ class ContextTooLong(BadRequest):
 
 
 class AuthenticationFailed(ProximaError):
-    status_code = 401
-    error_type = "authentication_error"
-    default_code = "invalid_api_key"
+    pass
 
 
 class PermissionDenied(ProximaError):
-    status_code = 403
-    error_type = "permission_error"
+    pass
 
 
 class NotFound(ProximaError):
-    status_code = 404
-    error_type = "not_found_error"
+    """The addressed thing does not exist (or is not visible to the caller)."""
 
 
 class Conflict(ProximaError):
-    status_code = 409
-    error_type = "conflict_error"
+    """The operation is not allowed in the current state."""
 
 
 class PayloadTooLarge(ProximaError):
-    status_code = 413
-    error_type = "invalid_request_error"
+    pass
 
 
 class RateLimited(ProximaError):
-    status_code = 429
-    error_type = "rate_limit_error"
-
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None):
         super().__init__(message, code=code)
         self.retry_after = retry_after
@@ -129,39 +139,131 @@ class RateLimited(ProximaError):
 class ClientDisconnected(ProximaError):
     """The client went away before its answer was ready (nginx's 499); nothing is sent."""
 
-    status_code = 499
-    error_type = "client_disconnected"
+
+# ----------------------------------------------------------------- the store
 
 
-class BackendUnavailable(ProximaError):
-    status_code = 503
-    error_type = "service_unavailable"
+class RewardAlreadySet(Conflict):
+    """A reward was already posted; rewards are write-once."""
+
+    def __init__(self, message: str, *, param: str | None = "reward", code: str | None = None):
+        super().__init__(message, param=param, code=code)
+
+
+class SessionClosed(Conflict):
+    """The session is not OPEN: it takes no more completions."""
+
+
+class NotAdmitted(Conflict):
+    """Admission refused a new training session; ``reason`` says which limit."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StoreError(ProximaError):
+    """The store cannot do what it was asked (schema not current, a broken chain)."""
+
+
+# ----------------------------------------------------------------- the backends
+
+
+class BackendError(ProximaError):
+    def __init__(self, message: str, *, url: str | None = None):
+        super().__init__(message)
+        self.url = url
+
+
+class BackendUnavailable(BackendError):
+    """No healthy backend serves the request, or generation was interrupted too often."""
+
+
+class BackendConnectionError(BackendError):
+    pass
+
+
+class BackendRejected(BackendError):
+    def __init__(self, message: str, *, url: str | None = None, backend_status: int = 400):
+        super().__init__(message, url=url)
+        self.backend_status = backend_status
+
+
+class BackendOperationFailed(BackendError):
+    pass
+
+
+# ----------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """How an error is answered: HTTP status, error type, default code.
+
+    ``internal``: the message is the server's own business (logged, never sent).
+    """
+
+    status: int
+    type: str
+    code: str | None = None
+    internal: bool = False
+
+
+KINDS: dict[type[ProximaError], Kind] = {
+    ProximaError: Kind(500, "api_error"),
+    BadRequest: Kind(400, "invalid_request_error"),
+    ContextTooLong: Kind(400, "invalid_request_error", "context_length_exceeded"),
+    AuthenticationFailed: Kind(401, "authentication_error", "invalid_api_key"),
+    PermissionDenied: Kind(403, "permission_error"),
+    NotFound: Kind(404, "not_found_error"),
+    Conflict: Kind(409, "conflict_error"),
+    RewardAlreadySet: Kind(409, "conflict_error", "reward_already_set"),
+    SessionClosed: Kind(409, "conflict_error", "session_closed"),
+    PayloadTooLarge: Kind(413, "invalid_request_error"),
+    RateLimited: Kind(429, "rate_limit_error"),
+    ClientDisconnected: Kind(499, "client_disconnected"),
+    StoreError: Kind(500, "api_error", internal=True),
+    BackendError: Kind(503, "service_unavailable"),
+}
+
+
+def kind_of(exc: ProximaError) -> Kind:
+    """The row of ``exc``'s nearest class in :data:`KINDS`."""
+    for cls in type(exc).__mro__:
+        kind = KINDS.get(cls)
+        if kind is not None:
+            return kind
+    raise AssertionError("ProximaError has a row")  # pragma: no cover
+
+
+def public_message(exc: ProximaError) -> str:
+    """What the client is told: the message, unless the table keeps it internal."""
+    return INTERNAL_MESSAGE if kind_of(exc).internal else exc.message
 
 
 def error_envelope(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
+    """OpenAI's error envelope."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def as_proxima_error(exc: Exception) -> ProximaError:
-    """The API error for a failure: a store error keeps its status, anything else is a 500."""
-    from proxima.proxy.store import errors as store_errors
+def openai_envelope(exc: ProximaError) -> dict[str, Any]:
+    """``exc`` in OpenAI's envelope (Chat Completions, Completions, Responses, /rl, /admin)."""
+    return error_envelope(public_message(exc), exc.error_type, param=exc.param, code=exc.code)
 
+
+def as_proxima_error(exc: Exception) -> ProximaError:
+    """The error to answer for a failure: ours as it is, anything else a 500 (a bug)."""
     if isinstance(exc, ProximaError):
         return exc
-    if isinstance(exc, store_errors.RewardAlreadySet):
-        return Conflict(str(exc), param="reward", code="reward_already_set")
-    if isinstance(exc, store_errors.SessionClosed):
-        return Conflict(str(exc), code="session_closed")
-    if isinstance(exc, store_errors.Conflict):
-        return Conflict(str(exc))
-    if isinstance(exc, store_errors.NotFound):
-        return NotFound(str(exc))
-    return ProximaError("The server had an error while processing your request.")
+    return ProximaError(INTERNAL_MESSAGE)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+# ----------------------------------------------------------------- validation messages
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence for the first validation error, and its parameter.
 
     A validator that knows the exact field (``param`` on the raised error, e.g.
@@ -205,8 +307,18 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
     return prefix
 
 
-ANTHROPIC_PATH = "/v1/messages"
-"""Requests under this path are answered in Anthropic's error envelope."""
+# ----------------------------------------------------------------- the edge
+
+
+Envelope = Callable[[int, dict[str, Any]], dict[str, Any]]
+"""A surface's envelope for a response the edge writes: (status, OpenAI's envelope) -> body."""
+
+
+def envelope_for(path: str) -> Envelope | None:
+    """The envelope of the surface that serves ``path``, when it is not OpenAI's."""
+    from proxima.proxy.service.builders.messages import MESSAGES_PATH, edge_envelope
+
+    return edge_envelope if path.startswith(MESSAGES_PATH) else None
 
 
 def _answer(
@@ -215,50 +327,23 @@ def _answer(
     envelope: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """``envelope`` (OpenAI's) as the response, in Anthropic's shape on the Messages routes."""
-    if request.url.path.startswith(ANTHROPIC_PATH):
-        from proxima.proxy.service.builders.messages import error_body
-
-        error = envelope["error"]
-        message = error["message"]
-        if error.get("param"):
-            message = f"{error['param']}: {message}"
-        envelope = error_body(status, message)
+    """``envelope`` (OpenAI's) as the response, in the surface's own shape where it has one."""
+    own = envelope_for(request.url.path)
+    if own is not None:
+        envelope = own(status, envelope)
     return JSONResponse(envelope, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from proxima.proxy.store import errors as store_errors
-
     @app.exception_handler(ProximaError)
     async def _proxima(request: Request, exc: ProximaError) -> JSONResponse:
+        if kind_of(exc).internal:
+            logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url, exc)
         return _answer(request, exc.status_code, exc.envelope(), exc.headers())
-
-    @app.exception_handler(store_errors.NotFound)
-    async def _store_not_found(request: Request, exc: Exception) -> JSONResponse:
-        return _answer(request, 404, error_envelope(str(exc), "not_found_error"))
-
-    @app.exception_handler(store_errors.RewardAlreadySet)
-    async def _reward_twice(request: Request, exc: Exception) -> JSONResponse:
-        return _answer(
-            request,
-            409,
-            error_envelope(str(exc), "conflict_error", param="reward", code="reward_already_set"),
-        )
-
-    @app.exception_handler(store_errors.SessionClosed)
-    async def _session_closed(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_envelope(str(exc), "conflict_error", code="session_closed"), status_code=409
-        )
-
-    @app.exception_handler(store_errors.Conflict)
-    async def _store_conflict(request: Request, exc: Exception) -> JSONResponse:
-        return _answer(request, 409, error_envelope(str(exc), "conflict_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return _answer(request, 400, error_envelope(message, "invalid_request_error", param=param))
 
     @app.exception_handler(json.JSONDecodeError)
@@ -273,11 +358,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug: log it with its traceback, answer in the envelope (never a bare text 500).
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _answer(
-            request,
-            500,
-            error_envelope("The server had an error while processing your request.", "api_error"),
-        )
+        return _answer(request, 500, error_envelope(INTERNAL_MESSAGE, "api_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -49,12 +49,12 @@ from proxima.proxy.backends.errors import (
     BackendConnectionError,
     BackendOperationFailed,
     BackendRejected,
+    BackendUnavailable,
 )
 from proxima.proxy.backends.pool import Backend, BackendPool, reported_version
 from proxima.proxy.backends.protocol import FinishReason, GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import GenerateDelta
 from proxima.proxy.errors import (
-    BackendUnavailable,
     BadRequest,
     ContextTooLong,
     ProximaError,

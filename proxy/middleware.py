@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxima.proxy.errors import ANTHROPIC_PATH, error_envelope
-from proxima.proxy.service.builders.messages import error_body as anthropic_error_body
+from proxima.proxy.errors import envelope_for, error_envelope
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,10 +20,10 @@ class BodyLimitMiddleware:
 
     async def _reject(self, send: Send, size: Any, path: str) -> None:
         message = f"Request body of {size} bytes exceeds the limit of {self.max_bytes}."
-        if path.startswith(ANTHROPIC_PATH):
-            envelope = anthropic_error_body(413, message)  # Anthropic's clients read their shape
-        else:
-            envelope = error_envelope(message, "invalid_request_error")
+        envelope = error_envelope(message, "invalid_request_error")
+        own = envelope_for(path)  # Anthropic's clients read their own shape
+        if own is not None:
+            envelope = own(413, envelope)
         body = json.dumps(envelope).encode()
         await send(
             {

@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the trainer for parsed arguments; the exit status."""
     # torch, transformers and the store load here, not when `proxima` builds its parser.
-    from proxima.proxy.store import StoreError
+    from proxima.proxy.errors import ProximaError
     from proxima.trainer.proxy_settings import ProxySettingsError
     from proxima.trainer.weights import RecoveryError, WeightPushError
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_run_until_signal(cfg, progress=not args.no_progress))
-    except (RecoveryError, WeightPushError, StoreError, ProxySettingsError) as exc:
+    except (RecoveryError, WeightPushError, ProximaError, ProxySettingsError) as exc:
         print(f"proxima trainer: {exc}", file=sys.stderr)
         return 1
     return 0

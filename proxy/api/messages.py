@@ -46,7 +46,6 @@ from proxima.proxy.service.builders.messages import (
     message_events,
     message_from,
 )
-from proxima.proxy.store import errors as store_errors
 from proxima.proxy.unicode import InvalidString
 
 logger = logging.getLogger(__name__)
@@ -77,10 +76,6 @@ class AnthropicErrorRoute(APIRoute):
                 return JSONResponse(error_of(exc), exc.status_code, headers=exc.headers())
             except RequestValidationError as exc:
                 return JSONResponse(error_body(400, _validation_message(exc)), 400)
-            except store_errors.NotFound as exc:
-                return JSONResponse(error_body(404, str(exc)), 404)
-            except store_errors.Conflict as exc:
-                return JSONResponse(error_body(409, str(exc)), 409)
 
         return handler
 

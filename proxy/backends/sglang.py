@@ -142,7 +142,7 @@ class SGLangClient:
             )
         if status >= 400:
             raise BackendRejected(
-                _error_message(status, content), url=self.base_url, status_code=status
+                _error_message(status, content), url=self.base_url, backend_status=status
             )
         if not content:
             return None

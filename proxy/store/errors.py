@@ -1,42 +1,25 @@
-"""Domain errors of the trajectory store.
+"""The store's errors: the store subtree of ``proxima.proxy.errors``' one tree.
 
-The store raises these plain exceptions; the API layer maps them to HTTP
-statuses (``NotFound`` -> 404, ``RewardAlreadySet`` and ``Conflict`` -> 409)::
+The store raises these; the edge answers them from the one table
+(``proxima.proxy.errors.KINDS``)::
 
-    StoreError                 base of everything the store raises on purpose
-     +-- NotFound              a session / completion / key / version does not exist
-     +-- Conflict              the request contradicts the stored state
-          +-- RewardAlreadySet  a reward was already posted for this target
-          +-- SessionClosed     the session is no longer open (finished, failed, taken)
-          +-- NotAdmitted       admission refused a new training session (capacity)
+    NotFound                   a session / completion / key / version does not exist (404)
+    Conflict                   the request contradicts the stored state (409)
+     +-- RewardAlreadySet      a reward was already posted for this target
+     +-- SessionClosed         the session is no longer open (finished, failed, taken)
+     +-- NotAdmitted           admission refused a new training session (capacity)
+    StoreError                 the store cannot work (schema not current, a broken chain): 500
 """
 
 from __future__ import annotations
 
+from proxima.proxy.errors import (
+    Conflict,
+    NotAdmitted,
+    NotFound,
+    RewardAlreadySet,
+    SessionClosed,
+    StoreError,
+)
 
-class StoreError(Exception):
-    """Base class of the store's domain errors."""
-
-
-class NotFound(StoreError):
-    """The addressed row does not exist (or is not visible to the caller)."""
-
-
-class Conflict(StoreError):
-    """The operation is not allowed in the row's current state."""
-
-
-class RewardAlreadySet(Conflict):
-    """A reward was already posted; rewards are write-once."""
-
-
-class SessionClosed(Conflict):
-    """The session is not OPEN: it takes no more completions."""
-
-
-class NotAdmitted(Conflict):
-    """Admission refused a new training session; ``reason`` says which limit."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+__all__ = ["Conflict", "NotAdmitted", "NotFound", "RewardAlreadySet", "SessionClosed", "StoreError"]

@@ -20,7 +20,7 @@ from proxima.proxy.tools.formats import NoToolParser
 logger = logging.getLogger(__name__)
 
 
-class InvalidToolChoice(BadRequest, ValueError):
+class InvalidToolChoice(BadRequest):
     """``tool_choice`` is malformed or names a function that is not in ``tools``."""
 
     def __init__(self, message: str) -> None:

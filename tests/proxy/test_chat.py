@@ -16,6 +16,7 @@ from proxima.proxy.chat import (
     messages_equivalent,
     normalize_messages,
 )
+from proxima.proxy.errors import BadRequest
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser
@@ -212,7 +213,7 @@ def test_normalize_errors_name_the_param(messages: Any, param: str, words: str) 
         normalize_messages(messages)
     assert info.value.param == param
     assert words in str(info.value)
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, BadRequest)  # one error tree: a 400, not a ValueError
     assert info.value.status_code == 400
 
 

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from proxima.proxy.errors import BadRequest
 from proxima.proxy.testing.tiny_model import CHAT_TEMPLATE
 from proxima.proxy.tools import (
     ContentDelta,
@@ -363,7 +364,7 @@ def test_invalid_tool_choice(
     with pytest.raises(InvalidToolChoice) as info:
         resolve_tool_choice(tool_choice, tools)
     assert info.value.param == "tool_choice"
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, BadRequest)  # one error tree: a 400, not a ValueError
 
 
 def test_required_tool_choice_returns_what_the_model_produced() -> None:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.errors import ContextTooLong, ProximaError
+from proxima.proxy.errors import ContextTooLong, ProximaError, public_message
 from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
@@ -63,6 +63,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def error_of(exc: ProximaError) -> dict[str, Any]:
+    """``exc`` in Anthropic's envelope (its status and message from the one error table)."""
     if isinstance(exc, ContextTooLong) and exc.max_tokens is not None:
         # Anthropic's own wording for a prompt plus max_tokens over the context window.
         message = (
@@ -71,8 +72,24 @@ def error_of(exc: ProximaError) -> dict[str, Any]:
             "and try again (or serve with --clamp-max-tokens)"
         )
         return error_body(exc.status_code, message)
-    message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
+    message = public_message(exc)
+    if exc.param is not None:
+        message = f"{exc.param}: {message}"
     return error_body(exc.status_code, message)
+
+
+MESSAGES_PATH = "/v1/messages"
+"""Errors of requests under this path are answered in Anthropic's envelope."""
+
+
+def edge_envelope(status: int, openai: dict[str, Any]) -> dict[str, Any]:
+    """An error the app's edge answers (a router's 404, a validation error, a bug's 500),
+    given in OpenAI's envelope, in Anthropic's."""
+    error = openai["error"]
+    message = error["message"]
+    if error.get("param"):
+        message = f"{error['param']}: {message}"
+    return error_body(status, message)
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxima.proxy.errors import ProximaError
+from proxima.proxy.errors import ProximaError, public_message
 from proxima.proxy.reasoning import ReasoningDelta
 from proxima.proxy.service.builders.chat import logprob_content
 from proxima.proxy.service.builders.sse import named_sse
@@ -376,8 +376,8 @@ class ResponsesStream:
 
     def fail(self, exc: ProximaError) -> list[bytes]:
         """An ``error`` event, then ``response.failed`` with what was generated so far."""
-        out = [self._event("error", code=exc.code, message=exc.message, param=exc.param)]
-        error = {"code": "server_error", "message": exc.message}
+        out = [self._event("error", code=exc.code, message=public_message(exc), param=exc.param)]
+        error = {"code": "server_error", "message": public_message(exc)}
         snapshot = self.head.snapshot("failed", self._items, error=error)
         out.append(self._event("response.failed", response=snapshot))
         return out
