@@ -214,7 +214,7 @@ async def test_load_and_unload_errors_are_sglangs(
 
         with pytest.raises(BackendRejected, match="never been loaded: b@v1") as caught:
             await client.generate(_request("b@v1"))
-        assert caught.value.status_code == 400
+        assert caught.value.backend_status == 400
         with pytest.raises(BackendRejected, match="never been loaded: b@v1"):
             [d async for d in client.generate_stream(_request("b@v1"))]
 
