@@ -13,8 +13,8 @@
    base model, or the rows are spread over 1, 4 or 8 adapters (rank
    ``--rank``, every linear); the four configurations alternate ``--rounds``
    times; medians.
-3. Trainer step time, LoRA vs full: :func:`measure_trainer_steps` (the trainer
-   side adds it; until then the line says it was not measured).
+3. Trainer step time, LoRA vs full: :func:`measure_trainer_steps`, by
+   ``bench/adapter_train.py`` (``--skip-trainer`` leaves it out).
 
 Targets: an adapter push under a tenth of the full push; 8 adapters in one
 batch at least half the base model's tokens/s. The last line:
@@ -208,10 +208,12 @@ async def measure_throughput(
         await engine.stop()
 
 
-def measure_trainer_steps(model_dir: Path) -> tuple[float, float] | None:
-    """Trainer step time ``(lora_s, full_s)`` on ``model_dir``: the trainer side of issue 22
-    fills this in (peft training is theirs); None: not measured in this run."""
-    return None
+def measure_trainer_steps(model_dir: Path, rank: int) -> tuple[float, float]:
+    """Trainer step time ``(lora_s, full_s)`` on ``model_dir``: ``bench/adapter_train.py``'s
+    measurement (the trainer side), run here so the line comes from this run."""
+    from adapter_train import measure_trainer_steps as trainer_steps  # bench/ is sys.path[0]
+
+    return trainer_steps(model_dir, rank=rank)
 
 
 def main() -> None:
@@ -223,6 +225,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-trainer", action="store_true", help="no trainer step measurement")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model_dir = args.model or prepare_smollm2(args.cache_dir)
@@ -240,7 +243,7 @@ def main() -> None:
                 rounds=args.rounds,
             )
         )
-    trainer = measure_trainer_steps(model_dir)
+    trainer = None if args.skip_trainer else measure_trainer_steps(model_dir, args.rank)
 
     push_ms = statistics.median(pushes.adapter_s) * 1e3
     full_ms = statistics.median(pushes.full_s) * 1e3
@@ -262,7 +265,7 @@ def main() -> None:
         )
     print(f"target: 8 adapters >= {THROUGHPUT_TARGET} of the base")
     if trainer is None:
-        print("trainer step LoRA vs full: not measured in this run (measure_trainer_steps)")
+        print("trainer step LoRA vs full: not measured in this run (--skip-trainer)")
     else:
         lora_s, full_s = trainer
         print(f"trainer step: LoRA {lora_s:.2f} s vs full {full_s:.2f} s ({lora_s / full_s:.2f})")
