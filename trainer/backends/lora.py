@@ -83,7 +83,7 @@ class LoraBackend:
         self.device = resolve_device(device)
         peft_config = PeftLoraConfig(
             r=lora.rank,
-            lora_alpha=lora.alpha,
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; alpha/r takes any float
             target_modules=list(lora.target_modules),
             lora_dropout=lora.dropout,
             bias="none",
@@ -166,16 +166,18 @@ class LoraBackend:
 
     def load_adapter_weights(self, adapter: str, adapter_dir: Path) -> None:
         """Load a peft directory written by :meth:`export_adapter` into ``adapter``."""
+        from peft import LoraConfig as PeftLoraConfig
         from peft import set_peft_model_state_dict
 
         config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         expected = self.model.peft_config[adapter]
-        if int(config["r"]) != expected.r or sorted(config["target_modules"]) != sorted(
-            expected.target_modules
-        ):
+        assert isinstance(expected, PeftLoraConfig)
+        # peft keeps a list of module names as a set; this backend always configures names.
+        targets = sorted(expected.target_modules or ())
+        if int(config["r"]) != expected.r or sorted(config["target_modules"]) != targets:
             raise ValueError(
                 f"{adapter_dir}: rank {config['r']} on {sorted(config['target_modules'])}, but "
-                f"lora is configured with rank {expected.r} on {sorted(expected.target_modules)}"
+                f"lora is configured with rank {expected.r} on {targets}"
             )
         state = read_hf_state_dict(adapter_dir, device=str(self.device))
         result = set_peft_model_state_dict(self.model, state, adapter_name=adapter)
