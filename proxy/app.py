@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from proxima.proxy.api import admin, messages, openai, responses, rl
+from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
@@ -35,6 +35,7 @@ from proxima.proxy.service import CompletionService
 from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
+from proxima.proxy.surfaces import SURFACES
 
 logger = logging.getLogger(__name__)
 
@@ -268,11 +269,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(RequestIdMiddleware)
-    app.include_router(openai.generation)  # the generation routes: see api.routing
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(messages.generation)
-    app.include_router(messages.router)
+    for surface in SURFACES:  # the API surfaces: see proxima.proxy.surfaces
+        for router in surface.routers:
+            app.include_router(router)
+    app.include_router(models.router)
     app.include_router(rl.router)
     app.include_router(admin.router)
     app.include_router(deployments_api.router)
