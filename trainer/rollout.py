@@ -75,6 +75,7 @@ from proxima.trainer.agents import (
     resolve_agent,
 )
 from proxima.trainer.binding import SessionBinding, bound_context
+from proxima.trainer.config import ADAPTER_NAME
 from proxima.trainer.ray_agents import RayAgentRunner, RayOutcome, import_ray
 from proxima.trainer.rollout_sessions import finish_session, open_session, post_rewards
 
@@ -208,6 +209,8 @@ class RolloutController:
             ``$RAY_ADDRESS``).
         ray_options: Ray task options for every run (``num_cpus``, ``resources``,
             ``runtime_env``, ``scheduling_strategy``...); retries stay off.
+        adapter: the LoRA adapter these runs train (each session is opened with
+            ``{"adapter": ...}``: served by that adapter, trained into it); None: the base.
     """
 
     def __init__(
@@ -227,6 +230,7 @@ class RolloutController:
         python: str = sys.executable,
         ray_address: str | None = None,
         ray_options: Mapping[str, Any] | None = None,
+        adapter: str | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -236,6 +240,11 @@ class RolloutController:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if mode not in ("inprocess", "subprocess", "ray"):
             raise ValueError(f"mode must be 'inprocess', 'subprocess' or 'ray', got {mode!r}")
+        if adapter is not None and not ADAPTER_NAME.match(adapter):
+            raise ValueError(
+                f"adapter {adapter!r} is not an adapter name (lower-case letters, digits, '-', "
+                "'_'; first a letter or digit; at most 64 characters)"
+            )
         self.proxy_url = proxy_url.rstrip("/")
         self.admin_token = admin_token
         self.group_size = group_size
@@ -247,6 +256,7 @@ class RolloutController:
         self.group_tag = group_tag
         self.http_timeout_s = http_timeout_s
         self.python = python
+        self.adapter = adapter
         self._ray: RayAgentRunner | None = None
         # Fail at construction, not on the first run, when the agent cannot be found.
         if mode == "inprocess":
@@ -369,6 +379,7 @@ class RolloutController:
                 group_id=group_id,
                 data_id=data_id,
                 metadata=metadata,
+                adapter=self.adapter,
             )
             if opened is None:
                 return
@@ -481,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         help="Ray cluster for --mode ray (default: $RAY_ADDRESS, else a local instance)",
     )
     parser.add_argument("--model", default=None, help="model name given to the agent")
+    parser.add_argument(
+        "--adapter", default=None, help="the LoRA adapter the sessions train (default: the base)"
+    )
     args = parser.parse_args(argv)
     if not args.admin_token:
         parser.error("--admin-token or PROXIMA_ADMIN_TOKEN is required")
@@ -495,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode,
         model=args.model,
         ray_address=args.ray_address,
+        adapter=args.adapter,
     )
     report = asyncio.run(controller.run(args.dataset))
     print(json.dumps(report.summary(), indent=2))

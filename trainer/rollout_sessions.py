@@ -46,10 +46,14 @@ async def open_session(
     group_id: str,
     data_id: str,
     metadata: dict[str, Any],
+    adapter: str | None = None,
 ) -> dict[str, Any] | None:
     """``POST /rl/sessions``, waiting out 429s (each wait reported to ``on_wait(seconds)``);
-    ``None`` once ``stopping`` is set."""
-    body = {"group_id": group_id, "data_id": data_id, "metadata": metadata}
+    ``None`` once ``stopping`` is set. With ``adapter`` the session is that LoRA adapter's
+    (it generates with it and trains it); without, the base model's."""
+    body: dict[str, Any] = {"group_id": group_id, "data_id": data_id, "metadata": metadata}
+    if adapter is not None:
+        body["adapter"] = adapter
     while not stopping.is_set():
         try:
             resp = await client.post("/rl/sessions", json=body)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from proxima.trainer.config import TrainerConfig, load_raw_config
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -107,6 +107,19 @@ class TrainRunConfig(_Section):
     output_dir: Path = Field(
         Path("runs/train"), description="Logs, plot, checkpoints, final model."
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainRunConfig:
+        if self.trainer.adapters:
+            # Its rollouts open base-model sessions and it evaluates the base: the trainer
+            # would wait forever for its adapters' sessions.
+            raise ValueError(
+                f"trainer.lora.adapters={list(self.trainer.adapters)}: proxima train runs full "
+                "fine-tuning; to train adapters run `proxima trainer` with [trainer.lora] and a "
+                "rollout per adapter (RolloutController(adapter=...), or python -m "
+                "proxima.trainer.rollout --adapter NAME)"
+            )
+        return self
 
 
 def load_run_config(path: str | Path) -> TrainRunConfig:

@@ -234,3 +234,11 @@ async def test_run_stops_after_max_steps_per_adapter_and_resumes_from_checkpoint
     finally:
         await again.close()
     assert sink.pushed[2:] == [("tenant-a", 2), ("tenant-b", 2)]
+
+
+def test_proxima_train_refuses_adapters_instead_of_waiting_forever() -> None:
+    from proxima.trainer.train_config import TrainRunConfig
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="proxima train runs full fine-tuning"):
+        TrainRunConfig.model_validate({"trainer": {"lora": {"adapters": ["tenant-a"]}}})

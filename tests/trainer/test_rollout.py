@@ -89,6 +89,8 @@ def test_item_ids_and_constructor_checks(tiny_model_dir: Path) -> None:
         RolloutController("http://x", "t", "no_such_module_xyz:run")
     with pytest.raises(RolloutError, match="importable"):
         RolloutController("http://x", "t", lambda d: 1.0, mode="subprocess")
+    with pytest.raises(ValueError, match="not an adapter name"):
+        RolloutController("http://x", "t", sdk_agent, adapter="Tenant A")
 
 
 # --------------------------------------------------------------------------- live
