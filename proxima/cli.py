@@ -58,10 +58,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"proxima serve: context_length: {exc}", file=sys.stderr)
         return 2
     sock = bind_socket(settings.host, settings.port)
-    app = create_app(settings)
-    app.state.bound_port = sock.getsockname()[1]
+    bound_port = sock.getsockname()[1]
+    app = create_app(settings, bound_port=bound_port)
     print(
-        f"proxima: serving {settings.model_name} on http://{settings.host}:{app.state.bound_port}/v1",
+        f"proxima: serving {settings.model_name} on http://{settings.host}:{bound_port}/v1",
         flush=True,
     )
     # log_config=None: uvicorn keeps the structured handler configured above.

@@ -1,8 +1,9 @@
 """``create_app(settings)``: the proxy's FastAPI application.
 
-The lifespan builds everything the routes use (store, embedded engine or
-backend list, pool, tokenizer, completion service) and tears it down; there
-is no module-level mutable state.
+The lifespan (``open_state``) builds everything the routes use (store,
+embedded engine or backend list, pool, tokenizer, completion service) into one
+``AppState`` (``proxima.proxy.state``) and tears it down; there is no
+module-level mutable state.
 """
 
 from __future__ import annotations
@@ -21,18 +22,14 @@ from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.errors import install_error_handlers
-from proxima.proxy.fleet import FleetFollower
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.middleware import BodyLimitMiddleware
-from proxima.proxy.production import ProductionController
-from proxima.proxy.service import CompletionService
-from proxima.proxy.store.group_commit import GroupCommit
+from proxima.proxy.state import AppState, build_state, install_state
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
 from proxima.proxy.surfaces import SURFACES
@@ -165,8 +162,11 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
 
 
 @asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
+async def open_state(
+    settings: Settings, metrics: Metrics, *, bound_port: int | None = None
+) -> AsyncIterator[AppState]:
+    """Open the store, start the deployments, load the tokenizer, build the app state and
+    its background tasks; close everything at exit."""
     from transformers import AutoTokenizer
 
     await ensure_schema(settings.db)
@@ -184,59 +184,42 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             logger.error("proxima serve: %s", exc)
             raise
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
-        production = ProductionController(
-            deployments=deployments, store=store, base_model_path=str(settings.model)
+        state = build_state(
+            settings=settings,
+            metrics=metrics,
+            store=store,
+            deployments=deployments,
+            tokenizer=tokenizer,
+            context_length=context_length,
+            bound_port=bound_port,
         )
         if store.shared:  # replicas on one PostgreSQL: load weights once in the fleet
             for deployment in deployments.all():
                 deployment.pool.fleet_lock = store.publish_lock
         # A restarted proxy, or one more replica, serves the newest policy and production
         # state in the store: what the backends report is adopted, only those behind load.
-        follower = FleetFollower(store=store, pool=pool, production=production)
-        await follower.sync()
+        await state.follower.sync()
         if store.shared:
-            follower.start()
+            state.follower.start()
         else:
             logger.info(
                 "store on SQLite: one proxy process per database file (for replicas, use "
                 "PostgreSQL: --db postgresql://...)"
             )
-        app.state.follower = follower
-        app.state.deployments = deployments
-        app.state.production = production
-        app.state.store = store
-        app.state.pool = pool
-        app.state.tokenizer = tokenizer
-        group_commit = GroupCommit(store)
-        group_commit.start()
-        app.state.principals = PrincipalCache(ttl=settings.key_cache_seconds)
-        app.state.histories = HistoryCache()
-        app.state.service = CompletionService(
-            settings=settings,
-            store=store,
-            pool=pool,
-            tokenizer=tokenizer,
-            context_length=context_length,
-            group_commit=group_commit,
-            principals=app.state.principals,
-            histories=app.state.histories,
-            metrics=app.state.metrics,
-            deployments=deployments,
-        )
-        app.state.admission_lock = asyncio.Lock()
+        state.group_commit.start()
         # What start-up built lives as long as the process (modules, tokenizer: ~450k
-        # objects). Frozen, it is no longer walked by the collector's full passes, each of
-        # which otherwise stalled every request for a few hundred milliseconds.
+        # objects). Frozen, it is not walked by the collector's full passes, each of which
+        # would stall every request for a few hundred milliseconds.
         gc.freeze()
         logger.info(
             "proxy ready: model=%s deployments=%s",
             settings.model_name,
             {d.name: [b.url for b in d.pool.backends] for d in deployments.all()},
         )
-        yield
-        await follower.close()
-        await group_commit.close()
-        app.state.service.close()
+        yield state
+        await state.follower.close()
+        await state.group_commit.close()
+        state.service.close()
     finally:
         if deployments is not None:
             await deployments.close()
@@ -244,7 +227,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.close()
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, *, bound_port: int | None = None) -> FastAPI:
+    """The proxy's app; ``bound_port``: the port its socket is bound to (``--port 0``)."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with open_state(settings, metrics, bound_port=bound_port) as state:
+            install_state(app, state)
+            yield
+
     private = settings.private_observability
     app = FastAPI(
         title="Proxima proxy",
@@ -254,7 +246,6 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None if private else "/redoc",
         openapi_url=None if private else "/openapi.json",
     )
-    app.state.settings = settings
     install_error_handlers(app)
     if settings.cors_origins:
         app.add_middleware(
@@ -264,10 +255,9 @@ def create_app(settings: Settings) -> FastAPI:
             allow_headers=["*"],
         )
 
-    app.state.metrics = Metrics()
     # Added innermost first: RequestId wraps Metrics wraps BodyLimit wraps the app.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     for surface in SURFACES:  # the API surfaces: see proxima.proxy.surfaces
         for router in surface.routers:

@@ -10,8 +10,8 @@ One endpoint, up to three deployments, each a :class:`BackendPool` of its own
   of the session's id puts it in ``[0, 1)``; below the fraction: canary).
 
 Without ``--production-backend``/``--production-engine`` there is no
-production deployment and production keys are served by ``training``, as
-before deployments existed. A request may also ask for a version by model
+production deployment and production keys are served by ``training``. A
+request may also ask for a version by model
 name, ``<served-name>@v<N>`` (admin token only: ``proxima eval --version``);
 it is served by whichever deployment serves that version now.
 """

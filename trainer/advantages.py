@@ -29,8 +29,8 @@ mean across steps because it needs no state (nothing to checkpoint or to
 resume), and its sessions come from the same few policy versions as the
 sessions they are compared with, whereas a running mean mixes returns of
 policies many pushes old. ``ungrouped = "alone"`` keeps each such session a
-group of one (the behaviour before: zero advantage under any baseline but
-``none`` unless its turns' returns differ).
+group of one (zero advantage under any baseline but ``none`` unless its
+turns' returns differ).
 
 Where this departs from the papers:
 

@@ -12,7 +12,7 @@ One step (:meth:`Trainer.step`), top to bottom:
    so a bad session can never fail a step again after every restart.
 3. Bound staleness: tokens older than ``current_version - max_staleness``
    leave the loss (``stale_rule = "token"``, the default; ``"sample"`` drops
-   their whole sample, the old rule), samples left without trained tokens
+   their whole sample), samples left without trained tokens
    are dropped (counted),
    samples longer than ``batching.max_tokens_per_mb`` (counted, with a
    warning), and samples without signal (``advantage.zero_signal``: all

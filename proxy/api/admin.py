@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
-from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StoreDep
+from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StateDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
-from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.deployments import TRAINING, Deployment, Deployments
 from proxima.proxy.errors import BadRequest, Conflict
 from proxima.proxy.store.records import SessionKind
 
@@ -19,7 +17,7 @@ router = APIRouter(tags=["admin"])
 
 @router.post("/admin/weights")
 async def update_weights(
-    body: WeightsRequest, request: Request, _: AdminDep, pool: PoolDep, store: StoreDep
+    body: WeightsRequest, _: AdminDep, state: StateDep, pool: PoolDep, store: StoreDep
 ) -> dict[str, Any]:
     """Interrupt generation, load ``path`` as policy ``version`` everywhere, resume.
 
@@ -60,7 +58,7 @@ async def update_weights(
                 param="path",
             ) from exc
         await store.record_policy_version(version=body.version, path=body.path, adapter=adapter)
-    request.app.state.metrics.weight_updates.observe(update.seconds)
+    state.metrics.weight_updates.observe(update.seconds)
     return {
         "version": update.version,
         "path": update.path,
@@ -83,12 +81,6 @@ async def trainer_settings(_: AdminDep, settings: SettingsDep) -> dict[str, Any]
     return {"train_batch_size": settings.train_batch_size, "max_staleness": settings.max_staleness}
 
 
-def _deployments(request: Request, pool: BackendPool) -> Deployments:
-    """The app's deployments; an app assembled without the lifespan has just ``pool``."""
-    deployments = getattr(request.app.state, "deployments", None)
-    return deployments if deployments is not None else Deployments(Deployment(TRAINING, pool))
-
-
 @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def root() -> dict[str, str]:
     """200 at the root: Claude Code sends ``HEAD /`` to its base URL before its first request
@@ -97,9 +89,10 @@ async def root() -> dict[str, str]:
 
 
 @router.get("/health")
-async def health(request: Request, pool: PoolDep) -> dict[str, Any]:
-    """The training pool's state (top level, as before deployments) and every deployment's."""
-    deployments = _deployments(request, pool).all()
+async def health(state: StateDep) -> dict[str, Any]:
+    """The training pool's state (top level) and every deployment's."""
+    pool = state.pool
+    deployments = state.deployments.all()
     return {
         "status": "ok" if all(d.pool.healthy_backends() for d in deployments) else "degraded",
         "version": pool.version,
@@ -120,11 +113,10 @@ async def health(request: Request, pool: PoolDep) -> dict[str, Any]:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request, _: ObserverDep, pool: PoolDep, store: StoreDep) -> Response:
+async def metrics(_: ObserverDep, state: StateDep) -> Response:
     """Prometheus exposition; gauges are read from the pool and the store at scrape time."""
-    m = request.app.state.metrics
-    m.policy_version.set(pool.version)
-    deployments = _deployments(request, pool)
+    m, store, deployments = state.metrics, state.store, state.deployments
+    m.policy_version.set(state.pool.version)
     for deployment in deployments.all():
         m.deployment_version.labels(deployment.name).set(deployment.version)
     m.canary_fraction.set(deployments.split.fraction if deployments.split else 0.0)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from proxima.proxy.api.deps import AdminDep
 from proxima.proxy.deployments import CanarySplit
 from proxima.proxy.production import ProductionController
+from proxima.proxy.state import state_of
 from pydantic import BaseModel, ConfigDict, Field
 
 router = APIRouter(tags=["deployments"])
@@ -47,7 +48,7 @@ class EvalScoreRequest(BaseModel):
 
 
 async def get_production(request: Request) -> ProductionController:
-    return request.app.state.production
+    return state_of(request).production
 
 
 ProductionDep = Annotated[ProductionController, Depends(get_production)]

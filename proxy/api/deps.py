@@ -1,8 +1,11 @@
 """Dependencies: the app state's objects, and who is calling.
 
-The lifespan (``proxima.proxy.app``) builds the store, the pool and the services and
-puts them on ``app.state``; routes receive them through these aliases, so
-tests can swap any of them with ``app.dependency_overrides``.
+The lifespan (``proxima.proxy.app``) builds one ``AppState`` (``proxima.proxy.state``);
+every route reaches it through the functions below, which all read ``state_of``:
+as FastAPI dependencies (the ``...Dep`` aliases), and the generation routes, which skip
+FastAPI's dependency solving (``api/routing.py``), by calling ``get_principal`` and
+``service_of`` themselves. A test builds the state with ``build_state`` (as the lifespan
+does) and swaps a part there.
 """
 
 from __future__ import annotations
@@ -17,30 +20,35 @@ from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import AuthenticationFailed, BadRequest
 from proxima.proxy.service import CompletionService
+from proxima.proxy.state import AppState, state_of
 from proxima.proxy.store.store import Store
 
 
+async def get_state(request: Request) -> AppState:
+    return state_of(request)
+
+
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    return state_of(request).settings
 
 
 async def get_store(request: Request) -> Store:
-    return request.app.state.store
+    return state_of(request).store
 
 
 async def get_pool(request: Request) -> BackendPool:
-    return request.app.state.pool
+    return state_of(request).pool
 
 
 async def get_service(request: Request) -> CompletionService:
-    return request.app.state.service
+    return state_of(request).service
 
 
 def service_of(request: Request) -> CompletionService:
     """The completion service, for the generation routes: read here, not through
     ``ServiceDep``, because every dependency and parameter FastAPI solves per request
     costs it tens of microseconds, and these routes serve every agent turn."""
-    return request.app.state.service
+    return state_of(request).service
 
 
 def session_id_of(request: Request) -> str | None:
@@ -68,6 +76,7 @@ SESSION_HEADER_DOC: dict[str, Any] = {
     ]
 }
 
+StateDep = Annotated[AppState, Depends(get_state)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 PoolDep = Annotated[BackendPool, Depends(get_pool)]
@@ -75,11 +84,11 @@ ServiceDep = Annotated[CompletionService, Depends(get_service)]
 
 
 async def get_principals(request: Request) -> PrincipalCache:
-    return request.app.state.principals
+    return state_of(request).principals
 
 
 async def get_histories(request: Request) -> HistoryCache:
-    return request.app.state.histories
+    return state_of(request).histories
 
 
 PrincipalsDep = Annotated[PrincipalCache, Depends(get_principals)]
@@ -92,14 +101,14 @@ async def get_principal(request: Request) -> Principal:
     # costs FastAPI tens of microseconds.
     headers = request.headers
     return await _principal(
-        request.app.state, headers.get("authorization"), headers.get("x-api-key")
+        state_of(request), headers.get("authorization"), headers.get("x-api-key")
     )
 
 
-async def _principal(state: Any, authorization: str | None, x_api_key: str | None) -> Principal:
-    settings: Settings = state.settings
-    principals: PrincipalCache = state.principals
-    store: Store = state.store
+async def _principal(
+    state: AppState, authorization: str | None, x_api_key: str | None
+) -> Principal:
+    settings, principals, store = state.settings, state.principals, state.store
     # Anthropic's SDK sends the key as ``x-api-key``; ``Authorization`` wins when both come.
     token = x_api_key.strip() if x_api_key and not authorization else bearer_token(authorization)
     if not token:
@@ -133,14 +142,13 @@ AdminDep = Annotated[Principal, Depends(get_admin)]
 
 
 async def get_observer(
-    request: Request,
-    settings: SettingsDep,
+    state: StateDep,
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> None:
     """Who may read ``/metrics``: anyone, or with ``private_observability`` the admin only."""
-    if settings.private_observability:
-        principal = await _principal(request.app.state, authorization, x_api_key)
+    if state.settings.private_observability:
+        principal = await _principal(state, authorization, x_api_key)
         principal.require_admin()
 
 

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from proxima.proxy.api.deps import (
     AdminDep,
     HistoriesDep,
-    PoolDep,
     PrincipalDep,
     PrincipalsDep,
-    SettingsDep,
+    StateDep,
     StoreDep,
 )
 from proxima.proxy.api.schemas import (
@@ -35,9 +33,10 @@ from proxima.proxy.store.store import Store
 class AsciiJSONResponse(JSONResponse):
     """JSON with every non-ASCII character escaped (``\\u00e9``).
 
-    Trajectories hold text recorded from clients; one that reached the store
-    before strings were checked (a lone surrogate) cannot be encoded as UTF-8,
-    but escaped it still serializes, so the session stays readable.
+    Trajectories hold text recorded from clients; a string the store holds that
+    is not valid Unicode (a lone surrogate, in a database written without the
+    request checks) cannot be encoded as UTF-8, but escaped it still
+    serializes, so the session stays readable.
     """
 
     def render(self, content: Any) -> bytes:
@@ -62,12 +61,11 @@ async def _owned_session(store: Store, principal: Principal, session_id: str) ->
 @router.post("/sessions", response_model=CreateSessionResponse)
 async def create_session(
     body: CreateSessionRequest,
-    request: Request,
     _: AdminDep,
-    store: StoreDep,
-    pool: PoolDep,
-    settings: SettingsDep,
+    app_state: StateDep,
 ) -> CreateSessionResponse:
+    store, pool, settings = app_state.store, app_state.pool, app_state.settings
+
     def decide(state: AdmissionState) -> str | None:
         decision = admit(
             # Failed and dropped sessions never reach training: they must not use up
@@ -89,8 +87,7 @@ async def create_session(
     key_hash = hash_key(key)
     # The store decides under a lock every replica takes; this process's lock only keeps
     # its own creates from each holding a database connection while they wait for it.
-    lock: asyncio.Lock = request.app.state.admission_lock
-    async with lock:
+    async with app_state.admission_lock:
         try:
             session = await store.admit_train_session(
                 decide=decide,
@@ -107,12 +104,9 @@ async def create_session(
                 code="staleness_capacity",
             ) from exc
     # Its first turn then reads neither its key nor its history from the store.
-    request.app.state.principals.remember(
-        key_hash, Principal(PrincipalKind.SESSION, session=session)
-    )
-    request.app.state.histories.remember(session.id, [])
-    base_url = settings.base_url(getattr(request.app.state, "bound_port", None))
-    return CreateSessionResponse(session_id=session.id, api_key=key, base_url=base_url)
+    app_state.principals.remember(key_hash, Principal(PrincipalKind.SESSION, session=session))
+    app_state.histories.remember(session.id, [])
+    return CreateSessionResponse(session_id=session.id, api_key=key, base_url=app_state.base_url)
 
 
 def _session_json(session: SessionRecord) -> dict[str, Any]:

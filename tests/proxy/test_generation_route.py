@@ -8,7 +8,7 @@ must get the same status and the same body from both.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api.deps import PrincipalDep
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.caches import PrincipalCache
+from proxima.proxy.config import Settings
 from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
+from proxima.proxy.testing.app_state import install_test_state
 
 ADMIN = "admin-token"
 
@@ -42,7 +43,7 @@ async def endpoint(
     )
 
 
-def make_app() -> FastAPI:
+def make_app(model_dir: Path) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     lean = APIRouter(route_class=GenerationRoute)
@@ -51,11 +52,7 @@ def make_app() -> FastAPI:
     plain.post("/plain")(endpoint)
     app.include_router(lean)
     app.include_router(plain)
-    app.state.settings = SimpleNamespace(
-        admin_token=SimpleNamespace(get_secret_value=lambda: ADMIN)
-    )
-    app.state.principals = PrincipalCache()
-    app.state.store = NoKeys()
+    install_test_state(app, settings=Settings(model=model_dir, admin_token=ADMIN), store=NoKeys())
     return app
 
 
@@ -92,11 +89,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-async def test_the_lean_handler_answers_as_fastapi_does(case: str) -> None:
+async def test_the_lean_handler_answers_as_fastapi_does(case: str, tiny_model_dir: Path) -> None:
     body, headers, token = CASES[case]
     if token is not None:
         headers = {**headers, "authorization": f"Bearer {token}"}
-    transport = httpx.ASGITransport(app=make_app())
+    transport = httpx.ASGITransport(app=make_app(tiny_model_dir))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         lean = await client.post("/lean", content=body, headers=headers)
         plain = await client.post("/plain", content=body, headers=headers)

@@ -20,9 +20,10 @@ from proxima.proxy.api import admin
 from proxima.proxy.api.deps import get_admin
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.config import Settings
 from proxima.proxy.errors import install_error_handlers
-from proxima.proxy.metrics import Metrics
 from proxima.proxy.store import Store, ensure_schema
+from proxima.proxy.testing.app_state import install_test_state
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 from starlette.types import Receive, Scope, Send
 
@@ -53,7 +54,9 @@ class SlowLoads:
 
 
 @pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, SlowLoads, Store]]:
+async def setup(
+    tmp_path: Path, tiny_model_dir: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, SlowLoads, Store]]:
     url = f"sqlite:///{tmp_path / 'store.db'}"
     await ensure_schema(url)
     store = await Store.open(url)
@@ -62,9 +65,12 @@ async def setup(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, SlowLo
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(admin.router)
-    app.state.pool = BackendPool([BACKEND], http=http)
-    app.state.store = store
-    app.state.metrics = Metrics()
+    install_test_state(
+        app,
+        settings=Settings(model=tiny_model_dir),
+        store=store,
+        pool=BackendPool([BACKEND], http=http),
+    )
     app.dependency_overrides[get_admin] = lambda: Principal(PrincipalKind.ADMIN)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
     try:

@@ -13,6 +13,7 @@ from proxima.proxy.api import admin
 from proxima.proxy.config import Settings
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.store import ensure_schema
+from proxima.proxy.testing.app_state import install_test_state
 from proxima.trainer.cli import build_parser, config_from_args, main
 from proxima.trainer.config import MegatronConfig, TrainerConfig
 from proxima.trainer.weights import TrainerState, save_checkpoint
@@ -88,8 +89,8 @@ def _admin_config_route(model_dir: Path) -> Iterator[str]:
     """The proxy's real ``GET /admin/config`` route alone (no engine, no store), served locally."""
     app = FastAPI()
     app.include_router(admin.router)
-    app.state.settings = Settings(model=model_dir, admin_token=ADMIN_TOKEN)
-    app.state.store = app.state.cache = None  # the admin token never reaches them
+    settings = Settings(model=model_dir, admin_token=ADMIN_TOKEN)
+    install_test_state(app, settings=settings, store=None)  # the admin token never reads it
     with ThreadedServer(app) as server:
         yield server.url
 
