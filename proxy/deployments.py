@@ -14,6 +14,12 @@ production deployment and production keys are served by ``training``. A
 request may also ask for a version by model
 name, ``<served-name>@v<N>`` (admin token only: ``proxima eval --version``);
 it is served by whichever deployment serves that version now.
+
+Adapters: each pool serves every adapter at a version of its own
+(``BackendPool.adapters``), so production pins each adapter's version
+separately, and each adapter has its own canary split (``adapter_splits``):
+a production key of adapter A goes to the canary pool (which serves A's
+canary version) with A's fraction, whatever the base's split is.
 """
 
 from __future__ import annotations
@@ -104,8 +110,21 @@ class Deployments:
         self.training = training
         self.production = production
         self.canary: Deployment | None = None  # started on the first canary promotion
-        self.split: CanarySplit | None = None
+        self.split: CanarySplit | None = None  # the base model's
+        self.adapter_splits: dict[str, CanarySplit] = {}  # each adapter's, by name
         self._canary_factory = canary_factory
+
+    def split_of(self, adapter: str | None) -> CanarySplit | None:
+        """The canary split of a policy (the base's, or an adapter's)."""
+        return self.split if adapter is None else self.adapter_splits.get(adapter)
+
+    def set_split(self, adapter: str | None, split: CanarySplit | None) -> None:
+        if adapter is None:
+            self.split = split
+        elif split is None:
+            self.adapter_splits.pop(adapter, None)
+        else:
+            self.adapter_splits[adapter] = split
 
     @property
     def separate(self) -> bool:
@@ -133,19 +152,25 @@ class Deployments:
         return [d for d in found if d is not None]
 
     def route(
-        self, *, production: bool, sticky_key: str | None, version: int | None = None
+        self,
+        *,
+        production: bool,
+        sticky_key: str | None,
+        version: int | None = None,
+        adapter: str | None = None,
     ) -> Deployment:
         """The deployment that serves a request.
 
         ``production``: the caller is a production key. ``sticky_key``: its
         session (the canary split is sticky per key; without one, each
         request draws). ``version``: a version asked for explicitly.
+        ``adapter``: the request's policy (its canary split decides).
         """
         if version is not None:
             return self.serving(version)
         if not production or self.production is None:
             return self.training
-        split = self.split
+        split = self.split_of(adapter)
         if split is not None and self.canary is not None and split.fraction > 0:
             draw = canary_bucket(sticky_key) if sticky_key is not None else random.random()
             # A canary with no healthy backend sends its sessions to the stable version

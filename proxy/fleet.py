@@ -11,6 +11,9 @@ from the store, never from each other:
   reads), the floor when a notice is lost (a dropped listening connection is
   reopened on the next round).
 
+Every adapter's newest version is followed too (``BackendPool.follow_adapter``):
+a restarted proxy serves each adapter at the version the store holds.
+
 Following a version (``BackendPool.follow``) asks each backend what it serves
 and adopts it: the replica that pushed has loaded the shared backends already,
 so nothing is loaded twice; a backend that missed the push is loaded by one
@@ -61,6 +64,11 @@ class FleetFollower:
         state = await self.store.fleet_state()
         if state.version > self.pool.version and await self.pool.follow(state.version, state.path):
             self.follows += 1
+        for adapter, head in (await self.store.adapter_heads()).items():
+            if head.version > self.pool.adapter_version(adapter) and await self.pool.follow_adapter(
+                adapter, head.version, head.path
+            ):
+                self.follows += 1
         if self.production is not None and state.promotion_id != self.promotion_id:
             await self.production.follow()
             self.promotion_id = state.promotion_id

@@ -20,6 +20,11 @@ Rollback goes back to the version promoted before the current one. The
 history is a stack: a promotion pushes, a rollback pops, so rolling back
 twice goes back two promotions; the initial state (version 0) is the bottom.
 A rollback drops the canary.
+
+Every policy has its own production state: ``adapter`` names one (None:
+the base model). A promotion of adapter A loads A's version (its LoRA) on the
+production pool beside the others and records A's history only; the base's
+and every other adapter's versions, canaries and histories are untouched.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from proxima.proxy.adapters import policy_label
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
-from proxima.proxy.deployments import CANARY, PRODUCTION, CanarySplit, Deployment, Deployments
+from proxima.proxy.deployments import (
+    CANARY,
+    PRODUCTION,
+    TRAINING,
+    CanarySplit,
+    Deployment,
+    Deployments,
+)
 from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.store.records import PromotionRecord
 from proxima.proxy.store.store import Store
@@ -86,83 +99,97 @@ class ProductionController:
             )
         return self.deployments.production
 
-    async def path_of(self, version: int) -> str:
-        """Where the registry says ``version``'s weights are."""
+    async def path_of(self, version: int, adapter: str | None = None) -> str:
+        """Where the registry says ``version`` of the policy is ("" for an adapter's
+        version 0: the bare base, nothing to load)."""
         if version == 0:
-            return self.base_model_path
-        for record in await self.store.list_policy_versions():
+            return self.base_model_path if adapter is None else ""
+        for record in await self.store.list_policy_versions(adapter=adapter):
             if record.version == version:
                 if not record.path:
                     raise Conflict(f"Version {version} was pushed without a path.")
                 return record.path
+        whose = "" if adapter is None else f" of adapter {adapter}"
+        listing = "/admin/versions" if adapter is None else f"/admin/versions?adapter={adapter}"
         raise NotFound(
-            f"Version {version} is not registered; GET /admin/versions lists them.",
+            f"Version {version}{whose} is not registered; GET {listing} lists them.",
             param="version",
             code="version_not_found",
         )
 
-    async def _load(self, deployment: Deployment, version: int, path: str) -> None:
-        if deployment.version == version:
+    async def _load(
+        self, deployment: Deployment, version: int, path: str, adapter: str | None = None
+    ) -> None:
+        pool = deployment.pool
+        if pool.policy(adapter)[0] == version:
             return
         try:
-            await deployment.pool.update_weights(version=version, path=path)
+            if adapter is None:
+                await pool.update_weights(version=version, path=path)
+            else:
+                await pool.update_adapter(adapter=adapter, version=version, path=path or None)
         except BackendUnavailable:
             raise  # no backend to load into: a 503, not the version's fault
         except BackendError as exc:
             raise BadRequest(
-                f"The {deployment.name} backends could not load version {version} from "
-                f"{path}: {exc}",
+                f"The {deployment.name} backends could not load version {version} of "
+                f"{policy_label(adapter)} from {path}: {exc}",
                 param="version",
             ) from exc
-        logger.info("%s now serves version %s", deployment.name, version)
+        logger.info("%s now serves %s version %s", deployment.name, policy_label(adapter), version)
 
-    async def _apply(self, version: int, canary: CanarySplit | None) -> None:
-        """Serve ``version`` in production and ``canary`` beside it, or change nothing.
+    async def _apply(
+        self, version: int, canary: CanarySplit | None, adapter: str | None = None
+    ) -> None:
+        """Serve ``version`` of the policy in production and ``canary`` beside it, or change
+        nothing.
 
         The canary is loaded first, so a canary that cannot load leaves production
         untouched; if production then fails to load, the canary pool goes back to
-        the version it served. The split changes only once both have loaded.
+        the version it served. The split changes only once both have loaded. Only
+        this policy's versions and split change.
         """
         production = self._production()
-        paths = {version: await self.path_of(version)}
+        paths = {version: await self.path_of(version, adapter)}
         if canary is None:
-            await self._load(production, version, paths[version])
+            await self._load(production, version, paths[version], adapter)
             # The canary pool keeps finishing what it has in flight; no new session goes there.
-            self.deployments.split = None
+            self.deployments.set_split(adapter, None)
             return
-        paths[canary.version] = await self.path_of(canary.version)
+        paths[canary.version] = await self.path_of(canary.version, adapter)
         canary_deployment = await self.deployments.canary_deployment()
-        served = canary_deployment.version
-        await self._load(canary_deployment, canary.version, paths[canary.version])
+        served = canary_deployment.pool.policy(adapter)[0]
+        await self._load(canary_deployment, canary.version, paths[canary.version], adapter)
         try:
-            await self._load(production, version, paths[version])
+            await self._load(production, version, paths[version], adapter)
         except BadRequest:
-            await self._reload(canary_deployment, served)
+            await self._reload(canary_deployment, served, adapter)
             raise
-        self.deployments.split = canary
+        self.deployments.set_split(adapter, canary)
 
-    async def _reload(self, deployment: Deployment, version: int) -> None:
+    async def _reload(self, deployment: Deployment, version: int, adapter: str | None) -> None:
         """Put ``version`` back on ``deployment`` after a failed change (logged if it fails)."""
         try:
-            await self._load(deployment, version, await self.path_of(version))
+            await self._load(deployment, version, await self.path_of(version, adapter), adapter)
         except (BadRequest, NotFound, Conflict):
             logger.exception("%s could not go back to version %s", deployment.name, version)
 
-    async def _check_eval(self, version: int) -> None:
-        """Refuse ``version`` unless its newest score is at least production's."""
-        current = self._production().version
-        scores = await self.store.latest_version_evals()
+    async def _check_eval(self, version: int, adapter: str | None = None) -> None:
+        """Refuse ``version`` unless its newest score is at least production's (per policy)."""
+        current = self._production().pool.policy(adapter)[0]
+        scores = await self.store.latest_version_evals(adapter=adapter)
+        flag = "" if adapter is None else f" --adapter {adapter}"
         if version not in scores:
             raise Conflict(
-                f"Version {version} has no eval score; run proxima eval --version {version} "
-                "first, or promote without --require-eval.",
+                f"Version {version} has no eval score; run proxima eval --version {version}"
+                f"{flag} first, or promote without --require-eval.",
                 param="version",
                 code="eval_missing",
             )
         if current not in scores:
             raise Conflict(
                 f"The production version {current} has no eval score to compare with; run "
-                f"proxima eval --version {current} first.",
+                f"proxima eval --version {current}{flag} first.",
                 param="version",
                 code="eval_missing",
             )
@@ -180,31 +207,59 @@ class ProductionController:
 
         The backends are shared by the fleet: those that serve the state's
         versions already are adopted (``BackendPool.follow``); only the ones
-        behind are loaded. Called at start-up and by the fleet follower.
+        behind are loaded. Called at start-up and by the fleet follower. Every
+        adapter's production state is restored too.
         """
         d = self.deployments
         if d.production is None:
             return
         history = await self.store.list_promotions()
-        if not history:
-            return
-        last = history[-1]
         async with self._lock:
-            await d.production.pool.follow(last.version, await self.path_of(last.version))
-            if last.canary_version is None or last.canary_fraction is None:
-                d.split = None
-                return
-            if not d.can_canary:
-                logger.warning("the recorded canary needs canary backends; serving without it")
-                d.split = None
-                return
-            canary = await d.canary_deployment()
-            await canary.pool.follow(last.canary_version, await self.path_of(last.canary_version))
-            d.split = CanarySplit(last.canary_version, last.canary_fraction)
+            if history:
+                await self._follow_base(history[-1])
+            for adapter in await self.store.adapter_heads():
+                promoted = await self.store.list_promotions(adapter=adapter)
+                if promoted:
+                    await self._follow_adapter(adapter, promoted[-1])
+
+    async def _follow_base(self, last: PromotionRecord) -> None:
+        d = self.deployments
+        assert d.production is not None
+        await d.production.pool.follow(last.version, await self.path_of(last.version))
+        if last.canary_version is None or last.canary_fraction is None:
+            d.split = None
+            return
+        if not d.can_canary:
+            logger.warning("the recorded canary needs canary backends; serving without it")
+            d.split = None
+            return
+        canary = await d.canary_deployment()
+        await canary.pool.follow(last.canary_version, await self.path_of(last.canary_version))
+        d.split = CanarySplit(last.canary_version, last.canary_fraction)
+
+    async def _follow_adapter(self, adapter: str, last: PromotionRecord) -> None:
+        """Serve an adapter's recorded production state (logged, not raised, if it fails)."""
+        canary = None
+        if last.canary_version is not None and last.canary_fraction is not None:
+            canary = CanarySplit(last.canary_version, last.canary_fraction)
+            if not self.deployments.can_canary:
+                logger.warning("adapter %s's canary needs canary backends; dropped", adapter)
+                canary = None
+        try:
+            await self._apply(last.version, canary, adapter)
+        except (BadRequest, NotFound, Conflict) as exc:
+            logger.error("adapter %s's production state could not be restored: %s", adapter, exc)
 
     async def promote(
-        self, version: int, canary: CanarySplit | None = None, *, require_eval: bool = False
+        self,
+        version: int,
+        canary: CanarySplit | None = None,
+        *,
+        require_eval: bool = False,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
+        """Serve ``version`` of the policy ``adapter`` (None: the base) to its production
+        keys; other policies' production is untouched."""
         self._production()
         if canary is not None and canary.version == version:
             raise BadRequest(
@@ -212,37 +267,41 @@ class ProductionController:
             )
         async with self.store.publish_lock(), self._lock:
             if require_eval:
-                await self._check_eval(version)
-            await self._apply(version, canary)
+                await self._check_eval(version, adapter)
+            await self._apply(version, canary, adapter)
             await self.store.record_promotion(
                 action="promote",
                 version=version,
                 canary_version=canary.version if canary else None,
                 canary_fraction=canary.fraction if canary else None,
+                adapter=adapter,
             )
-        return await self.status()
+        return await self.status(adapter)
 
-    async def rollback(self) -> dict[str, Any]:
+    async def rollback(self, adapter: str | None = None) -> dict[str, Any]:
+        """The policy's production back to the version promoted before its current one."""
         self._production()
         async with self.store.publish_lock(), self._lock:
-            target = rollback_target(await self.store.list_promotions())
+            target = rollback_target(await self.store.list_promotions(adapter=adapter))
             if target is None:
                 raise Conflict(
-                    "Nothing to roll back: no version was promoted.", code="nothing_to_roll_back"
+                    f"Nothing to roll back: no version of {policy_label(adapter)} was promoted.",
+                    code="nothing_to_roll_back",
                 )
-            await self._apply(target, None)
-            await self.store.record_promotion(action="rollback", version=target)
-        return await self.status()
+            await self._apply(target, None, adapter)
+            await self.store.record_promotion(action="rollback", version=target, adapter=adapter)
+        return await self.status(adapter)
 
     # ------------------------------------------------------------------- views
-    async def status(self) -> dict[str, Any]:
+    async def status(self, adapter: str | None = None) -> dict[str, Any]:
         d = self.deployments
-        history = await self.store.list_promotions()
+        history = await self.store.list_promotions(adapter=adapter)
         production = d.production or d.training
-        split = d.split
+        split = d.split_of(adapter)
         return {
+            "adapter": adapter,
             "mode": "pinned" if d.separate else "follows_training",
-            "version": production.version,
+            "version": production.pool.policy(adapter)[0],
             "canary": None
             if split is None
             else {"version": split.version, "fraction": split.fraction},
@@ -254,15 +313,19 @@ class ProductionController:
             },
         }
 
-    async def versions(self) -> dict[str, Any]:
+    async def versions(self, adapter: str | None = None) -> dict[str, Any]:
         d = self.deployments
-        evals = await self.store.latest_version_evals()
+        evals = await self.store.latest_version_evals(adapter=adapter)
         rows: list[dict[str, Any]] = [
-            {"version": 0, "path": self.base_model_path, "pushed_at": None}
+            {
+                "version": 0,
+                "path": self.base_model_path if adapter is None else None,
+                "pushed_at": None,
+            }
         ]
         rows += [
             {"version": r.version, "path": r.path, "pushed_at": r.created_at.isoformat()}
-            for r in await self.store.list_policy_versions()
+            for r in await self.store.list_policy_versions(adapter=adapter)
         ]
         for row in rows:
             ev = evals.get(row["version"])
@@ -276,13 +339,35 @@ class ProductionController:
                     "at": ev.created_at.isoformat(),
                 }
             )
-            row["served_by"] = d.names_serving(row["version"])
+            row["served_by"] = (
+                d.names_serving(row["version"])
+                if adapter is None
+                else _names_serving_adapter(d, adapter, row["version"])
+            )
         production = d.production or d.training
+        split = d.split_of(adapter)
         return {
+            "adapter": adapter,
             "versions": rows,
-            "training": d.training.version,
-            "production": production.version,
+            "training": d.training.pool.policy(adapter)[0],
+            "production": production.pool.policy(adapter)[0],
             "canary": None
-            if d.split is None
-            else {"version": d.split.version, "fraction": d.split.fraction},
+            if split is None
+            else {"version": split.version, "fraction": split.fraction},
         }
+
+
+def _names_serving_adapter(d: Deployments, adapter: str, version: int) -> list[str]:
+    names = []
+    if d.training.pool.adapter_version(adapter) == version:
+        names.append(TRAINING)
+    if (d.production or d.training).pool.adapter_version(adapter) == version:
+        names.append(PRODUCTION)
+    split = d.split_of(adapter)
+    if (
+        d.canary is not None
+        and split is not None
+        and d.canary.pool.adapter_version(adapter) == version
+    ):
+        names.append(CANARY)
+    return names

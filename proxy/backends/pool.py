@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from proxima.proxy.backends.errors import (
@@ -90,6 +91,14 @@ def reported_version(raw: str | None) -> int:
         return int(raw)
     except ValueError:
         return 0
+
+
+async def _load_lora(backend: Backend, name: str, path: str) -> None:
+    """Load ``name`` on ``backend`` unless it has it already (a restarted proxy, or another
+    replica, put it there: SGLang refuses a name already loaded)."""
+    if name in await backend.client.loaded_lora_adapters():
+        return
+    await backend.client.load_lora_adapter(name, path)
 
 
 def rendezvous_score(key: str, url: str) -> int:
@@ -479,13 +488,29 @@ class BackendPool:
         for adapter, (version, path) in versions.items():
             self.adapters[adapter] = AdapterVersion(adapter, version, path)
 
-    async def update_adapter(self, *, adapter: str, version: int, path: str) -> WeightUpdate:
+    async def follow_adapter(self, adapter: str, version: int, path: str | None) -> bool:
+        """Serve ``version`` of ``adapter``, which another replica pushed (or the store holds
+        at start-up). The pushing replica loaded it on the shared backends; one that lacks
+        it refuses the name and is taken out until ``_rejoin`` loads it. This replica's
+        requests still on the old name are aborted and resume on the new; the old name is
+        the pusher's to unload. Returns whether the version changed."""
+        async with self._update_lock:
+            old = self.adapters.get(adapter)
+            if old is not None and old.version >= version:
+                return False
+            self.adapters[adapter] = AdapterVersion(adapter, version, path)
+        logger.info("following the fleet to adapter %s v%s", adapter, version)
+        await self._retire(adapter, None if old is None else old.lora, [])
+        return True
+
+    async def update_adapter(self, *, adapter: str, version: int, path: str | None) -> WeightUpdate:
         """Serve ``path`` as ``version`` of ``adapter``; nothing else pauses (module docstring).
 
         Loads the new name on every healthy backend, switches new requests of
         ``adapter`` to it, aborts the requests still running on the old one (the
         generation loop resumes them on the new), and unloads the old name once
         they are gone. A backend that refuses is taken out until it loads it.
+        Version 0 is the bare base (nothing to load: production going back to it).
         """
         name = lora_name(adapter, version)
         async with self._update_lock:
@@ -493,9 +518,14 @@ class BackendPool:
             targets = self.healthy_backends()
             if not targets:
                 raise BackendUnavailable("No healthy backend to load the adapter into.")
-            results = await asyncio.gather(
-                *(b.client.load_lora_adapter(name, path) for b in targets), return_exceptions=True
-            )
+            if version == 0 or path is None:
+                if version != 0:
+                    raise ValueError(f"adapter {adapter} v{version} needs a path")
+                results: list[Any] = [None] * len(targets)
+            else:
+                results = await asyncio.gather(
+                    *(_load_lora(b, name, path) for b in targets), return_exceptions=True
+                )
             loaded = []
             for backend, result in zip(targets, results, strict=True):
                 if isinstance(result, BackendConnectionError):
@@ -514,7 +544,11 @@ class BackendPool:
                     self.mark_missing_adapter(backend, name)
         await self._retire(adapter, None if old is None else old.lora, loaded)
         update = WeightUpdate(
-            version, path, time.monotonic() - started, [b.url for b in loaded], adapter=adapter
+            version,
+            path or "",
+            time.monotonic() - started,
+            [b.url for b in loaded],
+            adapter=adapter,
         )
         logger.info(
             "adapter %s v%s loaded on %d backend(s) in %.3fs",

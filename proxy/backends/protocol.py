@@ -5,7 +5,7 @@ client (:mod:`proxima.proxy.backends.sglang`), the embedded engine
 (:mod:`proxima.proxy.embedded.app`), the fake SGLang
 (:mod:`proxima.proxy.testing.fake_sglang`) and the bench simulator. Field
 names, defaults and shapes are SGLang 0.5.23's own (``sglang/api/v1``, its
-JSON contract; ``tests/proxy/test_sglang_contract.py`` checks the bodies the
+JSON contract; ``tests/proxy/backends/test_sglang_contract.py`` checks the bodies the
 proxy sends against SGLang's own decoder).
 
 Requests are strict: an unknown key is an error (the servers answer 400).

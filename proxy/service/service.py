@@ -128,8 +128,8 @@ class CompletionService:
         if session is not None:
             session_id_var.set(session.id)
         history = await self._history(session) if session else []
-        deployment = self._route(request, principal, session, external_id)
         adapter = self._policy(request, principal)
+        deployment = self._route(request, principal, session, external_id, adapter)
         if isinstance(request.input, ChatInput):
             prep = await self.preparer.chat(request, request.input, session, history)
         else:
@@ -147,6 +147,7 @@ class CompletionService:
         principal: Principal,
         session: SessionRecord | None,
         external_id: str | None,
+        adapter: str | None = None,
     ) -> Deployment:
         """Production keys -> production (canary split sticky per session); others -> training."""
         version = split_model_version(request.model)[1] if request.model else None
@@ -162,6 +163,7 @@ class CompletionService:
             production=principal.kind is PrincipalKind.PRODUCTION,
             sticky_key=sticky,
             version=version,
+            adapter=adapter,
         )
 
     def _policy(self, request: CanonicalRequest, principal: Principal) -> str | None:

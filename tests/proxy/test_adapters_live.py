@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from proxima.proxy.serving import ThreadedServer
+from proxima.proxy.store import Store
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 from proxima.proxy.testing.live import LiveProxy
 
@@ -190,3 +193,52 @@ def test_a_push_mid_stream_interrupts_and_resumes_only_that_adapter(lora_proxy: 
     assert not fake.paused
     assert fake.lora is not None and "tenant-a@v1" not in fake.lora.loaded()
     assert "tenant-a@v2" in fake.lora.loaded()
+
+
+def test_a_production_key_is_served_and_recorded_as_its_adapter(lora_proxy: Setup) -> None:
+    """``proxima keys create --adapter tenant-b``: its traffic is tenant-b's, recorded so."""
+    proxy, fake, work = lora_proxy
+    created = subprocess.run(
+        [sys.executable, "-m", "proxima.cli", "keys", "create", "--name", "b-prod"]
+        + ["--adapter", "tenant-b", "--db", f"sqlite:///{work / 'store.db'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    fields = dict(line.split(": ", 1) for line in created.stdout.splitlines())
+    assert fields["adapter"] == "tenant-b"
+    pushed = _push(proxy, {"version": 1, "path": _adapter_dir(work, "b1"), "adapter": "tenant-b"})
+    assert pushed.status_code == 200, pushed.text
+    client = OpenAI(
+        base_url=proxy.base_url,
+        api_key=fields["key"],
+        max_retries=0,
+        default_headers={"X-Session-Id": "conversation-1"},
+    )
+    reply = client.chat.completions.create(
+        model=f"{proxy.model_name}:tenant-b",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+    )
+    assert fake.bodies[-1]["lora_path"] == "tenant-b@v1"
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(proxy, fields["key"], f"{proxy.model_name}:tenant-a")
+    assert caught.value.param == "model" and reply.choices
+
+    async def recorded() -> list[tuple[str | None, list[int]]]:
+        store = await Store.open(f"sqlite:///{work / 'store.db'}")
+        try:
+            key = next(k for k in await store.list_api_keys() if k.name == "b-prod")
+            session = await store.get_or_create_production_session(
+                api_key_id=key.id, external_id="conversation-1"
+            )
+            assert session.adapter == "tenant-b"
+            return [
+                (c.adapter, c.output_versions)
+                for c in await store.list_completions(session_id=session.id)
+            ]
+        finally:
+            await store.close()
+
+    assert asyncio.run(recorded()) == [("tenant-b", [1] * 5)]

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from proxima.proxy.testing.live import LiveProxy
 
+from tests.proxy.api.test_harness_requests import CLAUDE_TURN_1, CODEX_TURN_1
 from tests.proxy.scripts import CALL_TEXT, QUESTION, WEATHER_TOOL
-from tests.proxy.test_harness_requests import CLAUDE_TURN_1, CODEX_TURN_1
 
 FUNCTION = WEATHER_TOOL["function"]
 BETAS = "claude-code-20250219,context-management-2025-06-27,mid-conversation-system-2026-04-07"

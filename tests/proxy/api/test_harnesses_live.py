@@ -59,7 +59,7 @@ from transformers import AutoTokenizer
 # two on 2 idle cores; both harnesses then run in seconds.
 pytestmark = pytest.mark.timeout(1200)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CACHE = REPO / ".cache"
 BIN = CACHE / "harnesses" / "node_modules" / ".bin"
 TASK = "Create a file named done.txt that contains the word proxima."

@@ -13,7 +13,7 @@ from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 from proxima.proxy.testing.live import LiveProxy
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_sim", Path(__file__).resolve().parents[2] / "bench" / "_sim.py"
+    "bench_sim", Path(__file__).resolve().parents[3] / "bench" / "_sim.py"
 )
 assert _spec is not None and _spec.loader is not None
 _sim = importlib.util.module_from_spec(_spec)

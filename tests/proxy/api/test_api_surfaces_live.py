@@ -31,6 +31,7 @@ from openai import AsyncOpenAI, OpenAI
 from proxima.proxy.testing.live import LiveProxy
 from pydantic import BaseModel
 
+from tests.proxy.api.test_agents_live import check_trajectory
 from tests.proxy.scripts import (
     ANSWER,
     CALL_TEXT,
@@ -40,7 +41,6 @@ from tests.proxy.scripts import (
     WEATHER_TOOL,
     WELCOME,
 )
-from tests.proxy.test_agents_live import check_trajectory
 
 FUNCTION = WEATHER_TOOL["function"]
 # The same tool in each API's shape: it renders to the same template tokens.
