@@ -83,6 +83,9 @@ def _engine(args: argparse.Namespace) -> int:
         port=args.port,
         max_running_requests=args.max_running_requests,
         weight_version=args.weight_version,
+        enable_lora=args.enable_lora,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_lora_rank=args.max_lora_rank,
     )
     return 0
 
@@ -332,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests decoded together in one batch (default: %(default)s)",
     )
     p.add_argument("--weight-version", default="0")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument(
+        "--max-loras-per-batch", type=int, default=8, help="distinct adapters in one batch"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=None, help="refuse higher ranks")
     p.set_defaults(func=_engine)
 
     _add_trainer(sub)

@@ -322,6 +322,11 @@ class LoRAUpdateResponse(BaseModel):
     error_message: str | None = None
     loaded_adapters: dict[str, Any] | None = None
 
+    def wire(self) -> dict[str, Any]:
+        """The body SGLang sends: the whole ``LoRAUpdateOutput``, its IPC fields (``rid``,
+        ``http_worker_ipc``) null over HTTP."""
+        return {"rid": None, "http_worker_ipc": None, **self.model_dump()}
+
 
 class ModelCard(BaseModel):
     """One entry of ``GET /v1/models``: the base model, or a loaded adapter (``parent`` set)."""

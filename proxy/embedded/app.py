@@ -22,10 +22,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     GenerateRequest,
+    LoadLoRAAdapterBody,
+    LoRAUpdateResponse,
+    ModelCard,
     ModelInfo,
+    ModelList,
     PauseGenerationBody,
     SamplingParams,
     StatusResponse,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
 )
 from proxima.proxy.embedded.engine import (
@@ -58,12 +63,23 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> dict[str, Any] |
     """Generate for one prompt; SSE with cumulative chunks when ``stream`` is set."""
     prompt_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
     await engine.compile_grammar(body.sampling_params)  # off the event loop; submit hits the cache
+    adapter = None
+    if body.lora_path:
+        # Resolved last: nothing awaits between here and submit, so no unload slips between.
+        try:
+            adapter = await engine.resolve_adapter(body.lora_path)
+        except InvalidRequestError as exc:
+            if not body.stream:
+                raise
+            # SGLang's stream answers a refused request with one error event (HTTP 200).
+            return StreamingResponse(_sse_error(str(exc)), media_type="text/event-stream")
     handle = engine.submit(
         prompt_ids,
         body.sampling_params,
         rid=body.rid,
         top_logprobs_num=body.top_logprobs_num,
         stream=body.stream,
+        adapter=adapter,
     )
     if body.stream:
         return StreamingResponse(_sse_chunks(engine, handle, body), media_type="text/event-stream")
@@ -78,6 +94,12 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> dict[str, Any] |
         return_logprob=body.return_logprob,
         skip_special_tokens=body.sampling_params.skip_special_tokens,
     )
+
+
+async def _sse_error(message: str) -> AsyncIterator[str]:
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    yield f"data: {json.dumps({'error': error})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _sse_chunks(
@@ -134,6 +156,33 @@ async def update_weights_from_disk(
         load_format=body.load_format,
     )
     return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+
+def _lora_reply(result: LoRAUpdateResponse) -> JSONResponse:
+    return JSONResponse(result.wire(), status_code=200 if result.success else 400)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterBody, engine: EngineDep) -> JSONResponse:
+    """Load a peft adapter directory under a name, without pausing generation; HTTP 400
+    with ``success: false`` on failure (SGLang's reply)."""
+    return _lora_reply(await engine.load_lora_adapter(body.lora_name, body.lora_path))
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterBody, engine: EngineDep) -> JSONResponse:
+    """Unload an adapter; answers once the requests running with it have finished."""
+    return _lora_reply(await engine.unload_lora_adapter(body.lora_name))
+
+
+@router.get("/v1/models")
+async def models(engine: EngineDep) -> ModelList:
+    """The base model, then one card per loaded LoRA adapter (``parent``: the base)."""
+    base = engine.model_path
+    cards = [ModelCard(id=base, root=base, max_model_len=engine.context_length)]
+    for name, path in engine.loaded_lora_adapters().items():
+        cards.append(ModelCard(id=name, root=path, parent=base))
+    return ModelList(data=cards)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -221,6 +270,9 @@ def create_engine_app(
     max_running_requests: int = 32,
     max_prefill_tokens: int = 4096,
     num_threads: int | None = None,
+    enable_lora: bool = False,
+    max_loras_per_batch: int = 8,
+    max_lora_rank: int | None = None,
 ) -> FastAPI:
     """The engine as a FastAPI app; its lifespan loads the model and runs the worker."""
 
@@ -233,6 +285,9 @@ def create_engine_app(
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
             num_threads=num_threads,
+            enable_lora=enable_lora,
+            max_loras_per_batch=max_loras_per_batch,
+            max_lora_rank=max_lora_rank,
         )
         engine.start()
         app.state.engine = engine
@@ -253,7 +308,8 @@ def run_engine(
     """Serve the engine with uvicorn until interrupted (``proxima engine``).
 
     ``kwargs`` go to :func:`create_engine_app` (``weight_version``,
-    ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``).
+    ``max_running_requests``, ``max_prefill_tokens``, ``num_threads``,
+    ``enable_lora``, ``max_loras_per_batch``, ``max_lora_rank``).
     Started by ``proxima serve``, it exits when that process dies.
     """
     exit_with_parent()

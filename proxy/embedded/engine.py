@@ -24,9 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from proxima.proxy.backends.protocol import SamplingParams, UpdateWeightsResponse
+from proxima.proxy.backends.protocol import (
+    LoRAUpdateResponse,
+    SamplingParams,
+    UpdateWeightsResponse,
+)
 from proxima.proxy.embedded import worker as cmd
 from proxima.proxy.embedded.grammar import GrammarCompiler, InvalidGrammarError, grammar_of
+from proxima.proxy.embedded.lora import AdapterLoadError, LoRAAdapter, LoRAHooks, read_adapter
 from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
 from proxima.proxy.embedded.sampling import make_generator
 from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
@@ -34,6 +39,9 @@ from proxima.proxy.embedded.worker import EngineWorker, WorkerStats
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 
 
 class EngineError(Exception):
@@ -155,6 +163,12 @@ class Engine:
             (at least one prompt), bounding the decode stall new prompts cause.
         num_threads: torch intra-op threads (process-wide); default half the
             available CPUs.
+        enable_lora: serve LoRA adapters (SGLang's ``--enable-lora``): load and
+            unload them at run time, each request names one in ``lora_path``.
+        max_loras_per_batch: most distinct adapters in the running batch;
+            requests of another adapter wait (SGLang's ``--max-loras-per-batch``).
+        max_lora_rank: refuse adapters of a higher rank (``--max-lora-rank``);
+            None: any rank.
     """
 
     def __init__(
@@ -165,9 +179,14 @@ class Engine:
         max_running_requests: int = 32,
         max_prefill_tokens: int = 4096,
         num_threads: int | None = None,
+        enable_lora: bool = False,
+        max_loras_per_batch: int = 8,
+        max_lora_rank: int | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
+        if max_loras_per_batch < 1:
+            raise ValueError("max_loras_per_batch must be at least 1")
         self.model_path = str(model_dir)
         torch.set_num_threads(num_threads or _default_num_threads())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -184,12 +203,24 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids(model)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.model = model
+        self.lora = LoRAHooks(model) if enable_lora else None
+        self.max_lora_rank = max_lora_rank
+        # The adapter registry (SGLang's LoRARegistry): loaded adapters by name, every name
+        # ever loaded (an unloaded one is loaded again when a request names it, as SGLang
+        # does), and the requests using each loaded copy.
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._ever_loaded: dict[str, str] = {}
+        self._adapter_users: dict[str, int] = {}
+        self._adapter_idle: dict[str, asyncio.Event] = {}
+        self._lora_lock = asyncio.Lock()
         self._worker = EngineWorker(
             model,
             self.tokenizer,
             weight_version=weight_version,
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
+            lora=self.lora,
+            max_loras_per_batch=max_loras_per_batch,
         )
         self.max_running_requests = max_running_requests
         self._active: set[str] = set()
@@ -279,11 +310,13 @@ class Engine:
         rid: str | None = None,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        adapter: LoRAAdapter | None = None,
     ) -> RequestHandle:
         """Queue a request; must be called on the event loop that will read the handle.
 
         With ``stream`` the handle's :meth:`~RequestHandle.updates` sees every
-        step; without it, only the final state arrives.
+        step; without it, only the final state arrives. ``adapter`` (from
+        :meth:`resolve_adapter`) runs the request with that LoRA adapter.
 
         Raises :class:`InvalidRequestError` for an empty or too-long prompt
         (``len(prompt_ids) >= context_length``), out-of-vocabulary ids or a rid
@@ -320,7 +353,15 @@ class Engine:
                 grammar = self.grammars.matcher(self.grammars.compile(spec), stop_ids)
             except InvalidGrammarError as exc:
                 raise InvalidRequestError(str(exc)) from exc
-        sink = DeltaSink(asyncio.get_running_loop(), on_finish=lambda: self._active.discard(rid))
+        if adapter is not None:
+            self._adapter_users[adapter.lora_id] = self._adapter_users.get(adapter.lora_id, 0) + 1
+
+        def on_finish() -> None:
+            self._active.discard(rid)
+            if adapter is not None:
+                self._release_adapter(adapter)
+
+        sink = DeltaSink(asyncio.get_running_loop(), on_finish=on_finish)
         request = WorkerRequest(
             rid=rid,
             prompt_ids=list(prompt_ids),
@@ -332,6 +373,7 @@ class Engine:
             grammar=grammar,
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(prompt_ids)),
             stream=stream,
+            adapter=adapter,
         )
         handle = RequestHandle(self, rid, len(prompt_ids), sink, top=top_logprobs_num > 0)
         self._active.add(rid)
@@ -365,6 +407,98 @@ class Engine:
                 )
             if not math.isfinite(value):
                 raise InvalidRequestError(f"logit_bias values must be finite, got {value}")
+
+    # ---- LoRA adapters --------------------------------------------------------------
+
+    def loaded_lora_adapters(self) -> dict[str, str]:
+        """Loaded adapter names and their paths, in load order."""
+        return {name: adapter.path for name, adapter in self._adapters.items()}
+
+    def _lora_result(self, error: str | None = None) -> LoRAUpdateResponse:
+        return LoRAUpdateResponse(
+            success=error is None,
+            error_message=error or "",
+            loaded_adapters=self.loaded_lora_adapters(),
+        )
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
+        """Read ``path`` (peft's directory) in a thread and serve it as ``name``; generation
+        goes on meanwhile. SGLang's refusals: LoRA not enabled, a name already loaded."""
+        if self.lora is None:
+            return LoRAUpdateResponse(success=False, error_message=LORA_NOT_ENABLED)
+        async with self._lora_lock:
+            return await self._load_locked(name, path)
+
+    async def _load_locked(self, name: str, path: str) -> LoRAUpdateResponse:
+        assert self.lora is not None
+        if name in self._adapters:
+            return self._lora_result(
+                f"Failed to load LoRA adapter {name} because it is already loaded"
+            )
+        try:
+            adapter = await asyncio.to_thread(
+                read_adapter, path, name, self.lora.linears, max_lora_rank=self.max_lora_rank
+            )
+        except AdapterLoadError as exc:
+            logger.warning("LoRA adapter %s not loaded from %s: %s", name, path, exc)
+            return self._lora_result(str(exc))
+        self._adapters[name] = adapter
+        self._ever_loaded[name] = adapter.path
+        logger.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
+        return self._lora_result()
+
+    async def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
+        """Stop serving ``name``: new requests cannot use it at once; the answer comes when
+        the requests running with it have finished (SGLang's ``wait_for_unload``)."""
+        if self.lora is None:
+            return LoRAUpdateResponse(success=False, error_message=LORA_NOT_ENABLED)
+        async with self._lora_lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                return LoRAUpdateResponse(
+                    success=False,
+                    error_message=f"LoRA with name {name} does not exist. "
+                    f"Loaded LoRAs: odict_keys({list(self._adapters)})",
+                )
+            if self._adapter_users.get(adapter.lora_id, 0) > 0:
+                idle = self._adapter_idle.setdefault(adapter.lora_id, asyncio.Event())
+                await idle.wait()
+            self._adapter_idle.pop(adapter.lora_id, None)
+            self._adapter_users.pop(adapter.lora_id, None)
+            logger.info("LoRA adapter %s unloaded", name)
+            return self._lora_result()
+
+    def _release_adapter(self, adapter: LoRAAdapter) -> None:
+        users = self._adapter_users[adapter.lora_id] - 1
+        self._adapter_users[adapter.lora_id] = users
+        if users == 0 and adapter.lora_id in self._adapter_idle:
+            self._adapter_idle[adapter.lora_id].set()
+
+    async def resolve_adapter(self, name: str) -> LoRAAdapter:
+        """The adapter a request's ``lora_path`` names; one unloaded earlier is loaded again
+        from its path (SGLang's reload of an evicted adapter). Raises
+        :class:`InvalidRequestError` with SGLang's messages."""
+        if self.lora is None:
+            raise InvalidRequestError(
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch "
+                "the server with --enable-lora flag and preload adapters using --lora-paths "
+                "or /load_lora_adapter endpoint."
+            )
+        if name not in self._adapters:
+            if name not in self._ever_loaded:
+                raise InvalidRequestError(
+                    f"Got LoRA adapter that has never been loaded: {name}\n"
+                    f"All loaded adapters: dict_keys({list(self._ever_loaded)})."
+                )
+            async with self._lora_lock:
+                if name not in self._adapters:
+                    logger.info("Reloading evicted adapter: %s", name)
+                    result = await self._load_locked(name, self._ever_loaded[name])
+                    if not result.success:
+                        raise InvalidRequestError(
+                            f"Failed to implicitly load LoRA adapter {name}: {result.error_message}"
+                        )
+        return self._adapters[name]
 
     # ---- control --------------------------------------------------------------------
 

@@ -30,12 +30,19 @@ class EngineProcess:
         port: int | None = None,
         max_running_requests: int = 32,
         weight_version: str = "0",
+        enable_lora: bool = False,
+        max_loras_per_batch: int = 8,
+        max_lora_rank: int | None = None,
     ):
         self.model = model
         self.host = host
         self.port = port or free_port(host)
         self.max_running_requests = max_running_requests
         self.weight_version = weight_version
+        self.lora_args = ["--enable-lora"] if enable_lora else []
+        self.lora_args += ["--max-loras-per-batch", str(max_loras_per_batch)]
+        if max_lora_rank is not None:
+            self.lora_args += ["--max-lora-rank", str(max_lora_rank)]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -57,6 +64,7 @@ class EngineProcess:
             str(self.max_running_requests),
             "--weight-version",
             self.weight_version,
+            *self.lora_args,
         ]
         logger.info("starting embedded engine: %s", " ".join(cmd))
         # child_env: the engine exits when this process dies, even by SIGKILL.

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from proxima.proxy.backends.protocol import SamplingParams
 from proxima.proxy.embedded.grammar import RowGrammar
+from proxima.proxy.embedded.lora import LoRAAdapter
 from proxima.proxy.embedded.sampling import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class WorkerRequest:
     """The request's grammar matcher when its output is constrained."""
     stream: bool = False
     """Report tokens every step; otherwise only the final delta is sent (fewer event-loop wake-ups)."""
+    adapter: LoRAAdapter | None = None
+    """The LoRA adapter this row runs with; None: the base model."""
     output_ids: list[int] = field(default_factory=list)
     pending: list[SampledToken] = field(default_factory=list)
     """Tokens sampled since the last delta was sent."""

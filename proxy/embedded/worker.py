@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from proxima.proxy.embedded.kv_cache import BatchKVCache
 from proxima.proxy.embedded.logits import transform_logits
+from proxima.proxy.embedded.lora import LoRAHooks
 from proxima.proxy.embedded.requests import (
     DeltaSink,
     GenerationDelta,
@@ -115,8 +116,12 @@ class EngineWorker:
         weight_version: str,
         max_running_requests: int,
         max_prefill_tokens: int,
+        lora: LoRAHooks | None = None,
+        max_loras_per_batch: int = 8,
     ) -> None:
         self.model = model
+        self.lora = lora
+        self.max_loras_per_batch = max_loras_per_batch
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.max_running_requests = max_running_requests
@@ -237,23 +242,38 @@ class EngineWorker:
 
     def _admit_waiting(self) -> None:
         budget = self.max_prefill_tokens
+        skipped: list[WorkerRequest] = []  # their adapter would exceed max_loras_per_batch
         while self._waiting and len(self._rows) < self.max_running_requests:
             request = self._waiting[0]
             if len(request.prompt_ids) > budget and budget < self.max_prefill_tokens:
-                return  # at least one prefill per iteration, then keep decode latency bounded
+                break  # at least one prefill per iteration, then keep decode latency bounded
             self._waiting.popleft()
+            if not self._adapter_fits(request):
+                skipped.append(request)
+                continue
             budget -= len(request.prompt_ids)
             if request.max_new_tokens == 0:
                 request.finish_reason = finish_length(0)
                 self._emit(request)
                 continue
             self._prefill(request)
+        self._waiting.extendleft(reversed(skipped))  # they keep their place in the queue
+
+    def _adapter_fits(self, request: WorkerRequest) -> bool:
+        """Whether the batch can take the request's adapter: at most ``max_loras_per_batch``
+        distinct adapters run at once (SGLang's rule); base rows always fit."""
+        if request.adapter is None:
+            return True
+        running = {r.adapter.lora_id for r in self._rows if r.adapter is not None}
+        return request.adapter.lora_id in running or len(running) < self.max_loras_per_batch
 
     def _prefill(self, request: WorkerRequest) -> None:
         """Run one request's prompt alone, sample its first token, and add it to the batch."""
         prefill_cache = DynamicCache()
         input_ids = torch.tensor([request.prompt_ids])  # (1, L)
         try:
+            if self.lora is not None:
+                self.lora.set_rows([request.adapter])
             out = self.model(
                 input_ids=input_ids, past_key_values=prefill_cache, use_cache=True, logits_to_keep=1
             )
@@ -280,6 +300,8 @@ class EngineWorker:
         input_ids = torch.tensor([[r.output_ids[-1]] for r in rows])  # (B, 1)
         position_ids = torch.tensor([[r.num_cached_tokens] for r in rows])  # (B, 1)
         attention_mask = self._cache.step_attention_mask()  # (B, 1, 1, T + 1)
+        if self.lora is not None:
+            self.lora.set_rows([r.adapter for r in rows])
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -191,7 +191,5 @@ LORA_NOT_ENABLED = LoRAUpdateResponse(
 
 
 def _lora_reply(result: LoRAUpdateResponse) -> JSONResponse:
-    """SGLang's reply: the whole ``LoRAUpdateOutput`` (with IPC fields ``rid`` and
-    ``http_worker_ipc``, always null over HTTP), 400 when it failed."""
-    body = {"rid": None, "http_worker_ipc": None, **result.model_dump()}
-    return JSONResponse(body, status_code=200 if result.success else 400)
+    """SGLang's reply, 400 when it failed."""
+    return JSONResponse(result.wire(), status_code=200 if result.success else 400)

@@ -326,7 +326,7 @@ async def test_fake_lora_load_list_generate_unload(adapter_dirs: dict[str, Path]
         # A name never loaded: refused before any token, streamed or not.
         with pytest.raises(BackendRejected, match="never been loaded: c@v1") as caught:
             await client.generate(_request("c@v1"))
-        assert caught.value.status_code == 400
+        assert caught.value.backend_status == 400
         with pytest.raises(BackendRejected, match="never been loaded: c@v1"):
             [d async for d in client.generate_stream(_request("c@v1", stream=True))]
 
