@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from proxima.proxy.api import admin, messages, openai, responses, rl
+from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
@@ -32,6 +32,7 @@ from proxima.proxy.middleware import BodyLimitMiddleware
 from proxima.proxy.state import AppState, build_state, install_state
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store
+from proxima.proxy.surfaces import SURFACES
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +259,10 @@ def create_app(settings: Settings, *, bound_port: int | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
-    app.include_router(openai.generation)  # the generation routes: see api.routing
-    app.include_router(openai.router)
-    app.include_router(responses.router)
-    app.include_router(messages.generation)
-    app.include_router(messages.router)
+    for surface in SURFACES:  # the API surfaces: see proxima.proxy.surfaces
+        for router in surface.routers:
+            app.include_router(router)
+    app.include_router(models.router)
     app.include_router(rl.router)
     app.include_router(admin.router)
     app.include_router(deployments_api.router)

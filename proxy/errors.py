@@ -29,8 +29,9 @@ HTTP::
 class's row (:func:`kind_of`). Each API surface writes the error in its own
 envelope from that row (OpenAI's ``{"error": {"message", "type", "param",
 "code"}}`` by :func:`openai_envelope`, Anthropic's in
-``proxima.proxy.surfaces.messages``); ``install_error_handlers`` is the edge that
-answers them, and ``as_proxima_error`` picks the error that ends a stream
+``proxima.proxy.surfaces.messages.errors``: each surface's ``ErrorEnvelope``);
+``install_error_handlers`` is the edge that answers them in the envelope of
+the surface the path belongs to, and ``as_proxima_error`` picks the error that ends a stream
 that has started. Request validation errors (bad JSON, wrong types) become
 400s that name the offending parameter; they never leak a raw pydantic dump.
 """
@@ -39,9 +40,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -310,15 +310,39 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
 # ----------------------------------------------------------------- the edge
 
 
-Envelope = Callable[[int, dict[str, Any]], dict[str, Any]]
-"""A surface's envelope for a response the edge writes: (status, OpenAI's envelope) -> body."""
+class ErrorEnvelope(Protocol):
+    """How a surface writes an error: one of ours, a validation failure, or the edge's own
+    (a router's 404, a body too large, a bug's 500) given in OpenAI's envelope."""
+
+    def of(self, exc: ProximaError) -> dict[str, Any]: ...
+
+    def of_validation(self, exc: RequestValidationError) -> dict[str, Any]: ...
+
+    def of_status(self, status: int, openai: dict[str, Any]) -> dict[str, Any]: ...
 
 
-def envelope_for(path: str) -> Envelope | None:
-    """The envelope of the surface that serves ``path``, when it is not OpenAI's."""
-    from proxima.proxy.service.builders.messages import MESSAGES_PATH, edge_envelope
+class OpenAIEnvelope:
+    """``{"error": {"message", "type", "param", "code"}}``: the OpenAI surfaces, /rl, /admin."""
 
-    return edge_envelope if path.startswith(MESSAGES_PATH) else None
+    def of(self, exc: ProximaError) -> dict[str, Any]:
+        return openai_envelope(exc)
+
+    def of_validation(self, exc: RequestValidationError) -> dict[str, Any]:
+        message, param = validation_message(exc)
+        return error_envelope(message, "invalid_request_error", param=param)
+
+    def of_status(self, status: int, openai: dict[str, Any]) -> dict[str, Any]:
+        return openai
+
+
+OPENAI_ENVELOPE = OpenAIEnvelope()
+
+
+def envelope_for(path: str) -> ErrorEnvelope:
+    """The envelope of the surface that serves ``path`` (OpenAI's off every surface)."""
+    from proxima.proxy.surfaces import envelope_for as surface_envelope
+
+    return surface_envelope(path) or OPENAI_ENVELOPE
 
 
 def _answer(
@@ -327,11 +351,9 @@ def _answer(
     envelope: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """``envelope`` (OpenAI's) as the response, in the surface's own shape where it has one."""
-    own = envelope_for(request.url.path)
-    if own is not None:
-        envelope = own(status, envelope)
-    return JSONResponse(envelope, status_code=status, headers=headers)
+    """``envelope`` (OpenAI's) as the response, in the path's surface's own envelope."""
+    body = envelope_for(request.url.path).of_status(status, envelope)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -339,12 +361,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _proxima(request: Request, exc: ProximaError) -> JSONResponse:
         if kind_of(exc).internal:
             logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url, exc)
-        return _answer(request, exc.status_code, exc.envelope(), exc.headers())
+        body = envelope_for(request.url.path).of(exc)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return _answer(request, 400, error_envelope(message, "invalid_request_error", param=param))
+        return JSONResponse(envelope_for(request.url.path).of_validation(exc), status_code=400)
 
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -20,10 +20,10 @@ class BodyLimitMiddleware:
 
     async def _reject(self, send: Send, size: Any, path: str) -> None:
         message = f"Request body of {size} bytes exceeds the limit of {self.max_bytes}."
-        envelope = error_envelope(message, "invalid_request_error")
-        own = envelope_for(path)  # Anthropic's clients read their own shape
-        if own is not None:
-            envelope = own(413, envelope)
+        # In the path's surface's envelope: Anthropic's clients read only their own shape.
+        envelope = envelope_for(path).of_status(
+            413, error_envelope(message, "invalid_request_error")
+        )
         body = json.dumps(envelope).encode()
         await send(
             {

@@ -29,8 +29,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
@@ -84,11 +82,13 @@ def check_identifier(value: str | None, param: str) -> str | None:
     return value
 
 
-class _Open(BaseModel):
+class OpenBody(BaseModel):
+    """Extra fields allowed, types strict (an OpenAI request body's sub-objects)."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
     """A request body: strict types, and valid Unicode in every string (see the module doc)."""
 
     model_config = ConfigDict(strict=True)
@@ -100,136 +100,7 @@ class _Body(BaseModel):
         return data
 
 
-class FunctionDef(_Open):
-    name: str  # checked by ChatCompletionRequest (check_tool_names)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(_Open):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class NamedToolChoice(_Open):
-    type: Literal["function"] = "function"
-    function: dict[str, str]
-
-
-class StreamOptions(_Open):
-    include_usage: bool = False
-
-
-class ResponseFormat(_Open):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-
-
-class SamplingFields(_Open, _Body):
-    model: str = Field(min_length=1)
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension (vLLM/SGLang)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    user: str | None = Field(None, max_length=MAX_ID_LENGTH)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False  # extension (as in vLLM/SGLang): keep generating past the end token
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str | None) -> str | None:
-        return check_identifier(v, "user")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
-            if any(not s for s in v):
-                raise ValueError("stop sequences must be non-empty")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, value in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
-        return v
-
-    @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # SGLang's and vLLM's extension
-    reasoning_budget: int | None = Field(None, ge=1)  # Proxima's: Messages' budget_tokens
-    _tool_dicts: list[dict[str, Any]] | None = PrivateAttr(None)
-
-    @field_validator("tools")
-    @classmethod
-    def _tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
-        # The loosest rule of the surfaces that translate into this body (Anthropic's); the
-        # Chat Completions route holds its own callers to OpenAI's (check_openai_tool_names).
-        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(v or []))
-        check_tool_names(named, ANTHROPIC_TOOL_NAME)
-        return v
-
-    def check_openai_tool_names(self) -> None:
-        """The tools' names as OpenAI's (``^[a-zA-Z0-9_-]{1,64}$``): ``InvalidString``."""
-        tools = self.tools or []
-        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(tools))
-        check_tool_names(named, OPENAI_TOOL_NAME)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _keep_raw_tools(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        request = handler(data)
-        if isinstance(data, dict) and request.tools:
-            request._tool_dicts = data["tools"]
-        return request
-
-    @property
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """``tools`` exactly as the client sent them (key order, nulls), for the template.
-
-        Templates write tools with ``tojson``, which keeps key order, so the
-        prompt is rendered from these, not from a re-serialized model.
-        """
-        return self._tool_dicts
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
-
-
-class CreateSessionRequest(_Open, _Body):
+class CreateSessionRequest(OpenBody, StrictBody):
     group_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     data_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     metadata: dict[str, Any] | None = None
@@ -255,20 +126,20 @@ class CreateSessionResponse(BaseModel):
     base_url: str
 
 
-class RewardRequest(_Body):
+class RewardRequest(StrictBody):
     model_config = ConfigDict(extra="forbid")
 
     reward: float = Field(allow_inf_nan=False)
     completion_id: str | None = None
 
 
-class FinishRequest(_Body):
+class FinishRequest(StrictBody):
     model_config = ConfigDict(extra="forbid")
 
     status: Literal["finished", "failed"] = "finished"
 
 
-class WeightsRequest(_Body):
+class WeightsRequest(StrictBody):
     model_config = ConfigDict(extra="forbid")
 
     # Per-token versions are stored as int32.

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from proxima.proxy.api import reasoning_options
-from proxima.proxy.api.messages_translate import MessagesRequest, to_chat_request
-from proxima.proxy.api.responses_translate import ResponsesRequest, input_messages
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.surfaces import reasoning_options
+from proxima.proxy.surfaces.messages.schema import MessagesRequest
+from proxima.proxy.surfaces.messages.translate import to_chat_request
+from proxima.proxy.surfaces.responses.schema import ResponsesRequest
+from proxima.proxy.surfaces.responses.translate import input_messages
 
 SEAL = ReasoningSeal(b"k" * 32)
 
@@ -131,7 +133,7 @@ def test_bad_thinking_options_are_400s(thinking: dict[str, Any], param: str) -> 
 
 
 def test_responses_effort_none_turns_thinking_off() -> None:
-    from proxima.proxy.api.responses_translate import to_chat_request as responses_chat
+    from proxima.proxy.surfaces.responses.translate import to_chat_request as responses_chat
 
     req = ResponsesRequest.model_validate(
         {"model": "m", "input": "Q", "reasoning": {"effort": "none", "summary": "auto"}}

@@ -17,7 +17,6 @@ import openai
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
-from proxima.proxy.api.messages import AnthropicErrorRoute
 from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.testing.live import LiveProxy
 
@@ -271,10 +270,10 @@ def test_bad_integers_and_tool_names_on_messages(
 
 def test_a_bug_on_the_messages_routes_is_a_500_in_anthropics_envelope() -> None:
     """Issue 19, 2.10: an unexpected exception (a bug) under ``/v1/messages`` is answered in
-    Anthropic's envelope, by the app's own error handlers and route classes."""
+    Anthropic's envelope, by the app's own error handlers (the surface's envelope)."""
     app = FastAPI()
     install_error_handlers(app)
-    router = APIRouter(prefix="/v1", route_class=AnthropicErrorRoute)
+    router = APIRouter(prefix="/v1")
 
     @router.post("/messages/count_tokens")
     async def broken() -> None:

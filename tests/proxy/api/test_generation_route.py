@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api.deps import PrincipalDep
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.api.schemas import ChatCompletionRequest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
 from proxima.proxy.testing.app_state import install_test_state
 
 ADMIN = "admin-token"

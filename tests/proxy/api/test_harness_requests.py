@@ -12,12 +12,14 @@ import json
 from typing import Any
 
 import pytest
-from proxima.proxy.api import messages_translate, responses_translate
-from proxima.proxy.api.messages_translate import MessagesRequest
-from proxima.proxy.api.responses_translate import ResponsesRequest, tool_namespaces
 from proxima.proxy.errors import BadRequest, ContextTooLong
-from proxima.proxy.service.builders.messages import error_of
-from proxima.proxy.service.builders.responses import ResponseHead, output_items
+from proxima.proxy.surfaces.messages import translate as messages_translate
+from proxima.proxy.surfaces.messages.errors import error_of
+from proxima.proxy.surfaces.messages.schema import MessagesRequest
+from proxima.proxy.surfaces.responses import translate as responses_translate
+from proxima.proxy.surfaces.responses.events import ResponseHead, output_items
+from proxima.proxy.surfaces.responses.schema import ResponsesRequest
+from proxima.proxy.surfaces.responses.translate import tool_namespaces
 from proxima.proxy.tools import ParsedOutput, ToolCall
 
 EXEC_COMMAND = {

@@ -42,10 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.api import messages_translate, openai_translate, responses_translate
-from proxima.proxy.api.schemas import ChatCompletionRequest
 from proxima.proxy.chat import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
+from proxima.proxy.surfaces.chat import translate as openai_translate
+from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
+from proxima.proxy.surfaces.messages import translate as messages_translate
+from proxima.proxy.surfaces.messages.schema import MessagesRequest
+from proxima.proxy.surfaces.responses import translate as responses_translate
+from proxima.proxy.surfaces.responses.schema import ResponsesRequest
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.teach import teach_texts
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
@@ -199,7 +203,7 @@ class Codex(Harness):
         return self._run(argv, {"CODEX_HOME": str(codex_home), "PROXIMA_API_KEY": api_key})
 
     def chat_input(self, body: dict[str, Any]) -> ChatInput:
-        req = responses_translate.ResponsesRequest.model_validate(body)
+        req = ResponsesRequest.model_validate(body)
         chat = responses_translate.canonical_request(req).input
         assert isinstance(chat, ChatInput)
         return chat
@@ -223,7 +227,7 @@ class ClaudeCode(Harness):
         return self._run(argv, env)
 
     def chat_input(self, body: dict[str, Any]) -> ChatInput:
-        req = messages_translate.MessagesRequest.model_validate(body)
+        req = MessagesRequest.model_validate(body)
         chat = messages_translate.canonical_request(req).input
         assert isinstance(chat, ChatInput)
         return chat

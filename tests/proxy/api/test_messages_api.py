@@ -14,20 +14,21 @@ from typing import Any
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
-from proxima.proxy.api.messages_translate import MessagesRequest, chat_messages, to_chat_request
 from proxima.proxy.errors import (
     AuthenticationFailed,
     BackendUnavailable,
     BadRequest,
     ContextTooLong,
 )
-from proxima.proxy.service.builders.messages import (
+from proxima.proxy.surfaces.messages.errors import error_of
+from proxima.proxy.surfaces.messages.events import (
     MessageHead,
     MessagesStream,
-    error_of,
     message_object,
     tool_input,
 )
+from proxima.proxy.surfaces.messages.schema import MessagesRequest
+from proxima.proxy.surfaces.messages.translate import chat_messages, to_chat_request
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

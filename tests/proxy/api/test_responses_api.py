@@ -16,17 +16,17 @@ from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
-from proxima.proxy.api.responses_translate import (
-    ResponsesRequest,
-    echoed_settings,
-    input_messages,
-    to_chat_request,
-)
 from proxima.proxy.errors import BackendUnavailable, BadRequest
-from proxima.proxy.service.builders.responses import (
+from proxima.proxy.surfaces.responses.events import (
     ResponseHead,
     ResponsesStream,
     response_object,
+)
+from proxima.proxy.surfaces.responses.schema import ResponsesRequest
+from proxima.proxy.surfaces.responses.translate import (
+    echoed_settings,
+    input_messages,
+    to_chat_request,
 )
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
 

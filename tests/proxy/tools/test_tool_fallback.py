@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.chat import ChatRenderer
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.service.prepare import PromptPreparer
+from proxima.proxy.surfaces.chat.translate import chat_request_of
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser
 from proxima.proxy.tools.fallback import template_renders_tools, with_tools_in_system

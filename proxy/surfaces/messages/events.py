@@ -24,8 +24,8 @@ it, else ``end_turn``. A tool call's ``input`` is its arguments as a JSON
 object (``{}`` if the model wrote something else), sent as one
 ``input_json_delta`` when the call is complete, so the SDK always parses it.
 
-Errors use Anthropic's envelope ``{"type": "error", "error": {"type",
-"message"}}`` with the HTTP status of the underlying error.
+A stream that fails ends with an ``error`` event in Anthropic's envelope
+(``proxima.proxy.surfaces.messages.errors``).
 """
 
 from __future__ import annotations
@@ -35,61 +35,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.errors import ContextTooLong, ProximaError, public_message
+from proxima.proxy.errors import ProximaError
 from proxima.proxy.reasoning import ReasoningDelta
-from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
+from proxima.proxy.surfaces.messages.errors import error_of
+from proxima.proxy.surfaces.sse import named_sse
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
-
-# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error envelope for an HTTP status."""
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_of(exc: ProximaError) -> dict[str, Any]:
-    """``exc`` in Anthropic's envelope (its status and message from the one error table)."""
-    if isinstance(exc, ContextTooLong) and exc.max_tokens is not None:
-        # Anthropic's own wording for a prompt plus max_tokens over the context window.
-        message = (
-            f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + "
-            f"{exc.max_tokens} > {exc.context_length}, decrease input length or `max_tokens` "
-            "and try again (or serve with --clamp-max-tokens)"
-        )
-        return error_body(exc.status_code, message)
-    message = public_message(exc)
-    if exc.param is not None:
-        message = f"{exc.param}: {message}"
-    return error_body(exc.status_code, message)
-
-
-MESSAGES_PATH = "/v1/messages"
-"""Errors of requests under this path are answered in Anthropic's envelope."""
-
-
-def edge_envelope(status: int, openai: dict[str, Any]) -> dict[str, Any]:
-    """An error the app's edge answers (a router's 404, a validation error, a bug's 500),
-    given in OpenAI's envelope, in Anthropic's."""
-    error = openai["error"]
-    message = error["message"]
-    if error.get("param"):
-        message = f"{error['param']}: {message}"
-    return error_body(status, message)
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

@@ -30,9 +30,9 @@ from typing import Any
 
 from proxima.proxy.errors import ProximaError, public_message
 from proxima.proxy.reasoning import ReasoningDelta
-from proxima.proxy.service.builders.chat import logprob_content
-from proxima.proxy.service.builders.sse import named_sse
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
+from proxima.proxy.surfaces.openai_common import logprob_content
+from proxima.proxy.surfaces.sse import named_sse
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
 
 
@@ -45,7 +45,7 @@ class ResponseHead:
     """What every snapshot of one response repeats: its id, and the request's settings.
 
     ``settings`` are the request fields a response echoes (``instructions``,
-    ``tools``, ``temperature``, ...), as ``api.responses_translate.echoed_settings``
+    ``tools``, ``temperature``, ...), as ``translate.echoed_settings``
     gives them.
     """
 

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from proxima.proxy.reasoning import ReasoningDelta
-from proxima.proxy.service.builders.sse import DONE, sse, usage
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.events import (
     Completion,
@@ -16,9 +15,10 @@ from proxima.proxy.service.events import (
     Failed,
     Finish,
     Part,
-    TokenLogprob,
 )
 from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.surfaces.openai_common import logprob_content
+from proxima.proxy.surfaces.sse import DONE, sse, usage
 from proxima.proxy.tools import ContentDelta, ToolCallDelta
 
 
@@ -123,18 +123,3 @@ def message_deltas(parts: list[Part]) -> list[dict[str, Any]]:
     if text:
         out.append({key: text})
     return out
-
-
-def logprob_content(logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
-    """``logprobs.content`` of a chat choice."""
-    return [
-        {
-            "token": lp.token,
-            "logprob": lp.logprob,
-            "bytes": list(lp.token.encode("utf-8")),
-            "top_logprobs": [
-                {"token": t, "logprob": tl, "bytes": list(t.encode("utf-8"))} for t, tl in lp.top
-            ],
-        }
-        for lp in logprobs or []
-    ]

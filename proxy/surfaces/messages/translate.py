@@ -23,7 +23,7 @@ Images, documents, server tools (web search, bash, text editor, computer use,
 {"type": "enabled"}`` for a model that does not think (for one that does, see
 ``reasoning_options.messages_thinking``). ``thinking: adaptive``,
 ``output_config.effort`` and ``context_management`` clear-thinking edits are
-accepted as no-ops (``api.reasoning_options``); ``cache_control`` on blocks,
+accepted as no-ops (``surfaces.reasoning_options``); ``cache_control`` on blocks,
 ``metadata.user_id`` (it names a production session, as ``user`` does) and the
 ``anthropic-beta`` header change nothing generated. ``tool_result`` with
 ``is_error`` keeps its text (templates have no error flag).
@@ -35,57 +35,14 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from proxima.proxy.api import reasoning_options
-from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.canonical import CanonicalRequest
-from pydantic import BaseModel, ConfigDict, Field
+from proxima.proxy.surfaces import reasoning_options
+from proxima.proxy.surfaces.chat.translate import chat_request_of
+from proxima.proxy.surfaces.messages.schema import ACCEPTED_WITHOUT_EFFECT, MessagesRequest
 
 Message = dict[str, Any]
-
-
-# Options that only concern Anthropic's hosted service (caching, routing, billing, tracing);
-# accepted and without effect on what is generated. Any other unknown field is a 400.
-ACCEPTED_WITHOUT_EFFECT = frozenset(
-    {
-        "cache_control",
-        "service_tier",
-        "inference_geo",
-        "speed",
-        "diagnostics",
-        "user_profile_id",
-        "workspace_id",
-    }
-)
-
-
-class MessagesRequest(BaseModel):
-    """The body of ``POST /v1/messages`` (types checked; the rest in ``to_chat_request``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=2**31 - 1)  # past the vocabulary: keeps every token
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
-    context_management: dict[str, Any] | None = None
-
-
-class CountTokensRequest(MessagesRequest):
-    """The body of ``POST /v1/messages/count_tokens``: a message request without ``max_tokens``."""
-
-    max_tokens: int = Field(1, ge=1)
 
 
 def _text_of_blocks(blocks: Any, where: str, separator: str) -> str:
@@ -281,7 +238,7 @@ def translate_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | No
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """``output_config.format`` (structured output) -> chat ``response_format``;
-    ``output_config.effort`` is judged in ``api.reasoning_options``."""
+    ``output_config.effort`` is judged in ``surfaces.reasoning_options``."""
     if not output_config:
         return None
     reasoning_options.check_messages_effort(output_config.get("effort"))

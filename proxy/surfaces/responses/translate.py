@@ -26,7 +26,7 @@ Tools: ``function`` tools, and the function tools of a ``namespace`` tool
 (its calls carry ``namespace`` back), are offered to the model; ``web_search``
 is accepted and not offered (nothing here can search; Codex CLI declares it on
 every request); other built-in tools are a 400. Reasoning options are judged
-in ``api.reasoning_options`` (no-ops for a model that does not think).
+in ``surfaces.reasoning_options`` (no-ops for a model that does not think).
 
 Everything else is refused with a 400 naming the parameter: built-in tools
 (file search, computer use, ...), images and files, reasoning items,
@@ -40,67 +40,14 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from proxima.proxy.api import reasoning_options
-from proxima.proxy.api.openai_translate import chat_request_of
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.canonical import CanonicalRequest
-from pydantic import BaseModel, ConfigDict, Field
+from proxima.proxy.surfaces import reasoning_options
+from proxima.proxy.surfaces.chat.translate import chat_request_of
+from proxima.proxy.surfaces.responses.schema import ACCEPTED_WITHOUT_EFFECT, ResponsesRequest
 
 Message = dict[str, Any]
-
-# Options that only concern OpenAI's hosted service (storage, caching, billing, built-in
-# tools); accepted and without effect on what is generated. Any other unknown field is a 400.
-ACCEPTED_WITHOUT_EFFECT = frozenset(
-    {
-        "store",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-        "safety_identifier",
-        "stream_options",
-        "max_tool_calls",
-        "access_programs",
-        "image",
-        "background_options",
-        # Codex CLI: its session, thread and turn ids (tracing only).
-        "client_metadata",
-    }
-)
-
-
-class ResponsesRequest(BaseModel):
-    """The body of ``POST /v1/responses`` (types checked; the rest in ``to_chat_request``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]] | None = None
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    previous_response_id: str | None = None
-    stream: bool = False
-    user: str | None = None
-    include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
-    truncation: str | None = None
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    context_management: list[dict[str, Any]] | None = None
-    metadata: dict[str, Any] | None = None
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return "message.output_text.logprobs" in (self.include or [])
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:

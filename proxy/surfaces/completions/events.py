@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxima.proxy.service.builders.sse import DONE, sse, usage
 from proxima.proxy.service.events import (
     Completion,
     Delta,
@@ -17,6 +16,7 @@ from proxima.proxy.service.events import (
     TokenLogprob,
 )
 from proxima.proxy.service.prepare import Prepared
+from proxima.proxy.surfaces.sse import DONE, sse, usage
 from proxima.proxy.tools import ContentDelta
 
 

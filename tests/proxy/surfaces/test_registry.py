@@ -1,0 +1,49 @@
+"""The surface registry: every registered API is served, answers errors in its own
+envelope, and the core imports none of them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from proxima.proxy.errors import OPENAI_ENVELOPE, install_error_handlers
+from proxima.proxy.surfaces import SURFACES, envelope_for
+from proxima.proxy.surfaces.messages.errors import ANTHROPIC
+
+PROXY = Path(__file__).resolve().parents[3] / "proxy"
+
+
+def test_each_surface_is_served_and_answers_a_bad_body_in_its_envelope() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    for surface in SURFACES:
+        for router in surface.routers:
+            app.include_router(router)
+    client = TestClient(app, raise_server_exceptions=False)
+    for surface in SURFACES:
+        resp = client.post(surface.path, content=b"{", headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (surface.name, resp.text)
+        body = resp.json()
+        if surface.errors is ANTHROPIC:
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        else:
+            assert body["error"]["type"] == "invalid_request_error", surface.name
+
+
+def test_envelope_is_the_paths_surfaces() -> None:
+    assert [s.name for s in SURFACES] == ["chat", "completions", "responses", "messages"]
+    assert envelope_for("/v1/messages/count_tokens") is ANTHROPIC
+    assert envelope_for("/v1/chat/completions") is OPENAI_ENVELOPE
+    assert envelope_for("/rl/sessions") is None
+
+
+def test_the_core_imports_no_surface() -> None:
+    core = [*(PROXY / "service").glob("*.py"), *(PROXY / "store").glob("*.py")]
+    core += [*(PROXY / "backends").glob("*.py"), PROXY / "generation.py"]
+    for path in core:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("proxima.proxy.surfaces"), path
