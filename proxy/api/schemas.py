@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from proxima.proxy.adapters import check_adapter
+from proxima.proxy.errors import BadRequest
 from proxima.proxy.unicode import InvalidString, check_unicode
 from pydantic import (
     BaseModel,
@@ -71,6 +72,22 @@ def check_tool_names(named: Iterable[tuple[str, Any]], pattern: re.Pattern[str])
                 param=param,
             )
         seen.add(name)
+
+
+def check_listed_tool_names(
+    tools: list[dict[str, Any]] | None, kinds: tuple[str | None, ...], pattern: re.Pattern[str]
+) -> None:
+    """The names of a request's ``tools`` whose ``type`` is one of ``kinds``, checked by
+    :func:`check_tool_names`; a bad one is a 400 naming ``tools[i].name``."""
+    named = (
+        (f"tools[{i}].name", tool.get("name"))
+        for i, tool in enumerate(tools or [])
+        if isinstance(tool, dict) and tool.get("type") in kinds
+    )
+    try:
+        check_tool_names(named, pattern)
+    except InvalidString as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
 
 
 def check_identifier(value: str | None, param: str) -> str | None:

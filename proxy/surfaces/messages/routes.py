@@ -16,8 +16,6 @@ goes in ``x-api-key`` (what the SDK sends) or ``Authorization: Bearer``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from proxima.proxy.api.deps import (
@@ -30,12 +28,10 @@ from proxima.proxy.api.deps import (
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.api.schemas import ANTHROPIC_TOOL_NAME, check_tool_names
-from proxima.proxy.errors import BadRequest
+from proxima.proxy.api.schemas import ANTHROPIC_TOOL_NAME, check_listed_tool_names
 from proxima.proxy.surfaces.messages.events import MessageHead, message_events, message_from
 from proxima.proxy.surfaces.messages.schema import CountTokensRequest, MessagesRequest
 from proxima.proxy.surfaces.messages.translate import canonical_request
-from proxima.proxy.unicode import InvalidString
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 generation = APIRouter(prefix="/v1", tags=["anthropic"], route_class=GenerationRoute)
@@ -47,7 +43,7 @@ async def create_message(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
-    _check_tool_names(body.tools)
+    check_listed_tool_names(body.tools, (None, "custom"), ANTHROPIC_TOOL_NAME)
     canonical = canonical_request(body, thinks=service.thinks, seal=service.seal)
     prep = await service.prepare(canonical, principal, x_session_id)
     headers = {"X-Proxima-Session-Id": prep.session.id} if prep.session is not None else {}
@@ -72,22 +68,9 @@ async def count_tokens(
 ) -> dict[str, int]:
     """The prompt's size as the chat template renders it (a fresh render: no session reuse)."""
     service.check_model(body.model)
-    _check_tool_names(body.tools)
+    check_listed_tool_names(body.tools, (None, "custom"), ANTHROPIC_TOOL_NAME)
     return {
         "input_tokens": await service.count_prompt_tokens(
             canonical_request(body, thinks=service.thinks, seal=service.seal)
         )
     }
-
-
-def _check_tool_names(tools: list[dict[str, Any]] | None) -> None:
-    """Client tools' names as Anthropic's (``^[a-zA-Z0-9_-]{1,128}$``), each given once."""
-    named = (
-        (f"tools[{i}].name", tool.get("name"))
-        for i, tool in enumerate(tools or [])
-        if isinstance(tool, dict) and tool.get("type") in (None, "custom")
-    )
-    try:
-        check_tool_names(named, ANTHROPIC_TOOL_NAME)
-    except InvalidString as exc:
-        raise BadRequest(str(exc), param=exc.param) from None

@@ -13,7 +13,6 @@ key (the new turn is recorded in that response's session, with or without
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -21,7 +20,7 @@ from proxima.proxy.api.deps import SESSION_HEADER_DOC, PrincipalDep, service_of,
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.api.schemas import OPENAI_TOOL_NAME, check_tool_names
+from proxima.proxy.api.schemas import OPENAI_TOOL_NAME, check_listed_tool_names
 from proxima.proxy.errors import BadRequest, NotFound
 from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.surfaces.responses import translate
@@ -48,7 +47,7 @@ async def create_response(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
-    _check_tool_names(body.tools)
+    check_listed_tool_names(body.tools, ("function",), OPENAI_TOOL_NAME)
     previous, session = None, None
     if body.previous_response_id is not None:
         try:
@@ -84,16 +83,3 @@ async def create_response(
         )
     completion = await unless_disconnected(request, service.complete(prep))
     return JSONResponse(response_from(head, completion), headers=headers)
-
-
-def _check_tool_names(tools: list[dict[str, Any]] | None) -> None:
-    """Function tools' names as OpenAI's (``^[a-zA-Z0-9_-]{1,64}$``), each given once."""
-    named = (
-        (f"tools[{i}].name", tool.get("name"))
-        for i, tool in enumerate(tools or [])
-        if isinstance(tool, dict) and tool.get("type") == "function"
-    )
-    try:
-        check_tool_names(named, OPENAI_TOOL_NAME)
-    except InvalidString as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
