@@ -136,6 +136,24 @@ def test_a_session_of_an_invalid_adapter_name_is_refused(lora_proxy: Setup) -> N
         assert "adapter" in resp.text
 
 
+def test_a_session_of_another_policy_cannot_join_a_group(lora_proxy: Setup) -> None:
+    """A group is one policy's sessions: another policy's session in it is a 409."""
+    proxy, _, _ = lora_proxy
+    proxy.new_session(adapter="tenant-a", group_id="shared-group")
+    for other in ({"adapter": "tenant-b"}, {}):
+        resp = httpx.post(
+            proxy.url + "/rl/sessions",
+            json={"group_id": "shared-group", **other},
+            headers=proxy.admin_headers(),
+            timeout=30,
+        )
+        assert resp.status_code == 409, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "group_id" and error["code"] == "group_of_another_policy"
+        assert "tenant-a" in error["message"]
+    assert proxy.new_session(adapter="tenant-a", group_id="shared-group")["session_id"]
+
+
 def test_a_push_mid_stream_interrupts_and_resumes_only_that_adapter(lora_proxy: Setup) -> None:
     proxy, fake, work = lora_proxy
     sessions = {name: proxy.new_session(adapter=name) for name in ("tenant-a", "tenant-b")}
