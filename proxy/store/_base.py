@@ -6,9 +6,9 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from proxima.proxy.adapters import policy_label
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.direct_sqlite import DirectSqlite
-from proxima.proxy.adapters import policy_label
 from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import SessionRow
 from sqlalchemy import ColumnElement, select
