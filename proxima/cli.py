@@ -269,7 +269,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.admin_token is not None:
             cfg.proxy.admin_token = args.admin_token
         try:
-            asyncio.run(eval_only(cfg, args.version))
+            asyncio.run(eval_only(cfg, args.version, adapter=args.adapter))
         except ValueError as exc:
             print(f"proxima eval: {exc}", file=sys.stderr)
             return 2
@@ -360,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
                 type=int,
                 default=None,
                 help="evaluate this registered version of a running proxy and record its score",
+            )
+            p.add_argument(
+                "--adapter",
+                default=None,
+                metavar="NAME",
+                help="evaluate this LoRA adapter (with --version: that version of it; its "
+                "score gates `proxima production promote V --adapter NAME --require-eval`)",
             )
             p.add_argument("--proxy", default=None, help="running proxy URL (overrides proxy.url)")
             p.add_argument(

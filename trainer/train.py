@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxima.proxy.adapters import check_adapter
 from proxima.proxy.server_process import ProxyProcess
 from proxima.trainer.agents import resolve_agent
 from proxima.trainer.log import LOG_FILE
@@ -228,9 +229,10 @@ def plot_rewards(
 class _Run:
     """The proxy this run uses: started here, or given by URL."""
 
-    def __init__(self, cfg: TrainRunConfig, model_dir: Path):
+    def __init__(self, cfg: TrainRunConfig, model_dir: Path, *, lora: bool = False):
         self.cfg = cfg
         self.model_dir = model_dir
+        self.lora = lora  # the started proxy's engine serves LoRA adapters
         self.token = cfg.proxy.admin_token or secrets.token_urlsafe(24)
         out = cfg.output_dir
         self.db = cfg.proxy.db or f"sqlite:///{(out / 'store.db').resolve()}"
@@ -250,6 +252,8 @@ class _Run:
             "--served-model-name",
             self.model_name,
         ]
+        if self.lora:
+            args.append("--enable-lora")
         kw: dict[str, Any] = {"port": self.cfg.proxy.port} if self.cfg.proxy.port else {}
         self.proxy = ProxyProcess(
             self.model_dir,
@@ -266,31 +270,54 @@ class _Run:
         if self.proxy is not None:
             self.proxy.stop()
 
-    async def evaluate(self, items: list[dict[str, Any]], version: int | None = None) -> float:
+    def policy_model(self, version: int | None = None, adapter: str | None = None) -> str:
+        """The model name that asks for a policy: ``<model>``, ``<model>:<adapter>``, and
+        with ``version`` that registered version of it (``...@v<version>``, admin token)."""
+        name = self.model_name if adapter is None else f"{self.model_name}:{adapter}"
+        return name if version is None else f"{name}@v{version}"
+
+    async def evaluate(
+        self,
+        items: list[dict[str, Any]],
+        version: int | None = None,
+        *,
+        adapter: str | None = None,
+        agent: str | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> float:
         """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings).
 
         With ``version``, the agents ask for ``<model>@v<version>``: the proxy serves
-        them from the deployment that serves that registered version.
+        them from the deployment that serves that registered version. With
+        ``adapter``, the policy is that adapter (``<model>:<adapter>``). ``agent`` and
+        ``fields``: a tenant's own (default: the ``rollout`` section's).
         """
         return await evaluate(
-            self.cfg.rollout.agent,
+            agent or self.cfg.rollout.agent,
             items,
             base_url=self.url + "/v1",
             api_key=self.token,
-            model=self.model_name if version is None else f"{self.model_name}@v{version}",
+            model=self.policy_model(version, adapter),
             section=self.cfg.eval,
-            fields=dict(self.cfg.rollout.item_fields),
+            fields=dict(self.cfg.rollout.item_fields if fields is None else fields),
         )
 
     async def evaluate_both(
-        self, items: Items, version: int | None = None
+        self,
+        items: Items,
+        version: int | None = None,
+        *,
+        adapter: str | None = None,
+        agent: str | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> tuple[float, float | None]:
         """Held-out accuracy on ``items.test`` and on ``items.unseen`` (None without any), side
         by side (one engine batch serves both sets)."""
+        kw: dict[str, Any] = {"adapter": adapter, "agent": agent, "fields": fields}
         if not items.unseen:
-            return await self.evaluate(items.test, version), None
+            return await self.evaluate(items.test, version, **kw), None
         test, unseen = await asyncio.gather(
-            self.evaluate(items.test, version), self.evaluate(items.unseen, version)
+            self.evaluate(items.test, version, **kw), self.evaluate(items.unseen, version, **kw)
         )
         return test, unseen
 
@@ -504,42 +531,55 @@ def _copy_final(cfg: TrainRunConfig) -> Path | None:
     return final
 
 
-async def eval_only(cfg: TrainRunConfig, version: int | None = None) -> float:
+async def eval_only(
+    cfg: TrainRunConfig, version: int | None = None, *, adapter: str | None = None
+) -> float:
     """``proxima eval``: held-out accuracy of the configured model through the proxy.
 
     With ``version`` (a running proxy: ``proxy.url``), that registered version is
     evaluated and its score recorded in the proxy's registry, where
     ``proxima production promote --require-eval`` compares it with production's.
+    With ``adapter``, the policy evaluated (and whose version is scored) is that
+    LoRA adapter (``proxima production promote V --adapter NAME --require-eval``).
     """
     if version is not None and not cfg.proxy.url:
         raise ValueError("--version evaluates a version of a running proxy: set proxy.url")
+    if adapter is not None:
+        check_adapter(adapter)  # ValueError: a clear message for the command line
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
     items = load_items(cfg.data)
-    run = _Run(cfg, model_dir)
+    run = _Run(cfg, model_dir, lora=adapter is not None)
     try:
         run.start()
-        score, unseen = await run.evaluate_both(items, version)
+        score, unseen = await run.evaluate_both(items, version, adapter=adapter)
     finally:
         run.stop()
     scored = _scored(cfg.eval, items.test)
     label = "" if version is None else f" of version {version}"
+    if adapter is not None:
+        label += f" of adapter {adapter}"
     line = f"held-out accuracy{label}: {score:.1%} ({scored} items)"
     if unseen is not None:
         line += f"; unseen phrasings: {unseen:.1%} ({_scored(cfg.eval, items.unseen)} items)"
     print(line)
     if version is not None:
-        await _record_eval(run, version, score, scored)
+        await _record_eval(run, version, score, scored, adapter=adapter)
     return score
 
 
-async def _record_eval(run: _Run, version: int, score: float, items: int) -> None:
+async def _record_eval(
+    run: _Run, version: int, score: float, items: int, *, adapter: str | None = None
+) -> None:
     import httpx
 
+    body: dict[str, Any] = {"score": score, "items": items, "name": "proxima eval"}
+    if adapter is not None:
+        body["adapter"] = adapter
     async with httpx.AsyncClient(timeout=60) as http:
         resp = await http.post(
             f"{run.url}/admin/versions/{version}/evals",
-            json={"score": score, "items": items, "name": "proxima eval"},
+            json=body,
             headers={"Authorization": f"Bearer {run.token}"},
         )
     resp.raise_for_status()

@@ -13,13 +13,16 @@ one frozen base) pushing through ``ProxyWeightSink``. Issue 22's "done when":
    base's streams carry one version each; every completion records its adapter and every
    token its adapter's version.
 3. Promoting and rolling back tenant-a in production leaves tenant-b's production version
-   (and what its production key is served, bit for bit) alone.
+   (and what its production key is served, bit for bit) alone; ``proxima eval --adapter``
+   scores tenant-a's versions (wherever they are served) for its eval gate only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -308,3 +311,50 @@ async def test_tenant_a_trains_pushes_and_promotes_alone(
             assert completion.output_versions == [1] * 8, policy
     finally:
         await opened.close()
+
+    # ------------- the eval gate per adapter: `proxima eval --adapter` scores tenant-a's versions
+    config = tmp_path / "eval.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny_model_dir}"\n'
+        f'[proxy]\nurl = "{proxy.url}"\nadmin_token = "{proxy.admin_token}"\n'
+        "[data]\ntest_items = 2\n"
+        "[rollout.item_fields]\nmax_turns = 1\nmax_tokens = 4\n"
+    )
+    for version in (1, 2):  # production serves tenant-a's v1, training its v2
+        command = ["eval", "--config", str(config), "--version", str(version), "--adapter", A]
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "proxima.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert out.returncode == 0, out.stderr
+        assert f"held-out accuracy of version {version} of adapter {A}" in out.stdout
+    rows = admin(proxy, "GET", "/admin/versions", params={"adapter": A})["versions"]
+    scores = {r["version"]: r["eval"]["score"] for r in rows if r["eval"] is not None}
+    assert sorted(scores) == [1, 2]
+    for other in ({}, {"adapter": B}):  # the base's and tenant-b's registries got no score
+        assert all(
+            r["eval"] is None
+            for r in admin(proxy, "GET", "/admin/versions", params=other)["versions"]
+        )
+    gated = httpx.post(
+        proxy.url + "/admin/production",
+        json={"version": 2, "adapter": A, "require_eval": True},
+        headers=proxy.admin_headers(),
+        timeout=120,
+    )
+    if scores[2] >= scores[1]:
+        assert gated.status_code == 200 and production_version(A) == 2, gated.text
+    else:
+        assert gated.json()["error"]["code"] == "eval_below_production"
+    missing = httpx.post(
+        proxy.url + "/admin/production",
+        json={"version": 1, "adapter": B, "require_eval": True},
+        headers=proxy.admin_headers(),
+        timeout=120,
+    )
+    assert missing.status_code == 409 and missing.json()["error"]["code"] == "eval_missing"
+    assert production_version(B) == 1
