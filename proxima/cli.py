@@ -269,7 +269,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.admin_token is not None:
             cfg.proxy.admin_token = args.admin_token
         try:
-            asyncio.run(eval_only(cfg, args.version))
+            asyncio.run(eval_only(cfg, args.version, adapter=args.adapter))
         except ValueError as exc:
             print(f"proxima eval: {exc}", file=sys.stderr)
             return 2
@@ -337,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
     p.add_argument(
-        "--max-loras-per-batch", type=int, default=8, help="distinct adapters in one batch"
+        "--max-loras-per-batch",
+        type=int,
+        default=Settings.model_fields["max_loras_per_batch"].default,
+        help="distinct adapters in one batch (default: %(default)s)",
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="refuse higher ranks")
     p.set_defaults(func=_engine)
@@ -360,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
                 type=int,
                 default=None,
                 help="evaluate this registered version of a running proxy and record its score",
+            )
+            p.add_argument(
+                "--adapter",
+                default=None,
+                metavar="NAME",
+                help="evaluate this LoRA adapter (with --version: that version of it; its "
+                "score gates `proxima production promote V --adapter NAME --require-eval`)",
             )
             p.add_argument("--proxy", default=None, help="running proxy URL (overrides proxy.url)")
             p.add_argument(

@@ -111,7 +111,11 @@ async def _deployment(
 
 def _engine(settings: Settings) -> EngineProcess:
     engine = EngineProcess(
-        settings.model, max_running_requests=settings.engine_max_running_requests
+        settings.model,
+        max_running_requests=settings.engine_max_running_requests,
+        enable_lora=settings.enable_lora,
+        max_loras_per_batch=settings.max_loras_per_batch,
+        max_lora_rank=settings.max_lora_rank,
     )
     engine.start()
     return engine

@@ -156,6 +156,24 @@ class Settings(BaseSettings):
     engine_max_running_requests: int = Field(
         32, ge=1, description="Embedded engine: requests decoded together in one batch."
     )
+    enable_lora: bool = Field(
+        False,
+        description="Embedded engines: serve LoRA adapters (SGLang's --enable-lora), so that "
+        "sessions, production keys and pushes of an adapter are served. External --backend "
+        "servers need their own --enable-lora.",
+    )
+    max_loras_per_batch: int = Field(
+        8,
+        ge=1,
+        description="Embedded engines with --enable-lora: most distinct adapters in one "
+        "batch (SGLang's flag); a request of one more waits for a slot.",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Embedded engines with --enable-lora: refuse to load an adapter of a "
+        "higher rank (SGLang's flag). Unset: any rank.",
+    )
 
     @classmethod
     def settings_customise_sources(

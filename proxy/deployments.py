@@ -12,8 +12,9 @@ One endpoint, up to three deployments, each a :class:`BackendPool` of its own
 Without ``--production-backend``/``--production-engine`` there is no
 production deployment and production keys are served by ``training``. A
 request may also ask for a version by model
-name, ``<served-name>@v<N>`` (admin token only: ``proxima eval --version``);
-it is served by whichever deployment serves that version now.
+name, ``<served-name>@v<N>`` (admin token only: ``proxima eval --version``), or
+an adapter's, ``<served-name>:<adapter>@v<N>``; it is served by whichever
+deployment serves that version of that policy now.
 
 Adapters: each pool serves every adapter at a version of its own
 (``BackendPool.adapters``), so production pins each adapter's version
@@ -167,7 +168,7 @@ class Deployments:
         ``adapter``: the request's policy (its canary split decides).
         """
         if version is not None:
-            return self.serving(version)
+            return self.serving(version, adapter)
         if not production or self.production is None:
             return self.training
         split = self.split_of(adapter)
@@ -179,16 +180,19 @@ class Deployments:
                 return self.canary
         return self.production
 
-    def serving(self, version: int) -> Deployment:
-        """A deployment whose backends serve ``version`` now (production first)."""
-        candidates = [self.production, self.canary if self.split else None, self.training]
-        for deployment in candidates:
-            if deployment is not None and deployment.version == version:
+    def serving(self, version: int, adapter: str | None = None) -> Deployment:
+        """A deployment whose backends serve ``version`` of the policy ``adapter`` (None: the
+        base) now, production first."""
+        canary = self.canary if self.split_of(adapter) else None
+        for deployment in (self.production, canary, self.training):
+            if deployment is not None and deployment.pool.policy(adapter)[0] == version:
                 return deployment
+        whose = "" if adapter is None else f" of adapter {adapter}"
+        flag = "" if adapter is None else f" --adapter {adapter}"
         raise Conflict(
-            f"No deployment serves version {version} now. To evaluate a version that is "
-            f"not served, put it on the canary with fraction 0: proxima production promote "
-            f"<current> --canary {version} --fraction 0.",
+            f"No deployment serves version {version}{whose} now. To evaluate a version that "
+            f"is not served, put it on the canary with fraction 0: proxima production promote "
+            f"<current> --canary {version} --fraction 0{flag}.",
             param="model",
             code="version_not_served",
         )

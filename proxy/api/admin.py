@@ -90,12 +90,20 @@ async def root() -> dict[str, str]:
 
 @router.get("/health")
 async def health(state: StateDep) -> dict[str, Any]:
-    """The training pool's state (top level) and every deployment's."""
+    """The training pool's state (top level) and every deployment's.
+
+    ``adapters``: every LoRA adapter's current version, ``{name: version}``, read from
+    the store (the fleet's record of what was pushed and loaded, which every replica
+    shares), not from this process's pool. A trainer whose push answer was lost reads it
+    to tell that its retried push (answered 409) had already landed.
+    """
     pool = state.pool
     deployments = state.deployments.all()
+    heads = await state.store.adapter_heads()
     return {
         "status": "ok" if all(d.pool.healthy_backends() for d in deployments) else "degraded",
         "version": pool.version,
+        "adapters": {name: record.version for name, record in sorted(heads.items())},
         "updating": pool.updating,
         "backends": [
             {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}

@@ -175,8 +175,9 @@ class CompletionService:
         of its own, so its ``model`` picks one.
         """
         named = None
-        if request.model:
-            named = split_policy(request.model, self.settings.model_name)[1]
+        if request.model:  # "<served>:<adapter>", or "<served>:<adapter>@v<N>" (admin token)
+            unversioned = split_model_version(request.model)[0]
+            named = split_policy(unversioned, self.settings.model_name)[1]
         if named is not None:
             try:
                 check_adapter(named)

@@ -6,9 +6,10 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from proxima.proxy.adapters import policy_label
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.direct_sqlite import DirectSqlite
-from proxima.proxy.store.errors import NotFound
+from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.models import SessionRow
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -25,6 +26,31 @@ def of_policy(
 ) -> ColumnElement[bool]:
     """SQL condition: ``column`` names the policy ``adapter`` (``None``, the base: NULL)."""
     return column.is_(None) if adapter is None else column == adapter
+
+
+async def check_group_policy(db: AsyncSession, group_id: str | None, adapter: str | None) -> None:
+    """Raise ``Conflict`` if group ``group_id`` holds a session of another policy than ``adapter``.
+
+    A group's sessions are compared with each other in one trainer batch, and a
+    trainer trains one policy: a session joins only a group of its own policy
+    (and a group of another policy's sessions never lets it past admission).
+    """
+    if group_id is None:
+        return
+    other = (
+        select(SessionRow.adapter)
+        .where(SessionRow.group_id == group_id, SessionRow.adapter.is_distinct_from(adapter))
+        .limit(1)
+    )
+    found = (await db.execute(other)).first()
+    if found is not None:
+        raise Conflict(
+            f"group {group_id!r} holds sessions of {policy_label(found[0])}, not of "
+            f"{policy_label(adapter)}: a group is one policy's sessions; give this session "
+            "another group_id",
+            param="group_id",
+            code="group_of_another_policy",
+        )
 
 
 class StoreBase:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.adapters import check_adapter
-from proxima.proxy.store._base import StoreBase, new_id
+from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import NotAdmitted, NotFound
 from proxima.proxy.store.models import (
@@ -116,12 +116,15 @@ class FleetMixin(StoreBase):
         ``decide`` gets the ``AdmissionState`` read under the fleet-wide
         admission lock and returns ``None`` to admit or the reason to refuse
         (raised as ``NotAdmitted``). The insert commits before the lock is
-        released, so the next decision (in any replica) counts it.
+        released, so the next decision (in any replica) counts it. A ``group_id``
+        of another policy's group is a ``Conflict`` (checked under the same lock,
+        so two replicas cannot start one group with two policies).
         """
         async with self._write() as db:
             if self.shared:
                 await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
-            state = await _admission_state(db, group_id, check_adapter(adapter))
+            await check_group_policy(db, group_id, check_adapter(adapter))
+            state = await _admission_state(db, group_id, adapter)
             reason = decide(state)
             if reason is not None:
                 raise NotAdmitted(reason)

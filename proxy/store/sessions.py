@@ -7,7 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from proxima.proxy.adapters import check_adapter
-from proxima.proxy.store._base import StoreBase, new_id, of_policy
+from proxima.proxy.store._base import StoreBase, check_group_policy, new_id, of_policy
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.direct_sqlite import SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotFound, RewardAlreadySet
@@ -42,7 +42,8 @@ class SessionsMixin(StoreBase):
         """Open a new session of the policy ``adapter`` (``None``: the base model).
 
         ``api_key_hash`` is the sha256 hash of the session's own API key (train
-        sessions); it must be unique. Raises ``Conflict`` if it is already used.
+        sessions); it must be unique. Raises ``Conflict`` if it is already used, or if
+        ``group_id`` names a group of another policy's sessions.
         """
         row = SessionRow(
             adapter=check_adapter(adapter),
@@ -60,6 +61,7 @@ class SessionsMixin(StoreBase):
         )
         try:
             async with self._write() as db:
+                await check_group_policy(db, group_id, row.adapter)
                 db.add(row)
                 await db.flush()
         except IntegrityError as exc:

@@ -136,6 +136,24 @@ def test_a_session_of_an_invalid_adapter_name_is_refused(lora_proxy: Setup) -> N
         assert "adapter" in resp.text
 
 
+def test_a_session_of_another_policy_cannot_join_a_group(lora_proxy: Setup) -> None:
+    """A group is one policy's sessions: another policy's session in it is a 409."""
+    proxy, _, _ = lora_proxy
+    proxy.new_session(adapter="tenant-a", group_id="shared-group")
+    for other in ({"adapter": "tenant-b"}, {}):
+        resp = httpx.post(
+            proxy.url + "/rl/sessions",
+            json={"group_id": "shared-group", **other},
+            headers=proxy.admin_headers(),
+            timeout=30,
+        )
+        assert resp.status_code == 409, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "group_id" and error["code"] == "group_of_another_policy"
+        assert "tenant-a" in error["message"]
+    assert proxy.new_session(adapter="tenant-a", group_id="shared-group")["session_id"]
+
+
 def test_a_push_mid_stream_interrupts_and_resumes_only_that_adapter(lora_proxy: Setup) -> None:
     proxy, fake, work = lora_proxy
     sessions = {name: proxy.new_session(adapter=name) for name in ("tenant-a", "tenant-b")}
@@ -242,3 +260,77 @@ def test_a_production_key_is_served_and_recorded_as_its_adapter(lora_proxy: Setu
             await store.close()
 
     assert asyncio.run(recorded()) == [("tenant-b", [1] * 5)]
+
+
+class _AnswerLost(httpx.AsyncBaseTransport):
+    """Sends every request; the answer to the first ``POST /admin/weights`` is lost on the way
+    back (a read timeout after the proxy loaded and recorded the push)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.lost = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == "/admin/weights" and not self.lost:
+            await response.aread()
+            self.lost += 1
+            raise httpx.ReadTimeout("answer lost", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_health_lists_each_adapters_version_from_the_store(lora_proxy: Setup) -> None:
+    """``/health``'s ``adapters`` is the store's (what another replica recorded shows at once)."""
+    proxy, _, work = lora_proxy
+
+    async def record_elsewhere() -> None:
+        store = await Store.open(f"sqlite:///{work / 'store.db'}")
+        try:  # as a replica on the same database would, after loading it on its backends
+            await store.record_policy_version(
+                version=4, path=_adapter_dir(work, "d4"), adapter="tenant-d"
+            )
+        finally:
+            await store.close()
+
+    asyncio.run(record_elsewhere())
+    adapters = httpx.get(proxy.url + "/health", timeout=30).json()["adapters"]
+    assert adapters["tenant-d"] == 4
+    assert all(isinstance(v, int) and v >= 1 for v in adapters.values())
+
+
+def test_a_retried_adapter_push_that_already_landed_is_a_success(lora_proxy: Setup) -> None:
+    """The trainer's push of tenant-c v1 lands but its answer is lost; the retry is answered
+    409 (not newer), and ``/health``'s ``adapters`` says v1 is served: the push succeeded.
+    A 409 for a version that is not the served one stays an error."""
+    from proxima.trainer.weights import ProxyWeightSink, WeightPushError
+
+    proxy, fake, work = lora_proxy
+
+    async def main() -> None:
+        sink = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token, timeout_s=60)
+        transport = _AnswerLost()
+        await sink._client.aclose()
+        sink._client = httpx.AsyncClient(
+            transport=transport, headers=proxy.admin_headers(), timeout=60
+        )
+        try:
+            result = await sink.push(
+                version=1, path=Path(_adapter_dir(work, "c1")), adapter="tenant-c"
+            )
+            assert transport.lost == 1 and result.version == 1
+            assert await sink.served_version(adapter="tenant-c") == 1
+            pushed = await sink.push(
+                version=2, path=Path(_adapter_dir(work, "c2")), adapter="tenant-c"
+            )
+            assert pushed.version == 2 and pushed.proxy_seconds > 0  # answered 200
+            with pytest.raises(WeightPushError, match="it serves version 2"):
+                await sink.push(version=1, path=Path(_adapter_dir(work, "c1")), adapter="tenant-c")
+        finally:
+            await sink.aclose()
+
+    asyncio.run(main())
+    assert fake.lora is not None and "tenant-c@v2" in fake.lora.loaded()
+    assert "tenant-c@v1" not in fake.lora.loaded()

@@ -116,3 +116,35 @@ def test_serve_reports_a_missing_model_and_a_bad_file(
     config.write_text("not toml [")
     assert cli_main(["serve", "--config", str(config)]) == 2
     assert f"--config {config}" in capsys.readouterr().err
+
+
+def test_the_lora_flags_reach_every_embedded_engine(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--enable-lora --max-loras-per-batch --max-lora-rank`` start the embedded engines
+    (training, production, canary) with SGLang's flags of the same names."""
+    from proxima.proxy import app
+    from proxima.proxy.embedded.launcher import EngineProcess
+
+    monkeypatch.setattr(EngineProcess, "start", lambda self: None)
+    settings = _settings(
+        "--model", str(model_dir), "--enable-lora", "--max-loras-per-batch", "3",
+        "--max-lora-rank", "16",
+    )  # fmt: skip
+    assert (settings.enable_lora, settings.max_loras_per_batch, settings.max_lora_rank) == (
+        True,
+        3,
+        16,
+    )
+    engine = app._engine(settings)
+    assert engine.lora_args == [
+        "--enable-lora",
+        "--max-loras-per-batch",
+        "3",
+        "--max-lora-rank",
+        "16",
+    ]
+    plain = app._engine(_settings("--model", str(model_dir)))
+    assert "--enable-lora" not in plain.lora_args and "--max-lora-rank" not in plain.lora_args
+    with pytest.raises(ValueError, match="max_loras_per_batch"):
+        _settings("--model", str(model_dir), "--max-loras-per-batch", "0")

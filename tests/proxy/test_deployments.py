@@ -97,6 +97,39 @@ async def test_production_keys_go_to_production_and_the_canary_by_hash() -> None
         d.serving(5)
 
 
+async def test_an_adapters_version_by_name_goes_to_whoever_serves_that_adapter_version() -> None:
+    """``<model>:<adapter>@v<N>`` (``proxima eval --version N --adapter A``): the deployment
+    serving version N *of that adapter*; the base's versions say nothing about it."""
+    from proxima.proxy.backends.pool import AdapterVersion
+
+    training, production, canary = (
+        _deployment("training", 1),
+        _deployment("production", 1),
+        _deployment("canary", 1),
+    )
+
+    async def start_canary() -> Deployment:
+        return canary
+
+    d = Deployments(training, production, canary_factory=start_canary)
+    await d.canary_deployment()
+    for deployment, version in ((training, 3), (production, 2), (canary, 1)):
+        deployment.pool.adapters["tenant-a"] = AdapterVersion("tenant-a", version, f"/a{version}")
+
+    def serving(version: int, adapter: str | None) -> Deployment:
+        return d.route(production=False, sticky_key=None, version=version, adapter=adapter)
+
+    assert serving(3, "tenant-a") is training and serving(2, "tenant-a") is production
+    with pytest.raises(Conflict, match="version 1 of adapter tenant-a.*--adapter tenant-a"):
+        serving(1, "tenant-a")  # the canary counts only while tenant-a has a split
+    d.set_split("tenant-a", CanarySplit(version=1, fraction=0.0))
+    assert serving(1, "tenant-a") is canary
+    assert serving(0, "tenant-b") is production  # never pushed: every pool serves its v0
+    assert serving(1, None) is production  # the base: its own versions
+    with pytest.raises(Conflict, match="version 3 now"):
+        serving(3, None)
+
+
 async def test_canary_without_backends_is_refused() -> None:
     d = Deployments(_deployment("training"), _deployment("production"))
     with pytest.raises(Conflict, match="--canary-backend"):

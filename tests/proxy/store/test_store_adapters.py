@@ -83,6 +83,58 @@ async def test_group_claims_take_only_the_asked_policy(store: Store) -> None:
     assert sorted(s.id for s in got_base) == sorted(base)
 
 
+async def test_a_session_joins_only_a_group_of_its_own_policy(store: Store) -> None:
+    """A group is one policy's: another policy's session is refused at creation and at
+    admission (where joining an admitted group would also skip its own staleness gate)."""
+    await store.create_session(api_key_hash=key_hash(), adapter="tenant-a", group_id="g")
+    admitted: list[AdmissionState] = []
+
+    def admit(state: AdmissionState) -> str | None:
+        admitted.append(state)
+        return None
+
+    for other in ("tenant-b", None):
+        with pytest.raises(Conflict, match="group 'g' holds sessions of adapter tenant-a") as exc:
+            await store.create_session(api_key_hash=key_hash(), adapter=other, group_id="g")
+        assert exc.value.param == "group_id"
+        with pytest.raises(Conflict, match="a group is one policy's sessions"):
+            await store.admit_train_session(
+                decide=admit, api_key_hash=key_hash(), adapter=other, group_id="g"
+            )
+    assert admitted == []  # refused before admission decided anything
+    joined = await store.admit_train_session(
+        decide=admit, api_key_hash=key_hash(), adapter="tenant-a", group_id="g"
+    )
+    assert joined.group_id == "g" and admitted[0].joins_admitted_group
+    await store.create_session(api_key_hash=key_hash(), group_id="g0")
+    with pytest.raises(Conflict, match="holds sessions of base, not of adapter tenant-a"):
+        await store.create_session(api_key_hash=key_hash(), adapter="tenant-a", group_id="g0")
+    assert (await store.admission_state(adapter="tenant-b")).admitted == 0
+
+
+async def test_a_group_mixing_policies_is_never_claimed_together(store: Store) -> None:
+    """Rows no check stopped (written directly, or before the check): a group holding
+    tenant-a's and tenant-b's sessions is claimed by no trainer, whichever policy it
+    asks for, while each policy's own groups are."""
+    mixed = [await _finished(store, adapter="tenant-a", group_id="mixed") for _ in range(2)]
+    mixed += [await _finished(store, adapter="tenant-b", group_id="elsewhere") for _ in range(2)]
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE sessions SET group_id = 'mixed' WHERE group_id = 'elsewhere'")
+        )
+    own = {
+        policy: [await _finished(store, adapter=policy, group_id=f"own-{policy}") for _ in "xy"]
+        for policy in ("tenant-a", "tenant-b", None)
+    }
+    for policy in ("tenant-a", "tenant-b", None):
+        got = await store.claim_groups(min_sessions=100, trainer_id="t", adapter=policy)
+        assert sorted(s.id for s in got) == sorted(own[policy]), policy
+        assert await store.claim_groups(min_sessions=100, trainer_id="t", adapter=policy) == []
+    for sid in mixed:
+        session = await store.get_session(session_id=sid)
+        assert session is not None and session.status == SessionStatus.FINISHED
+
+
 async def test_each_policy_has_its_own_admitted_counter(store: Store) -> None:
     a = [
         (await store.create_session(api_key_hash=key_hash(), adapter="tenant-a")).id for _ in "xyz"
