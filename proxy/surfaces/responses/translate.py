@@ -363,6 +363,7 @@ def _add_item(
                     "string.",
                     param=f"{where}.{field}",
                 )
+        assert isinstance(arguments, str)  # checked above
         turn = conv.assistant()
         parsed = parse_tool_arguments(arguments, f"{where}.arguments")
         turn.setdefault("tool_calls", []).append(
