@@ -29,8 +29,8 @@ Adding a surface (a new API, or a harness's dialect of one):
 2. write its schema, its translation to ``CanonicalRequest`` (a conversation
    through ``conversation.chat_input``: messages in OpenAI's chat shape, tools
    as ``conversation.function_tool`` builds them, the tool choice as OpenAI's
-   chat API spells it; ``Sampling``; a new ``id_prefix``; 400s naming its own
-   fields) and its events;
+   chat API spells it; ``Sampling.asked``; a new ``id_prefix``; 400s naming
+   its own fields) and its events;
 3. add its ``SURFACE`` to :data:`SURFACES` below: ``create_app`` includes its
    routers and the error edge answers under its ``path`` in its envelope.
 

@@ -13,7 +13,7 @@ from proxima.proxy.api.schemas import (
     OpenBody,
     check_tool_names,
 )
-from proxima.proxy.surfaces.openai_common import SamplingFields
+from proxima.proxy.surfaces.openai_common import OpenAIGenerationBody
 from pydantic import (
     Field,
     PrivateAttr,
@@ -44,7 +44,7 @@ class ResponseFormat(OpenBody):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(OpenAIGenerationBody):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -40,7 +40,8 @@ from typing import Any
 from proxima.proxy.api.schemas import check_stop_sequences
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.service.canonical import CanonicalRequest, Sampling
+from proxima.proxy.sampling import Sampling
+from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.conversation import (
     chat_input,
@@ -312,7 +313,7 @@ def canonical_request(
             template_kwargs=template_kwargs,
             reasoning_budget=budget,
         ),
-        sampling=Sampling(
+        sampling=Sampling.asked(
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,

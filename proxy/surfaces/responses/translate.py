@@ -46,7 +46,8 @@ from typing import Any
 from proxima.proxy.chat import parse_tool_arguments
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.service.canonical import CanonicalRequest, Sampling
+from proxima.proxy.sampling import Sampling
+from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.conversation import (
     chat_input,
@@ -449,7 +450,7 @@ def canonical_request(
             parallel_tool_calls=req.parallel_tool_calls,
             template_kwargs=template_kwargs,
         ),
-        sampling=Sampling(
+        sampling=Sampling.asked(
             max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p
         ),
         id_prefix="resp_",
