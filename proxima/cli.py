@@ -337,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
     p.add_argument(
-        "--max-loras-per-batch", type=int, default=8, help="distinct adapters in one batch"
+        "--max-loras-per-batch",
+        type=int,
+        default=Settings.model_fields["max_loras_per_batch"].default,
+        help="distinct adapters in one batch (default: %(default)s)",
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="refuse higher ranks")
     p.set_defaults(func=_engine)

@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from proxima.proxy.store import Store
 from proxima.trainer.backends.lora import LoraBackend
 from proxima.trainer.config import TrainerConfig
-from proxima.trainer.log import StepRecord, TrainLog
+from proxima.trainer.log import StepRecord, TrainLog, policy_home
 from proxima.trainer.loop import Trainer, stopped_within
 from proxima.trainer.recovery import Recovery, recover
 from proxima.trainer.torchrun import apply_plan
-from proxima.trainer.weights import TrainerState, WeightSink, policy_home, remove_partial_writes
+from proxima.trainer.weights import TrainerState, WeightSink, remove_partial_writes
 
 logger = logging.getLogger(__name__)
 

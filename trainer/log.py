@@ -31,6 +31,14 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "train_log.jsonl"
+ADAPTERS_DIR = "adapters"
+
+
+def policy_home(output_dir: Path, adapter: str | None = None) -> Path:
+    """Where a policy's pending step, checkpoints and log live: ``output_dir`` for the base,
+    ``<output_dir>/adapters/<adapter>`` for an adapter (here, torch-free: ``proxima train``'s
+    rollout process reads the logs)."""
+    return output_dir if adapter is None else output_dir / ADAPTERS_DIR / adapter
 
 
 @dataclass(frozen=True)

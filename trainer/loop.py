@@ -76,6 +76,7 @@ from proxima.trainer.log import (
     StepRecord,
     StepTimes,
     TrainLog,
+    policy_home,
 )
 from proxima.trainer.production import (
     filter_stale_by_kind,
@@ -103,7 +104,6 @@ from proxima.trainer.weights import (
     WeightSink,
     clear_pending,
     export_weights,
-    policy_home,
     prune_weights,
     read_pending,
     remove_partial_writes,

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxima.proxy.store import SessionStatus, Store
+from proxima.trainer.log import policy_home
 from proxima.trainer.weights import (
     ResumePlan,
     clear_pending,
     latest_checkpoint,
     plan_resume,
-    policy_home,
     read_pending,
     weights_dir,
 )

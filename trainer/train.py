@@ -18,6 +18,12 @@ The trainer runs in its own process (``proxima trainer``), as in production:
 its compute never stalls the agents' event loop. Ctrl-C stops everything
 cleanly; the trainer leaves a resumable checkpoint in ``<output_dir>/trainer``.
 
+With ``[[rollout.tenants]]`` (and ``[trainer.lora] adapters`` naming the same
+adapters) the run trains one LoRA adapter per tenant instead of the base model:
+one rollout controller per tenant (its own agent, items and item fields), one
+trainer (``steps`` per adapter), accuracy and a reward curve per tenant, each
+line printed with the tenant's name, and ``final/<adapter>`` per tenant.
+
 Config (TOML/JSON/YAML) sections: ``model``, ``proxy``, ``data``,
 ``rollout``, ``eval``, ``trainer`` (a ``TrainerConfig``), plus ``steps`` and
 ``output_dir``. See ``agents_examples/demo.toml``.
@@ -43,7 +49,7 @@ from typing import Any
 from proxima.proxy.adapters import check_adapter
 from proxima.proxy.server_process import ProxyProcess
 from proxima.trainer.agents import resolve_agent
-from proxima.trainer.log import LOG_FILE
+from proxima.trainer.log import LOG_FILE, policy_home
 from proxima.trainer.rollout import RolloutController
 from proxima.trainer.train_config import (
     DataSection,
@@ -326,15 +332,60 @@ def _scored(section: EvalSection, items: list[dict[str, Any]]) -> int:
     return min(section.items, len(items)) if section.items else len(items)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """What one run trains: the base model, or one tenant's LoRA adapter
+    (``[[rollout.tenants]]``), with the agent, items and item fields of its rollouts."""
+
+    adapter: str | None
+    agent: str
+    items: Items
+    fields: dict[str, Any]
+
+    @property
+    def prefix(self) -> str:
+        """What starts each of its printed lines: nothing for the base, ``"<adapter>: "``."""
+        return "" if self.adapter is None else f"{self.adapter}: "
+
+    def log_path(self, cfg: TrainRunConfig) -> Path:
+        """Its trainer's step log."""
+        return policy_home(cfg.output_dir / "trainer", self.adapter) / LOG_FILE
+
+    def curve_path(self, cfg: TrainRunConfig) -> Path:
+        name = "reward_curve.png" if self.adapter is None else f"reward_curve_{self.adapter}.png"
+        return cfg.output_dir / name
+
+
+def run_policies(cfg: TrainRunConfig) -> list[Policy]:
+    """The base (no tenants), or one policy per tenant with its own agent and items."""
+    r = cfg.rollout
+    if not r.tenants:
+        return [Policy(None, r.agent, load_items(cfg.data), dict(r.item_fields))]
+    return [
+        Policy(
+            t.adapter,
+            t.agent or r.agent,
+            load_items(t.data or cfg.data),
+            dict(r.item_fields if t.item_fields is None else t.item_fields),
+        )
+        for t in r.tenants
+    ]
+
+
 def rollout_controller(
-    cfg: TrainRunConfig, url: str, token: str, model_name: str
+    cfg: TrainRunConfig,
+    url: str,
+    token: str,
+    model_name: str,
+    policy: Policy | None = None,
 ) -> RolloutController:
-    """The controller of the run's training rollouts, as its ``rollout`` section says."""
+    """The controller of the run's training rollouts (of ``policy``: a tenant's), as its
+    ``rollout`` section says."""
     r = cfg.rollout
     return RolloutController(
         url,
         token,
-        r.agent,
+        r.agent if policy is None else policy.agent,
         group_size=r.group_size,
         max_concurrency=r.max_concurrency,
         timeout_s=r.timeout_s,
@@ -342,6 +393,7 @@ def rollout_controller(
         mode=r.mode,
         ray_address=r.ray_address,
         ray_options=r.ray_options,
+        adapter=None if policy is None else policy.adapter,
     )
 
 
@@ -365,53 +417,91 @@ def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[
     ]
 
 
+Accuracy = tuple[float, float | None]  # held-out, and in unseen phrasings (None: no such items)
+
+
 async def _follow_training(
     cfg: TrainRunConfig,
     trainer: subprocess.Popen[bytes],
-    controller: RolloutController,
-    before: tuple[float, float | None],
-    on_step: Callable[[dict[str, Any]], None],
-) -> list[dict[str, Any]]:
-    """Until the trainer exits: a progress bar per step and a fresh reward curve."""
-    log_path = cfg.output_dir / "trainer" / LOG_FILE
-    png = cfg.output_dir / "reward_curve.png"
-    seen = 0
-    records: list[dict[str, Any]] = []
+    controllers: list[RolloutController],
+    policies: list[Policy],
+    before: dict[str | None, Accuracy],
+    on_step: Callable[[Policy, dict[str, Any]], None],
+) -> dict[str | None, list[dict[str, Any]]]:
+    """Until the trainer exits: a progress bar per step and a fresh reward curve per policy."""
+    seen = dict.fromkeys((p.adapter for p in policies), 0)
     while trainer.poll() is None:
         await asyncio.sleep(1.0)
-        records = read_log(log_path)
-        for record in records[seen:]:
-            on_step(record)
-        if len(records) > seen:
-            seen = len(records)
-            plot_rewards(records, png, before=before[0], unseen_before=before[1])
-    controller.stop()
-    return read_log(log_path)
+        for policy in policies:
+            records = read_log(policy.log_path(cfg))
+            for record in records[seen[policy.adapter] :]:
+                on_step(policy, record)
+            if len(records) > seen[policy.adapter]:
+                seen[policy.adapter] = len(records)
+                accuracy = before[policy.adapter]
+                plot_rewards(
+                    records,
+                    policy.curve_path(cfg),
+                    before=accuracy[0],
+                    unseen_before=accuracy[1],
+                )
+    for controller in controllers:
+        controller.stop()
+    return {p.adapter: read_log(p.log_path(cfg)) for p in policies}
+
+
+def _accuracy_line(
+    cfg: TrainRunConfig, policy: Policy, before: Accuracy, after: Accuracy | None = None
+) -> str:
+    """``held-out accuracy before training: 23.0% (50 items); unseen phrasings: ...`` (before),
+    ``held-out accuracy: 23.0% -> 41.0%; unseen phrasings: 18.0% -> 30.0%`` (after)."""
+    items = policy.items
+    if after is None:
+        line = (
+            f"{policy.prefix}held-out accuracy before training: {before[0]:.1%} "
+            f"({_scored(cfg.eval, items.test)} items)"
+        )
+        if before[1] is not None:
+            line += f"; unseen phrasings: {before[1]:.1%} ({_scored(cfg.eval, items.unseen)} items)"
+        return line
+    line = f"{policy.prefix}held-out accuracy: {before[0]:.1%} -> {after[0]:.1%}"
+    if before[1] is not None and after[1] is not None:
+        line += f"; unseen phrasings: {before[1]:.1%} -> {after[1]:.1%}"
+    return line
 
 
 async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run the whole job; returns the summary (accuracies, steps, paths)."""
+    """Run the whole job; returns the summary (accuracies, steps, paths).
+
+    With ``rollout.tenants`` every tenant's adapter is trained at once (one trainer,
+    round-robin, ``steps`` each), on its own agent's sessions; each is evaluated on its
+    own held-out items, and the summary holds one entry per tenant under ``tenants``.
+    """
     from tqdm import tqdm
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
-    items = load_items(cfg.data)
-    train_items, test_items = items.train, items.test
-    run = _Run(cfg, model_dir)
+    policies = run_policies(cfg)
+    run = _Run(cfg, model_dir, lora=bool(cfg.rollout.tenants))
     trainer_proc: subprocess.Popen[bytes] | None = None
-    controller: RolloutController | None = None
+    controllers: list[RolloutController] = []
+
+    async def evaluate_all() -> dict[str | None, Accuracy]:
+        scores = await asyncio.gather(
+            *(
+                run.evaluate_both(p.items, adapter=p.adapter, agent=p.agent, fields=p.fields)
+                for p in policies
+            )
+        )
+        return {p.adapter: score for p, score in zip(policies, scores, strict=True)}
+
     try:
         started = time.monotonic()
         run.start()
-        fields = dict(cfg.rollout.item_fields)
         eval_started = time.monotonic()
-        before, unseen_before = await run.evaluate_both(items)
-        line = f"held-out accuracy before training: {before:.1%} ({_scored(cfg.eval, test_items)} items)"
-        if unseen_before is not None:
-            line += (
-                f"; unseen phrasings: {unseen_before:.1%} ({_scored(cfg.eval, items.unseen)} items)"
-            )
-        print(line, flush=True)
+        before = await evaluate_all()
+        for policy in policies:
+            print(_accuracy_line(cfg, policy, before[policy.adapter]), flush=True)
         train_started = time.monotonic()
 
         trainer_cfg = cfg.trainer.model_copy(
@@ -431,14 +521,22 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             stderr=subprocess.STDOUT,
         )
 
-        controller = rollout_controller(cfg, run.url, run.token, run.model_name)
+        controllers = [
+            rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
+        ]
         bar = tqdm(
-            total=cfg.steps, desc="PPO steps", unit="step", disable=not progress, dynamic_ncols=True
+            total=cfg.steps * len(policies),
+            desc="PPO steps",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
         )
 
-        def on_step(record: dict[str, Any]) -> None:
+        def on_step(policy: Policy, record: dict[str, Any]) -> None:
             lag = record.get("staleness") or {}
+            postfix = {} if policy.adapter is None else {"adapter": policy.adapter}
             bar.set_postfix(
+                **postfix,
                 reward=f"{record.get('reward_mean') or 0:.2f}",
                 v=record.get("version"),
                 stale=max((int(k) for k in lag), default=0),
@@ -446,65 +544,85 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             )
             bar.update(1)
 
-        rollout_fields = {**fields, "temperature": cfg.rollout.temperature}
-        if cfg.rollout.seed is not None:
-            rollout_fields["seed"] = cfg.rollout.seed
-        rollouts = asyncio.create_task(controller.run(_cycle(train_items, rollout_fields)))
-        records = await _follow_training(
-            cfg, trainer_proc, controller, (before, unseen_before), on_step
-        )
+        def fields_of(policy: Policy) -> dict[str, Any]:
+            fields = {**policy.fields, "temperature": cfg.rollout.temperature}
+            if cfg.rollout.seed is not None:
+                fields["seed"] = cfg.rollout.seed
+            return fields
+
+        rollouts = [
+            asyncio.create_task(c.run(_cycle(p.items.train, fields_of(p))))
+            for c, p in zip(controllers, policies, strict=True)
+        ]
+        records = await _follow_training(cfg, trainer_proc, controllers, policies, before, on_step)
         train_s = time.monotonic() - train_started
         bar.close()
-        report = await rollouts
+        reports = [await r for r in rollouts]
         if trainer_proc.returncode != 0:
             raise RuntimeError(
                 f"the trainer exited with {trainer_proc.returncode}; see {cfg.output_dir / 'trainer.log'}"
             )
 
         after_started = time.monotonic()
-        after, unseen_after = await run.evaluate_both(items)
+        after = await evaluate_all()
         eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
-        final = _copy_final(cfg)
-        if records:
-            plot_rewards(
-                records,
-                cfg.output_dir / "reward_curve.png",
-                before=before,
-                after=after,
-                unseen_before=unseen_before,
-                unseen_after=unseen_after,
-            )
-        summary = {
-            "before": before,
-            "after": after,
-            "test_items": _scored(cfg.eval, test_items),
-            "unseen_before": unseen_before,
-            "unseen_after": unseen_after,
-            "unseen_items": _scored(cfg.eval, items.unseen),
-            "pushed_steps": sum(1 for r in records if r.get("pushed", True)),
-            "steps": len(records),
-            "final_model": str(final),
-            "rollouts": report.summary(),
-            "reward_curve": str(cfg.output_dir / "reward_curve.png"),
+        results = {}
+        for policy, report in zip(policies, reports, strict=True):
+            mine, accuracy = records[policy.adapter], before[policy.adapter]
+            final = _copy_final(cfg, policy.adapter)
+            if mine:
+                plot_rewards(
+                    mine,
+                    policy.curve_path(cfg),
+                    before=accuracy[0],
+                    after=after[policy.adapter][0],
+                    unseen_before=accuracy[1],
+                    unseen_after=after[policy.adapter][1],
+                )
+            results[policy.adapter] = {
+                "before": accuracy[0],
+                "after": after[policy.adapter][0],
+                "test_items": _scored(cfg.eval, policy.items.test),
+                "unseen_before": accuracy[1],
+                "unseen_after": after[policy.adapter][1],
+                "unseen_items": _scored(cfg.eval, policy.items.unseen),
+                "pushed_steps": sum(1 for r in mine if r.get("pushed", True)),
+                "steps": len(mine),
+                "final_model": str(final),
+                "rollouts": report.summary(),
+                "reward_curve": str(policy.curve_path(cfg)),
+            }
+        steps = sum(len(r) for r in records.values())
+        timing = {
             "max_staleness": cfg.trainer.max_staleness,
             "train_s": round(train_s, 1),
-            "seconds_per_step": round(train_s / max(1, len(records)), 1),
+            "seconds_per_step": round(train_s / max(1, steps), 1),
             "eval_s": round(eval_s, 1),
             "wall_s": round(time.monotonic() - started, 1),
         }
+        if cfg.rollout.tenants:
+            summary = {"tenants": results, "steps": steps, **timing}
+        else:
+            summary = {**results[None], **timing}
         (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         print(
-            f"trained {len(records)} steps in {train_s:.0f} s ({summary['seconds_per_step']} s/step); "
-            f"whole run {summary['wall_s']:.0f} s"
+            f"trained {steps} steps in {train_s:.0f} s ({timing['seconds_per_step']} s/step); "
+            f"whole run {timing['wall_s']:.0f} s"
         )
-        print(f"reward curve: {cfg.output_dir / 'reward_curve.png'}; final model: {final}")
-        line = f"held-out accuracy: {before:.1%} -> {after:.1%}"
-        if unseen_before is not None and unseen_after is not None:
-            line += f"; unseen phrasings: {unseen_before:.1%} -> {unseen_after:.1%}"
-        print(line, flush=True)
+        for policy in policies:
+            result = results[policy.adapter]
+            print(
+                f"{policy.prefix}reward curve: {result['reward_curve']}; "
+                f"final model: {result['final_model']}"
+            )
+        for policy in policies:
+            print(
+                _accuracy_line(cfg, policy, before[policy.adapter], after[policy.adapter]),
+                flush=True,
+            )
         return summary
     finally:
-        if controller is not None:
+        for controller in controllers:
             controller.stop()
         if trainer_proc is not None and trainer_proc.poll() is None:
             trainer_proc.send_signal(signal.SIGINT)  # clean stop: checkpoint, claims released
@@ -515,16 +633,21 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         run.stop()
 
 
-def _copy_final(cfg: TrainRunConfig) -> Path | None:
+def _copy_final(cfg: TrainRunConfig, adapter: str | None = None) -> Path | None:
+    """The policy's last exported version, copied to ``final`` (an adapter's to
+    ``final/<adapter>``: peft's directory)."""
     from proxima.trainer.weights import exported_versions, weights_dir
 
     out = (cfg.output_dir / "trainer").resolve()
-    versions = exported_versions(out)
+    versions = exported_versions(out, adapter)
     if not versions:
         return None
     final = cfg.output_dir / "final"
-    tmp = cfg.output_dir / f".final-{time.time_ns()}"
-    shutil.copytree(weights_dir(out, versions[-1]), tmp)
+    if adapter is not None:
+        final = final / adapter
+        final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".final-{time.time_ns()}"
+    shutil.copytree(weights_dir(out, versions[-1], adapter), tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

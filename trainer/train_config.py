@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from proxima.trainer.config import TrainerConfig, load_raw_config
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from proxima.trainer.config import ADAPTER_NAME, TrainerConfig, load_raw_config
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -86,6 +86,40 @@ class RolloutSection(_Section):
     item_fields: dict[str, Any] = Field(
         default_factory=dict, description="Extra fields merged into every item (max_turns, ...)."
     )
+    tenants: list[TenantSection] = Field(
+        default_factory=list,
+        description="LoRA adapters trained side by side, one per tenant, each on its own "
+        "agent's sessions (empty: the base model is trained). Each tenant's rollouts run as "
+        "this section says (group_size, max_concurrency, ... per tenant).",
+    )
+
+
+class TenantSection(_Section):
+    """One tenant of a multi-policy run (``[[rollout.tenants]]``): a LoRA adapter trained only
+    on its own agent's sessions, over its own items."""
+
+    adapter: str = Field(
+        description="The adapter this tenant's sessions train (one of trainer.lora.adapters)."
+    )
+    agent: str | None = Field(
+        None, description="module:function of this tenant's agent (default: rollout.agent)."
+    )
+    data: DataSection | None = Field(
+        None, description="This tenant's train and held-out items (default: the data section)."
+    )
+    item_fields: dict[str, Any] | None = Field(
+        None, description="Extra fields merged into this tenant's items (default: rollout's)."
+    )
+
+    @field_validator("adapter")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not ADAPTER_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not an adapter name; use lower-case letters, digits, '-' and '_' "
+                "(first a letter or digit), at most 64 characters"
+            )
+        return value
 
 
 class EvalSection(_Section):
@@ -103,21 +137,34 @@ class TrainRunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Agent runs.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="PPO trainer.")
-    steps: int = Field(10, ge=1, description="PPO steps to train.")
+    steps: int = Field(
+        10, ge=1, description="PPO steps to train (with rollout.tenants: per adapter)."
+    )
     output_dir: Path = Field(
         Path("runs/train"), description="Logs, plot, checkpoints, final model."
     )
 
     @model_validator(mode="after")
     def _check(self) -> TrainRunConfig:
-        if self.trainer.adapters:
-            # Its rollouts open base-model sessions and it evaluates the base: the trainer
-            # would wait forever for its adapters' sessions.
+        # Every adapter the trainer trains needs a tenant whose rollouts open its sessions
+        # (the trainer would wait forever for them), and every tenant's adapter a trainer.
+        tenants = [t.adapter for t in self.rollout.tenants]
+        duplicates = sorted({a for a in tenants if tenants.count(a) > 1})
+        if duplicates:
+            raise ValueError(f"rollout.tenants names the adapters {duplicates} more than once")
+        trained = list(self.trainer.adapters)
+        if sorted(tenants) != sorted(trained):
+            example = ", ".join(f'"{a}"' for a in (tenants or trained))
+            if not tenants:
+                fix = (
+                    "add a [[rollout.tenants]] table per adapter (adapter = NAME, and optionally "
+                    "its own agent, data and item_fields)"
+                )
+            else:
+                fix = f"set [trainer.lora] adapters = [{example}]"
             raise ValueError(
-                f"trainer.lora.adapters={list(self.trainer.adapters)}: proxima train runs full "
-                "fine-tuning; to train adapters run `proxima trainer` with [trainer.lora] and a "
-                "rollout per adapter (RolloutController(adapter=...), or python -m "
-                "proxima.trainer.rollout --adapter NAME)"
+                f"trainer.lora.adapters={trained} but rollout.tenants trains {tenants}: "
+                f"each adapter trains on its own tenant's sessions; {fix}"
             )
         return self
 

@@ -70,11 +70,11 @@ from typing import Any, Literal, Protocol
 
 import httpx
 import torch
+from proxima.trainer.log import ADAPTERS_DIR, policy_home
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = "weights"
-ADAPTERS_DIR = "adapters"
 CHECKPOINTS_DIR = "checkpoints"
 PENDING_FILE = "pending.json"
 STATE_FILE = "trainer_state.json"
@@ -150,12 +150,6 @@ def remove_partial_writes(output_dir: Path) -> int:
 
 
 # --------------------------------------------------------------------------- weight versions
-
-
-def policy_home(output_dir: Path, adapter: str | None = None) -> Path:
-    """Where a policy's pending step, checkpoints and log live: ``output_dir`` for the base,
-    ``<output_dir>/adapters/<adapter>`` for an adapter."""
-    return output_dir if adapter is None else output_dir / ADAPTERS_DIR / adapter
 
 
 def _versions_root(output_dir: Path, adapter: str | None) -> Path:

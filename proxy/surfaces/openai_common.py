@@ -19,6 +19,7 @@ from proxima.proxy.api.schemas import (
     OpenBody,
     StrictBody,
     check_identifier,
+    check_stop_sequences,
 )
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import Sampling
@@ -58,10 +59,7 @@ class SamplingFields(OpenBody, StrictBody):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
-            if any(not s for s in v):
-                raise ValueError("stop sequences must be non-empty")
+            check_stop_sequences(v)
         return v
 
     @field_validator("logit_bias")

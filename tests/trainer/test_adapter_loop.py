@@ -23,8 +23,8 @@ from proxima.proxy.store import SessionStatus, Store, ensure_schema
 from proxima.proxy.store.records import CompletionRecord
 from proxima.trainer.adapter_loop import AdapterTrainers, next_turn
 from proxima.trainer.config import TrainerConfig
-from proxima.trainer.log import read_log
-from proxima.trainer.weights import PushResult, policy_home
+from proxima.trainer.log import policy_home, read_log
+from proxima.trainer.weights import PushResult
 from transformers import AutoModelForCausalLM
 
 _EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
@@ -236,9 +236,69 @@ async def test_run_stops_after_max_steps_per_adapter_and_resumes_from_checkpoint
     assert sink.pushed[2:] == [("tenant-a", 2), ("tenant-b", 2)]
 
 
-def test_proxima_train_refuses_adapters_instead_of_waiting_forever() -> None:
+@pytest.mark.parametrize(
+    ("lora", "tenants", "message"),
+    [
+        (["tenant-a"], [], r"add a \[\[rollout.tenants\]\] table per adapter"),
+        ([], ["tenant-a"], r'set \[trainer.lora\] adapters = \["tenant-a"\]'),
+        (["tenant-a", "tenant-b"], ["tenant-a"], r"rollout.tenants trains \['tenant-a'\]"),
+        (["tenant-a"], ["tenant-a", "tenant-a"], r"names the adapters \['tenant-a'\] more than"),
+        (["tenant-a"], ["Tenant-A"], "not an adapter name"),
+    ],
+)
+def test_proxima_train_needs_a_tenant_per_adapter_and_an_adapter_per_tenant(
+    lora: list[str], tenants: list[str], message: str
+) -> None:
+    """Otherwise the trainer would wait forever for sessions no rollout opens."""
     from proxima.trainer.train_config import TrainRunConfig
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="proxima train runs full fine-tuning"):
-        TrainRunConfig.model_validate({"trainer": {"lora": {"adapters": ["tenant-a"]}}})
+    with pytest.raises(ValidationError, match=message):
+        TrainRunConfig.model_validate(
+            {
+                "trainer": {"lora": {"adapters": lora}},
+                "rollout": {"tenants": [{"adapter": name} for name in tenants]},
+            }
+        )
+
+
+def test_a_tenant_has_its_own_agent_data_and_fields_or_the_runs() -> None:
+    from proxima.trainer.train import run_policies
+    from proxima.trainer.train_config import TrainRunConfig
+
+    cfg = TrainRunConfig.model_validate(
+        {
+            "trainer": {"lora": {"adapters": ["tenant-b", "tenant-a"]}},
+            "data": {"train_items": 3, "test_items": 2},
+            "rollout": {
+                "agent": "pkg.a:run",
+                "item_fields": {"max_turns": 1},
+                "tenants": [
+                    {"adapter": "tenant-a"},
+                    {
+                        "adapter": "tenant-b",
+                        "agent": "pkg.b:run",
+                        "data": {"train_items": 5, "test_items": 1, "seed": 3},
+                        "item_fields": {"max_tokens": 4},
+                    },
+                ],
+            },
+        }
+    )
+    a, b = run_policies(cfg)
+    assert (a.adapter, a.agent, a.fields, len(a.items.train)) == (
+        "tenant-a",
+        "pkg.a:run",
+        {"max_turns": 1},
+        3,
+    )
+    assert (b.adapter, b.agent, b.fields, len(b.items.train)) == (
+        "tenant-b",
+        "pkg.b:run",
+        {"max_tokens": 4},
+        5,
+    )
+    assert len(b.items.test) == 1 and a.prefix == "tenant-a: "
+    plain = TrainRunConfig.model_validate({"data": {"train_items": 3}})
+    (base,) = run_policies(plain)  # no tenants: the base model, as the sections say
+    assert (base.adapter, base.prefix, base.agent) == (None, "", plain.rollout.agent)

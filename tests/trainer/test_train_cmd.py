@@ -116,3 +116,96 @@ zero_signal = "keep"
     assert 0 in versions and max(versions) >= 1
     statuses = dict(db.execute("select status, count(*) from sessions group by status").fetchall())
     assert statuses.get("trained", 0) >= 8
+
+
+def test_two_tenants_train_their_own_adapters_end_to_end(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``[[rollout.tenants]]``: one run trains tenant-a's and tenant-b's adapters at once, each
+    on its own items' sessions (tenant-b has its own data and item fields), two steps each."""
+    out = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+steps = 2
+output_dir = "{out}"
+
+[model]
+path = "{tiny_model_dir}"
+
+[data]
+difficulty = "tiny"
+train_items = 20
+test_items = 2
+
+[rollout]
+group_size = 2
+max_concurrency = 2
+timeout_s = 60
+item_fields = {{ max_turns = 1, max_tokens = 8 }}
+
+[[rollout.tenants]]
+adapter = "tenant-a"
+
+[[rollout.tenants]]
+adapter = "tenant-b"
+item_fields = {{ max_turns = 1, max_tokens = 6 }}
+[rollout.tenants.data]
+difficulty = "tiny"
+seed = 1
+train_items = 20
+test_items = 3
+
+[trainer]
+batch_size = 2
+max_staleness = 1
+
+[trainer.lora]
+adapters = ["tenant-a", "tenant-b"]
+rank = 4
+
+[trainer.optim]
+lr = 1e-3
+
+[trainer.advantage]
+zero_signal = "keep"
+""")
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
+        + ["train", "--config", str(config), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("tenant-a: held-out accuracy before training: ")
+    assert lines[1].startswith("tenant-b: held-out accuracy before training: ")
+    assert "(3 items)" in lines[1]
+    assert lines[-2].startswith("tenant-a: held-out accuracy: ")
+    assert lines[-1].startswith("tenant-b: held-out accuracy: ")
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and set(summary["tenants"]) == {"tenant-a", "tenant-b"}
+    for name, tenant in summary["tenants"].items():
+        assert tenant["steps"] == 2 and tenant["pushed_steps"] == 2, name
+        assert (Path(tenant["final_model"]) / "adapter_model.safetensors").is_file()
+        assert Path(tenant["final_model"]) == out / "final" / name
+        assert Path(tenant["reward_curve"]).stat().st_size > 1000
+        assert tenant["rollouts"]["sessions_rewarded"] >= 4
+    assert summary["tenants"]["tenant-b"]["test_items"] == 3
+
+    db = sqlite3.connect(out / "store.db")
+    rows = db.execute(
+        "select s.adapter, c.output_versions from sessions s join completions c "
+        "on c.session_id = s.id where s.kind = 'train'"
+    ).fetchall()
+    versions: dict[str | None, set[int]] = {}
+    for adapter, blob in rows:
+        versions.setdefault(adapter, set()).update(decode_int32(blob))
+    assert set(versions) == {"tenant-a", "tenant-b"}  # no base-model session was opened
+    assert all(0 in v for v in versions.values())
+    trained = db.execute(
+        "select adapter, count(*) from sessions where status = 'trained' group by adapter"
+    ).fetchall()
+    assert {adapter for adapter, count in trained if count >= 4} == {"tenant-a", "tenant-b"}
+    assert db.execute("select count(*) from policy_versions").fetchone() == (0,)  # base: none

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from proxima.proxy.api.schemas import (
-    ANTHROPIC_TOOL_NAME,
     OPENAI_TOOL_NAME,
     OpenBody,
     check_tool_names,
@@ -61,17 +60,10 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
-        # The loosest rule of the surfaces that translate into this body (Anthropic's); the
-        # Chat Completions route holds its own callers to OpenAI's (check_openai_tool_names).
+        # OpenAI's rule (``^[a-zA-Z0-9_-]{1,64}$``), each name once: ``InvalidString``.
         named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(v or []))
-        check_tool_names(named, ANTHROPIC_TOOL_NAME)
-        return v
-
-    def check_openai_tool_names(self) -> None:
-        """The tools' names as OpenAI's (``^[a-zA-Z0-9_-]{1,64}$``): ``InvalidString``."""
-        tools = self.tools or []
-        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(tools))
         check_tool_names(named, OPENAI_TOOL_NAME)
+        return v
 
     @model_validator(mode="wrap")
     @classmethod
