@@ -17,7 +17,11 @@ One step (:meth:`Trainer.step`), top to bottom:
    samples longer than ``batching.max_tokens_per_mb`` (counted, with a
    warning), and samples without signal (``advantage.zero_signal``: all
    advantages zero). Sessions with no sample left are marked DROPPED; a batch
-   with nothing left takes no optimizer step and pushes no version.
+   with nothing left takes no optimizer step and pushes no version. With
+   ``zero_signal = "refill"`` (the default) step 1 already screens each
+   claimed group this way and drops those that cannot train whole, claiming
+   others in their place (``Trainer._screen``), so the batch is full of
+   signal.
 4. Proximal logprobs: the current weights (the policy before this step) at
    each sample's sampling temperature; ``prox = behav`` when
    ``ppo.decoupled`` is false. With one minibatch per step they come from
@@ -68,7 +72,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxima.proxy.store import SessionKind, SessionRecord, SessionStatus, Store
+from proxima.proxy.store import CompletionRecord, SessionKind, SessionRecord, SessionStatus, Store
 from proxima.trainer.backends.base import PPOBackend, StepStats
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import (
@@ -116,6 +120,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclasses.dataclass
+class Screened:
+    """Sessions ``zero_signal = "refill"`` dropped toward the next batch, and their samples."""
+
+    sessions: list[tuple[SessionRecord, list[CompletionRecord]]] = dataclasses.field(
+        default_factory=list
+    )
+    samples: int = 0
+
+
 class Trainer:
     """A running trainer: its backend, its place in the version sequence, its store and proxy.
 
@@ -147,6 +161,7 @@ class Trainer:
         self._executor = executor
         self._owns_executor = owns_executor
         self._claimed: list[SessionRecord] = []  # claims held toward the next batch
+        self._screened = Screened()  # what ``refill`` dropped while the batch filled
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
         self._vocab_size = vocab_size_of(cfg.connection.model_dir)
@@ -249,30 +264,23 @@ class Trainer:
         self._claimed = []  # this step owns them now
         wait_s = time.monotonic() - started
 
-        # 2. Trajectories -> samples with returns and group-relative advantages. A session
-        #    whose records cannot be trained is dropped with its reason (never a failed step,
-        #    which would release the claim and fail again on the next claim).
+        # 2-3. Trajectories -> samples with returns and group-relative advantages, less what
+        #    cannot be trained (``_trainable``). A session whose records cannot be trained is
+        #    dropped with its reason (never a failed step, which would release the claim and
+        #    fail again on the next claim). Groups that ``refill`` screened out while the
+        #    batch filled count in this step's metrics (their rewards are part of the curve).
         batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
-        samples = build_samples(without_invalid(batch, self._vocab_size), cfg.advantage)
-
-        # 3. Drop what cannot be trained: too stale (eta), or longer than a micro-batch; and
-        #    what carries no signal (advantage.zero_signal).
-        kinds = {s.id: s.kind for s in sessions}
-        samples, stale = filter_stale_by_kind(
-            samples,
-            kinds,
-            version,
-            max_staleness=cfg.max_staleness,
-            production_max_staleness=cfg.production_max_staleness,
-            rule=cfg.stale_rule,
-        )
-        samples, too_long = drop_too_long(samples, cfg.batching.max_tokens_per_mb)
-        samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
+        samples, removed, _ = self._trainable(batch, version)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
         trained = set(trained_ids)
         dropped_ids = [s.id for s in sessions if s.id not in trained]
         await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
-        metrics = BatchMetrics.of(batch, samples, version, stale + too_long + no_signal)
+        screened, self._screened = self._screened, Screened()
+        dropped_ids += [s.id for s, _ in screened.sessions]
+        metrics = BatchMetrics.of(
+            screened.sessions + batch, samples, version, removed + screened.samples
+        )
+        kinds = {s.id: s.kind for s in sessions}
         metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
         if not samples:
             times = StepTimes(wait=wait_s, total=time.monotonic() - started)
@@ -419,9 +427,81 @@ class Trainer:
     async def _claim(self, limit: int, kinds: Sequence[SessionKind]) -> list[SessionRecord]:
         if limit <= 0 or not kinds:
             return []
-        return await self.store.claim_groups(
+        claimed = await self.store.claim_groups(
             min_sessions=limit, trainer_id=self.state.trainer_id, kinds=kinds, adapter=self.adapter
         )
+        if self.cfg.advantage.zero_signal == "refill" and claimed:
+            claimed = await self._screen(claimed)
+        return claimed
+
+    async def _screen(self, claimed: list[SessionRecord]) -> list[SessionRecord]:
+        """``zero_signal = "refill"``: the claimed groups that have something to train.
+
+        A group that cannot train whole at this version (its returns tie, or a
+        session of it has no sample left that is fresh enough, short enough and
+        valid) is marked DROPPED now, whole: training the rest of a group
+        would bias its advantages (at ``max_staleness = 0`` the sessions that
+        straddle a push are the long, multi-turn ones, mostly failures, so
+        keeping the rest would train on failures alone). Dropping also
+        returns its sessions' places under the proxy's staleness admission,
+        so the rollout fills the batch with fresh groups in their place and
+        every step trains ``batch_size`` sessions that carry signal (DAPO's
+        dynamic sampling). Sessions without a group are kept: their
+        advantages depend on the whole batch (``advantage.ungrouped``).
+        """
+        version = self.state.version
+        kept: list[SessionRecord] = []
+        dropped: list[tuple[SessionRecord, list[CompletionRecord]]] = []
+        groups: dict[str, list[SessionRecord]] = {}
+        for session in claimed:
+            if session.group_id is None:
+                kept.append(session)
+            else:
+                groups.setdefault(session.group_id, []).append(session)
+        for members in groups.values():
+            batch = [(s, await self.store.list_completions(session_id=s.id)) for s in members]
+            samples, removed, fresh = self._trainable(batch, version)
+            if samples and fresh >= {s.id for s in members}:
+                kept += members
+            else:
+                dropped += batch
+                self._screened.samples += len(samples) + removed
+        if dropped:
+            await self.store.mark_sessions(
+                session_ids=[s.id for s, _ in dropped], status=SessionStatus.DROPPED
+            )
+            self._screened.sessions += dropped
+            logger.info(
+                "refill: dropped %d claimed sessions with nothing to train (tied or stale groups)",
+                len(dropped),
+            )
+        return kept
+
+    def _trainable(
+        self, batch: list[tuple[SessionRecord, list[CompletionRecord]]], version: int
+    ) -> tuple[list[Sample], int, set[str]]:
+        """Samples of ``batch`` that train at ``version``, how many were removed, and fresh sessions.
+
+        Removed: sessions whose records cannot be trained (logged with why),
+        samples too stale (``max_staleness``), longer than a micro-batch, or
+        without signal (``advantage.zero_signal``). Fresh: the sessions with a
+        sample left before the signal filter (valid, fresh and short enough).
+        """
+        cfg = self.cfg
+        samples = build_samples(without_invalid(batch, self._vocab_size), cfg.advantage)
+        kinds = {s.id: s.kind for s, _ in batch}
+        samples, stale = filter_stale_by_kind(
+            samples,
+            kinds,
+            version,
+            max_staleness=cfg.max_staleness,
+            production_max_staleness=cfg.production_max_staleness,
+            rule=cfg.stale_rule,
+        )
+        samples, too_long = drop_too_long(samples, cfg.batching.max_tokens_per_mb)
+        fresh = {s.session_id for s in samples}
+        samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
+        return samples, stale + too_long + no_signal, fresh
 
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
         """Samples carrying proximal logprobs (recomputed, or the behaviour ones).

@@ -304,14 +304,16 @@ def build_samples(
 
 
 def zero_signal_filter(
-    samples: Sequence[Sample], mode: Literal["filter", "skip", "keep"]
+    samples: Sequence[Sample], mode: Literal["refill", "filter", "skip", "keep"]
 ) -> tuple[list[Sample], int]:
     """Leave out samples that carry no policy gradient (``advantage.zero_signal``).
 
     A sample whose trained tokens all have ``A = 0`` adds nothing to the
     gradient but its tokens to the token-mean denominator, diluting every
-    other token's weight. ``filter`` removes such samples (DAPO, Yu et al.
-    2025, dynamic sampling, but the batch is not refilled); ``skip`` removes
+    other token's weight. ``refill`` and ``filter`` remove such samples
+    (``refill`` also refills the batch with other groups before the step:
+    ``proxima.trainer.loop``, DAPO's dynamic sampling, Yu et al. 2025;
+    ``filter`` does not); ``skip`` removes
     all samples only when none has signal (so no optimizer step is taken and
     no version pushed); ``keep`` removes nothing.
 
@@ -320,7 +322,7 @@ def zero_signal_filter(
     has_signal = [
         any(a != 0.0 for a, m in zip(s.advantages, s.loss_mask, strict=True) if m) for s in samples
     ]
-    if mode == "filter":
+    if mode in ("refill", "filter"):
         kept = [s for s, signal in zip(samples, has_signal, strict=True) if signal]
     elif mode == "skip":
         kept = list(samples) if any(has_signal) else []

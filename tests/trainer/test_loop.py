@@ -70,6 +70,8 @@ def _cfg(tmp_path: Path, model_dir: Path, **overrides: Any) -> TrainerConfig:
         "batching": {"max_tokens_per_mb": 128},
         "loop": {"poll_interval_s": 0.05, "trainer_id": "trainer-a"},
         "connection": {"db_url": "unused-here", "model_dir": model_dir},
+        # The step-level filters are what these tests pin; refill's screening has its own tests.
+        "advantage": {"zero_signal": "filter"},
     }
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
@@ -243,6 +245,42 @@ async def test_stale_samples_are_dropped_counted_and_marked(
         mixed_status,
     ]
     assert read_log(cfg.output_dir)[0]["source"] == "pushed"
+
+
+async def test_refill_drops_groups_that_cannot_train_whole_and_waits_for_fresh_ones(
+    store: Store, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    for version in range(1, 6):
+        await store.record_policy_version(version=version, path=str(tiny_model_dir))
+    tied = [await add_session(store, group="tied", reward=1.0, versions=[5, 5]) for _ in range(2)]
+    # At max_staleness 0 the one-turn success is all stale, the failure straddles the push:
+    # training what is left would train the failure alone (a one-sided gradient).
+    straddle = [
+        await add_session(store, group="straddle", reward=1.0, versions=[4, 4]),
+        await add_session(store, group="straddle", reward=0.0, versions=[4, 5, 5]),
+    ]
+    first = [await add_session(store, group="g1", reward=float(i), versions=[5, 5]) for i in (1, 0)]
+    cfg = _cfg(tmp_path, tiny_model_dir, max_staleness=0, advantage={"zero_signal": "refill"})
+    trainer = await Trainer.start(cfg, store=store, sink=RecordingSink(store), console=False)
+    step = asyncio.create_task(trainer.step())
+    # The batch (4 sessions) is not full: the tied and straddling groups are dropped as soon
+    # as they are claimed, which also hands their places back to the proxy's admission.
+    for _ in range(200):
+        if (await statuses(store, straddle))[0][0] is SessionStatus.DROPPED:
+            break
+        await asyncio.sleep(0.05)
+    assert not step.done()
+    assert await statuses(store, tied + straddle) == [(SessionStatus.DROPPED, None)] * 4
+    assert (await store.admission_state()).admitted == 2  # g1 only
+    second = [await add_session(store, group="g2", reward=float(i), versions=[5]) for i in (0, 1)]
+    record = await asyncio.wait_for(step, 60)
+    await trainer.close()
+
+    assert record is not None and record.pushed and record.version == 6
+    assert (record.sessions, record.trained_sessions, record.dropped_sessions) == (8, 4, 4)
+    assert record.samples == 4 and record.staleness == {0: 6}
+    assert record.reward_mean == pytest.approx(5 / 8)  # the curve counts every rollout
+    assert await statuses(store, first + second) == [(SessionStatus.TRAINED, 6)] * 4
 
 
 async def test_a_batch_with_nothing_left_is_marked_but_not_pushed(
