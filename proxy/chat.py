@@ -216,11 +216,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         )
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        arguments = _parse_arguments(arguments)
-        try:  # JSON escapes in the string may decode to lone surrogates
-            check_unicode(arguments, f"{where}.function.arguments")
-        except InvalidString as exc:
-            raise InvalidMessages(str(exc), param=exc.param) from exc
+        arguments = parse_tool_arguments(arguments, f"{where}.function.arguments")
     elif not isinstance(arguments, dict):
         raise InvalidMessages(
             f"{where}.function.arguments must be a JSON string.",
@@ -229,13 +225,21 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _parse_arguments(arguments: str) -> dict[str, Any] | str:
-    """The JSON object in ``arguments``, or the string itself if it holds none."""
+def parse_tool_arguments(arguments: str, param: str) -> dict[str, Any] | str:
+    """A tool call's ``arguments`` in canonical form: the JSON object the string holds, or
+    the string itself if it holds none. JSON escapes may decode to a lone surrogate: an
+    ``InvalidMessages`` naming ``param`` (and the key inside it)."""
     try:
-        parsed = json.loads(arguments)
+        parsed: Any = json.loads(arguments)
     except (json.JSONDecodeError, RecursionError):
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
+        parsed = arguments
+    if not isinstance(parsed, dict):
+        parsed = arguments
+    try:
+        check_unicode(parsed, param)
+    except InvalidString as exc:
+        raise InvalidMessages(str(exc), param=exc.param) from exc
+    return parsed
 
 
 def messages_equivalent(a: Message, b: Message) -> bool:

@@ -52,14 +52,15 @@ from proxima.proxy.backends.errors import (
     BackendUnavailable,
 )
 from proxima.proxy.backends.pool import Backend, BackendPool, reported_version
-from proxima.proxy.backends.protocol import FinishReason, GenerateRequest, SamplingParams
-from proxima.proxy.backends.sglang import GenerateDelta
+from proxima.proxy.backends.protocol import FinishReason, GenerateRequest
+from proxima.proxy.backends.sglang import TokenDelta
 from proxima.proxy.errors import (
     BadRequest,
     ContextTooLong,
     ProximaError,
     RateLimited,
 )
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.structured import Grammar
 
 logger = logging.getLogger(__name__)
@@ -68,88 +69,6 @@ logger = logging.getLogger(__name__)
 MAX_INTERRUPTIONS = 64
 # How long a completion waits for some backend to become healthy again.
 FAILOVER_WAIT_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningBudget:
-    """At most ``limit`` tokens of reasoning, then ``close_ids`` are forced.
-
-    ``is_open(output_ids)`` says whether a reply still reasons (it opened its
-    reasoning and has not closed it). A reply cut at ``limit`` while reasoning
-    gets the closing marker appended (as serving engines do with a thinking
-    budget) and goes on generating its answer from there.
-    """
-
-    limit: int
-    close_ids: list[int]
-    is_open: Callable[[list[int]], bool]
-
-
-@dataclass(slots=True)
-class GenerationParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-    top_logprobs: int = 0
-    ignore_eos: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    grammar: Grammar | None = None
-    reasoning_budget: ReasoningBudget | None = None
-    # Text of token ids, to find stop strings that straddle an interruption.
-    decode: Callable[[list[int]], str] | None = None
-
-    def sampling(self, remaining: int) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=remaining,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            stop=self.stop or None,
-            stop_token_ids=self.stop_token_ids or None,
-            ignore_eos=self.ignore_eos,
-            sampling_seed=self.seed,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            logit_bias=self.logit_bias or None,
-            **(self.grammar.sampling_fields() if self.grammar is not None else {}),
-        )
-
-    @property
-    def logit_transforms(self) -> list[str]:
-        """What changes the sampled distribution beyond temperature and truncation.
-
-        The backend reports logprobs of the transformed distribution, which the
-        trainer cannot recompute; recorded with each completion (see
-        ``trainer/samples.py``).
-        """
-        transforms = []
-        if self.grammar is not None:
-            transforms.append(f"grammar:{self.grammar.kind}")
-        if self.logit_bias:
-            transforms.append("logit_bias")
-        if self.frequency_penalty:
-            transforms.append("frequency_penalty")
-        if self.presence_penalty:
-            transforms.append("presence_penalty")
-        return transforms
-
-
-@dataclass(slots=True)
-class TokenChunk:
-    """Tokens that just arrived, with their behaviour logprobs and versions."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    top_logprobs: list[list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -169,7 +88,7 @@ class GenerationResult:
         """What this choice's generation did beyond its request's transforms."""
         return ["reasoning_budget"] if self.forced else []
 
-    def extend(self, chunk: TokenChunk) -> None:
+    def extend(self, chunk: TokenDelta) -> None:
         self.output_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.versions.extend(chunk.versions)
@@ -275,8 +194,9 @@ class _Attempt:
         self.straddled = False
         self.stale: int | None = None  # the older version the backend generated with
 
-    def take(self, delta: GenerateDelta, params: GenerationParams) -> TokenChunk | None:
-        """The delta's tokens, or None when it has none (or comes from stale weights).
+    def take(self, delta: TokenDelta, params: Sampling) -> TokenDelta | None:
+        """The delta with each token's version, or None when it has no tokens (or comes
+        from stale weights).
 
         Every healthy backend serves the pool's version when an attempt starts, so
         tokens of an older version come from a backend that restarted with its
@@ -303,19 +223,13 @@ class _Attempt:
             return None
         if self.label is not None:
             version = self.label
-        return TokenChunk(
-            token_ids=delta.token_ids,
-            logprobs=delta.logprobs,
-            versions=[version] * len(delta.token_ids),
-            top_logprobs=delta.top_logprobs
-            if params.top_logprobs
-            else [[] for _ in delta.token_ids],
-        )
+        delta.versions = [version] * len(delta.token_ids)
+        if not params.top_logprobs:
+            delta.top_logprobs = [[] for _ in delta.token_ids]
+        return delta
 
 
-def _close_reasoning(
-    params: GenerationParams, result: GenerationResult, version: int
-) -> TokenChunk | None:
+def _close_reasoning(params: Sampling, result: GenerationResult, version: int) -> TokenDelta | None:
     """The forced closing marker of a reply whose reasoning budget is spent (None if closed)."""
     budget = params.reasoning_budget
     assert budget is not None
@@ -325,19 +239,24 @@ def _close_reasoning(
     result.forced += len(ids)
     # Forced, not sampled: probability 1 under the forcing (the record says so, and the
     # trainer keeps the completion as context: ``trainer/logit_transforms.py``).
-    return TokenChunk(ids, [0.0] * len(ids), [version] * len(ids), [[] for _ in ids])
+    return TokenDelta(
+        token_ids=ids,
+        logprobs=[0.0] * len(ids),
+        top_logprobs=[[] for _ in ids],
+        versions=[version] * len(ids),
+    )
 
 
 async def generate(
     pool: BackendPool,
     *,
     prompt_ids: list[int],
-    params: GenerationParams,
+    params: Sampling,
     result: GenerationResult,
     sticky_key: str | None = None,
     request_id: str | None = None,
     adapter: str | None = None,
-) -> AsyncGenerator[TokenChunk]:
+) -> AsyncGenerator[TokenDelta]:
     """Generate one completion with the policy ``adapter`` (None: the base), yielding its
     tokens as they arrive.
 
@@ -383,14 +302,14 @@ async def generate(
         # the backend's own; validating tens of thousands costs milliseconds per turn.
         request = GenerateRequest.model_construct(
             input_ids=prompt_ids + result.output_ids,
-            sampling_params=params.sampling(remaining),
+            sampling_params=params.wire(remaining),
             return_logprob=True,
             top_logprobs_num=params.top_logprobs,
             rid=rid,
             lora_path=lora,
         )
         attempt_state = _Attempt(backend, rid, boundary, version=version, label=label)
-        held: list[TokenChunk] = []  # a constrained attempt's tokens, until it finishes
+        held: list[TokenDelta] = []  # a constrained attempt's tokens, until it finishes
         result.backend = backend.url
         registered = (
             pool.adapter_request(adapter, backend, rid, lora)

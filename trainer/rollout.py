@@ -8,6 +8,7 @@ times, each run in its own proxy session (docs/design.md,
         for k in range(group_size):
             session = POST /rl/sessions {group_id, data_id, metadata}
                       # 429 + Retry-After (staleness capacity): wait, retry
+                      # lost in transport: retry with the same Idempotency-Key
             reward  = run_agent_return_reward(item + {base_url, api_key, ...})
                       # bound to the session; raises or times out -> failed
             POST /rl/sessions/{id}/reward  (final, or one per completion)
@@ -211,6 +212,9 @@ class RolloutController:
             ``runtime_env``, ``scheduling_strategy``...); retries stay off.
         adapter: the LoRA adapter these runs train (each session is opened with
             ``{"adapter": ...}``: served by that adapter, trained into it); None: the base.
+        transport: the httpx transport of the controller's own calls to the proxy
+            (default: httpx's; tests hand in one that loses requests); one pass's
+            client closes it at the end of :meth:`run`.
     """
 
     def __init__(
@@ -231,6 +235,7 @@ class RolloutController:
         ray_address: str | None = None,
         ray_options: Mapping[str, Any] | None = None,
         adapter: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -257,6 +262,7 @@ class RolloutController:
         self.http_timeout_s = http_timeout_s
         self.python = python
         self.adapter = adapter
+        self._transport = transport
         self._ray: RayAgentRunner | None = None
         # Fail at construction, not on the first run, when the agent cannot be found.
         if mode == "inprocess":
@@ -306,7 +312,10 @@ class RolloutController:
                 await asyncio.to_thread(self._ray.connect)  # off the event loop: may block long
             async with (
                 httpx.AsyncClient(
-                    base_url=self.proxy_url, headers=headers, timeout=self.http_timeout_s
+                    base_url=self.proxy_url,
+                    headers=headers,
+                    timeout=self.http_timeout_s,
+                    transport=self._transport,
                 ) as client,
                 asyncio.TaskGroup() as runs,
             ):

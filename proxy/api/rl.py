@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
 from proxima.proxy.api.deps import (
     AdminDep,
@@ -16,13 +16,14 @@ from proxima.proxy.api.deps import (
     StoreDep,
 )
 from proxima.proxy.api.schemas import (
+    MAX_ID_LENGTH,
     CreateSessionRequest,
     CreateSessionResponse,
     FinishRequest,
     RewardRequest,
 )
 from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, PrincipalKind, hash_key, new_key
-from proxima.proxy.errors import NotFound, PermissionDenied, RateLimited
+from proxima.proxy.errors import BadRequest, NotFound, PermissionDenied, RateLimited
 from proxima.proxy.staleness import admit
 from proxima.proxy.store.errors import NotAdmitted
 from proxima.proxy.store.fleet import AdmissionState
@@ -58,15 +59,35 @@ async def _owned_session(store: Store, principal: Principal, session_id: str) ->
     return session
 
 
+def _idempotency_key(value: str | None) -> str | None:
+    """The ``Idempotency-Key`` header, checked: 1 to 200 characters (its column's width), no NUL."""
+    if value is None:
+        return None
+    if not 0 < len(value) <= MAX_ID_LENGTH or "\x00" in value:
+        raise BadRequest(
+            f"Invalid value for 'Idempotency-Key': it must be 1 to {MAX_ID_LENGTH} characters "
+            "without NUL.",
+            param="idempotency-key",
+        )
+    return value
+
+
 @router.post("/sessions", response_model=CreateSessionResponse)
 async def create_session(
     body: CreateSessionRequest,
     _: AdminDep,
     app_state: StateDep,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header()] = None,
 ) -> CreateSessionResponse:
+    """Open a training session. A repeat of an ``Idempotency-Key`` answers the session that
+    key opened, with a new session key (see ``Store.admit_train_session``), or a 409."""
     store, pool, settings = app_state.store, app_state.pool, app_state.settings
+    key_name = _idempotency_key(idempotency_key)
+    asked: list[AdmissionState] = []  # stays empty when the key's session is answered again
 
     def decide(state: AdmissionState) -> str | None:
+        asked.append(state)
         decision = admit(
             # Failed and dropped sessions never reach training: they must not use up
             # capacity, or the trainer would wait for batches that never fill.
@@ -96,6 +117,7 @@ async def create_session(
                 data_id=body.data_id,
                 metadata=body.metadata or {},
                 adapter=body.adapter,
+                idempotency_key=key_name,
             )
         except NotAdmitted as exc:
             raise RateLimited(
@@ -103,6 +125,10 @@ async def create_session(
                 retry_after=1.0,
                 code="staleness_capacity",
             ) from exc
+    if not asked:
+        # A repeat: the key it had before is gone from the store; here too.
+        app_state.principals.forget_session(session.id)
+        response.headers["Idempotent-Replayed"] = "true"
     # Its first turn then reads neither its key nor its history from the store.
     app_state.principals.remember(key_hash, Principal(PrincipalKind.SESSION, session=session))
     app_state.histories.remember(session.id, [])

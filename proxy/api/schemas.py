@@ -90,6 +90,18 @@ def check_listed_tool_names(
         raise BadRequest(str(exc), param=exc.param) from None
 
 
+MAX_STOP_SEQUENCES = 16
+"""Most stop sequences a request may give (OpenAI's limit; Anthropic's has none)."""
+
+
+def check_stop_sequences(stop: list[str]) -> None:
+    """At most :data:`MAX_STOP_SEQUENCES`, none empty: ``ValueError`` saying which rule."""
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+    if any(not s for s in stop):
+        raise ValueError("stop sequences must be non-empty")
+
+
 def check_identifier(value: str | None, param: str) -> str | None:
     """``value`` unless it holds NUL (text columns cannot store it): ``InvalidString``."""
     if value is not None and "\x00" in value:

@@ -45,13 +45,21 @@ HEALTH_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=5.0, pool=5.0)
 
 
 @dataclass(slots=True)
-class GenerateDelta:
-    """New tokens of one ``/generate`` stream chunk (or of consecutive ones that arrived
-    together), whatever the server's stream mode."""
+class TokenDelta:
+    """Tokens that just arrived, with their logprobs and the policy version of each.
+
+    The one token-delta type from the backend to the driver: the client yields
+    one per ``/generate`` stream chunk (or per consecutive chunks that arrived
+    together), whatever the server's stream mode, with the chunk's
+    ``weight_version`` label, its finish and the prompt's length; the
+    generation loop (``proxima.proxy.generation``) fills in ``versions``, the
+    policy version each token carries, and hands the same object on.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # one per token, set by generation
     weight_version: str | None = None
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -157,7 +165,7 @@ class SGLangClient:
             content = await resp.read()
         return GenerateResponse.model_validate(self._check(resp.status, content, "/generate"))
 
-    async def generate_stream(self, request: GenerateRequest) -> AsyncGenerator[GenerateDelta]:
+    async def generate_stream(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta]:
         """Stream ``/generate``; yields only the tokens that are new in each chunk.
 
         SGLang's default chunks are cumulative; with incremental streaming they
@@ -218,7 +226,7 @@ class SGLangClient:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)
 
-    def _delta(self, group: list[tuple[list[int], dict[str, Any], int]]) -> GenerateDelta:
+    def _delta(self, group: list[tuple[list[int], dict[str, Any], int]]) -> TokenDelta:
         """One delta for consecutive chunks of one weight version: ``(output_ids, meta_info,
         new token count)`` each. Plain dict access, not pydantic: default SGLang chunks are
         cumulative, so validating each one would cost O(n^2) over a generation."""
@@ -242,7 +250,7 @@ class SGLangClient:
                 tops += [_top_pairs(e, self.base_url) for e in _tail(top, new)]
         last = group[-1][1]
         finish = last.get("finish_reason")
-        return GenerateDelta(
+        return TokenDelta(
             token_ids=token_ids,
             logprobs=_chosen_logprobs(entries, self.base_url) if entries else [],
             top_logprobs=tops,

@@ -7,7 +7,8 @@ surface's translation module turns its request into a ``CanonicalRequest``:
 - ``ChatInput``: canonical messages (``proxima.proxy.chat.normalize_messages``),
   OpenAI-shaped ``tools`` and a resolved ``ToolChoice``; or
 - ``TextInput``: a raw prompt (one string or one list of token ids);
-- ``Sampling``: what changes how tokens are drawn, in OpenAI's terms;
+- ``Sampling`` (``proxima.proxy.sampling``): how tokens are drawn, the one
+  sampling type from here to the backend's wire;
 - ``logprobs`` / ``top_logprobs``: whether to report them, and how many
   alternatives per token.
 
@@ -18,28 +19,11 @@ compared with), whatever API the client speaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.tools import ParsedOutput, ToolChoice
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Sampling parameters; ``None`` means the server's default."""
-
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (a string) -> added to its logit
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.backends.sglang import TokenDelta
 from proxima.proxy.detokenize import IncrementalDetokenizer
 from proxima.proxy.errors import as_proxima_error
-from proxima.proxy.generation import GenerationResult, TokenChunk, generate
+from proxima.proxy.generation import GenerationResult, generate
 from proxima.proxy.reasoning import ReasoningDelta, ReasoningStream
 from proxima.proxy.service.events import (
     Completion,
@@ -151,7 +152,7 @@ class GenerationDriver:
                 observe(outcome, tokens)
 
     def _delta(
-        self, prep: Prepared, run: ChoiceRun, state: _StreamState, chunk: TokenChunk
+        self, prep: Prepared, run: ChoiceRun, state: _StreamState, chunk: TokenDelta
     ) -> Delta:
         parts = state.feed(chunk.token_ids)
         return Delta(run.index, parts, self._logprobs(chunk) if prep.logprobs else None)
@@ -164,7 +165,7 @@ class GenerationDriver:
     def _runs(self, prep: Prepared) -> list[ChoiceRun]:
         return [ChoiceRun(i, cid) for i, cid in enumerate(prep.completion_ids)]
 
-    def _generate(self, prep: Prepared, run: ChoiceRun) -> AsyncGenerator[TokenChunk]:
+    def _generate(self, prep: Prepared, run: ChoiceRun) -> AsyncGenerator[TokenDelta]:
         """One choice's generation (its result accumulates the tokens)."""
         return generate(
             self._pool(prep),
@@ -176,7 +177,7 @@ class GenerationDriver:
             adapter=prep.adapter,
         )
 
-    async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenChunk]:
+    async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenDelta]:
         """One choice's tokens as they arrive, the time of its first one noted."""
         async for tokens in self._generate(prep, run):
             run.saw_tokens()
@@ -188,9 +189,9 @@ class GenerationDriver:
 
     async def _multiplex(
         self, prep: Prepared, runs: list[ChoiceRun]
-    ) -> AsyncIterator[tuple[ChoiceRun, TokenChunk | None]]:
+    ) -> AsyncIterator[tuple[ChoiceRun, TokenDelta | None]]:
         """Run every choice; yield ``(run, tokens)`` as they arrive, ``(run, None)`` at its end."""
-        queue: asyncio.Queue[tuple[ChoiceRun, TokenChunk | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[ChoiceRun, TokenDelta | BaseException | None]] = asyncio.Queue()
 
         async def produce(run: ChoiceRun) -> None:
             try:
@@ -294,7 +295,7 @@ class GenerationDriver:
             self._token_text_cache[token_id] = text
         return text
 
-    def _logprobs(self, chunk: TokenChunk) -> list[TokenLogprob]:
+    def _logprobs(self, chunk: TokenDelta) -> list[TokenLogprob]:
         return self._logprob_list(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
 
     def _logprob_list(

@@ -33,16 +33,16 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from proxima.proxy.chat import ChatRenderer, PromptPlan, RenderedTexts
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
-from proxima.proxy.generation import GenerationParams, ReasoningBudget
 from proxima.proxy.reasoning import ReasoningParser
-from proxima.proxy.service.canonical import CanonicalRequest, ChatInput, Sampling
+from proxima.proxy.sampling import ReasoningBudget, Sampling
+from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
@@ -69,7 +69,7 @@ class Prepared:
     n: int
     prompt_ids: list[int]
     parent_id: str | None
-    params: GenerationParams
+    params: Sampling  # completed: its budget, logprobs, grammar (``proxima.proxy.sampling``)
     session: SessionRecord | None
     logprobs: bool = False
     messages: list[dict[str, Any]] | None = None
@@ -203,9 +203,8 @@ class PromptPreparer:
         if parser is not None:
             prepared.reasoning, prepared.in_reasoning = parser, in_reasoning
             if chat.reasoning_budget is not None:
-                prepared.params.reasoning_budget = self._budget(
-                    chat.reasoning_budget, parser, in_reasoning
-                )
+                budget = self._budget(chat.reasoning_budget, parser, in_reasoning)
+                prepared.params = replace(prepared.params, reasoning_budget=budget)
         return prepared
 
     def _budget(self, limit: int, parser: ReasoningParser, in_reasoning: bool) -> ReasoningBudget:
@@ -291,22 +290,18 @@ class PromptPreparer:
             )
         return requested
 
-    def _params(self, sampling: Sampling, max_tokens: int, top_logprobs: int) -> GenerationParams:
+    def _params(
+        self, sampling: Sampling, max_tokens: int, top_logprobs: int, grammar: Grammar | None
+    ) -> Sampling:
+        """``sampling`` completed for generation: its budget and what only this model knows."""
         if sampling.n > self.settings.max_n:
             raise BadRequest(f"n must be at most {self.settings.max_n}.", param="n")
-        return GenerationParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if sampling.temperature is None else sampling.temperature,
-            top_p=1.0 if sampling.top_p is None else sampling.top_p,
-            top_k=-1 if sampling.top_k in (None, 0) else int(sampling.top_k),
-            min_p=sampling.min_p or 0.0,
-            stop=list(sampling.stop),
-            seed=sampling.seed,
+        return replace(
+            sampling,
+            max_tokens=max_tokens,
             top_logprobs=top_logprobs,
-            ignore_eos=sampling.ignore_eos,
-            frequency_penalty=sampling.frequency_penalty or 0.0,
-            presence_penalty=sampling.presence_penalty or 0.0,
             logit_bias=self._logit_bias(sampling.logit_bias),
+            grammar=grammar,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
 
@@ -337,8 +332,7 @@ class PromptPreparer:
             len(prompt_ids),
             fill_context=request.max_tokens_fills_context,
         )
-        params = self._params(request.sampling, max_tokens, request.top_logprobs)
-        params.grammar = grammar
+        params = self._params(request.sampling, max_tokens, request.top_logprobs, grammar)
         return Prepared(
             response_id=request.id_prefix + uuid.uuid4().hex,
             created=int(time.time()),
@@ -348,7 +342,7 @@ class PromptPreparer:
             params=params,
             session=session,
             logprobs=request.logprobs,
-            sampling=sampling_record(params),
+            sampling=params.record(),
         )
 
 
@@ -366,18 +360,3 @@ def _text_parent(prompt_ids: list[int], history: Sequence[CompletionRecord]) -> 
         if len(prompt_ids) > len(prefix) and prompt_ids[: len(prefix)] == prefix:
             return c.id
     return None
-
-
-def sampling_record(params: GenerationParams) -> dict[str, Any]:
-    """The sampling parameters as recorded with each completion."""
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        **({"min_p": params.min_p} if params.min_p else {}),
-        "max_tokens": params.max_new_tokens,
-        "seed": params.seed,
-        "stop": params.stop,
-        # Grammar / logit_bias / penalties: logprobs the trainer cannot recompute.
-        **({"logit_transforms": params.logit_transforms} if params.logit_transforms else {}),
-    }

@@ -9,6 +9,10 @@ proxy only if what each decides comes from the database, not from its memory:
   migrations 0005 and 0006), the open sessions (an index range) and the
   policy's newest version, decides, and inserts. N creates spread over any number of replicas admit exactly the
   capacity, in time independent of how many sessions were ever created.
+- **idempotent admission**: a session opened with an idempotency key keeps
+  it (``sessions.external_id``; the admin's own sessions have no
+  ``api_key_id``), and a repeat of the key is answered from the row found
+  under the same lock (never a second session, never counted twice).
 - **session state** (``session_state``): a session's status and number of
   completions in one indexed read, which a replica asks before rendering a
   turn (its cached history is still whole iff the count matches).
@@ -35,7 +39,7 @@ from typing import Any
 from proxima.proxy.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
-from proxima.proxy.store.errors import NotAdmitted, NotFound
+from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound
 from proxima.proxy.store.models import (
     AdapterVersionRow,
     CompletionRow,
@@ -109,6 +113,7 @@ class FleetMixin(StoreBase):
         data_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         adapter: str | None = None,
+        idempotency_key: str | None = None,
     ) -> SessionRecord:
         """Create a training session of the policy ``adapter`` (``None``: the base) if
         ``decide`` admits it, atomically across replicas.
@@ -119,10 +124,22 @@ class FleetMixin(StoreBase):
         released, so the next decision (in any replica) counts it. A ``group_id``
         of another policy's group is a ``Conflict`` (checked under the same lock,
         so two replicas cannot start one group with two policies).
+
+        With ``idempotency_key``, the session keeps the key; a later call with the
+        same key returns that session instead (``decide`` is not asked: it was
+        admitted once) with its key hash replaced by ``api_key_hash`` (the caller
+        never got the first key), if it is still OPEN with no completion and no
+        reward and was opened with the same group, data id, metadata and policy.
+        Otherwise the repeat is a ``Conflict`` (code ``idempotency_key_reused``).
         """
         async with self._write() as db:
             if self.shared:
                 await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
+            if idempotency_key is not None:
+                opened = await _session_of_key(db, idempotency_key)
+                if opened is not None:
+                    expected = (group_id, data_id, dict(metadata or {}), adapter)
+                    return await _reissue(db, opened, api_key_hash, expected)
             await check_group_policy(db, group_id, check_adapter(adapter))
             state = await _admission_state(db, group_id, adapter)
             reason = decide(state)
@@ -139,6 +156,7 @@ class FleetMixin(StoreBase):
                 metadata_=dict(metadata or {}),
                 reward=None,
                 created_at=utcnow(),
+                external_id=idempotency_key,
             )
             db.add(row)
             await db.flush()
@@ -212,6 +230,57 @@ async def newest_version(db: AsyncSession, adapter: str | None) -> int:
             AdapterVersionRow.adapter == adapter
         )
     return int((await db.execute(query)).scalar() or 0)
+
+
+async def _session_of_key(db: AsyncSession, idempotency_key: str) -> SessionRow | None:
+    """The training session the admin opened with ``idempotency_key``, row-locked (PostgreSQL:
+    a completion insert takes a share lock on its session row, so none lands meanwhile)."""
+    query = (
+        select(SessionRow)
+        .where(
+            SessionRow.api_key_id.is_(None),  # the admin's, not a production key's
+            SessionRow.external_id == idempotency_key,
+            SessionRow.kind == SessionKind.TRAIN.value,
+        )
+        .with_for_update()
+    )
+    return (await db.execute(query)).scalar_one_or_none()
+
+
+async def _reissue(
+    db: AsyncSession,
+    row: SessionRow,
+    api_key_hash: str,
+    expected: tuple[str | None, str | None, dict[str, Any], str | None],
+) -> SessionRecord:
+    """The session ``row`` again, under a new key hash, if nobody can have used it yet."""
+    opened_with = (row.group_id, row.data_id, dict(row.metadata_ or {}), row.adapter)
+    if opened_with != expected:
+        raise Conflict(
+            f"this Idempotency-Key already opened session {row.id} with another body "
+            "(group_id, data_id, metadata or adapter); send a new key for a new session",
+            param="idempotency-key",
+            code="idempotency_key_reused",
+        )
+    completions = (
+        await db.execute(select(func.count()).where(CompletionRow.session_id == row.id))
+    ).scalar_one()
+    status = SessionStatus(row.status)
+    if status is not SessionStatus.OPEN or completions or row.reward is not None:
+        state = f"{status.value}, {completions} completion(s)"
+        if row.reward is not None:
+            state += ", rewarded"
+        raise Conflict(
+            f"this Idempotency-Key already opened session {row.id}, which is in use or "
+            f"closed ({state}); its key cannot be issued again. Send a new key for a new "
+            "session",
+            param="idempotency-key",
+            code="idempotency_key_reused",
+        )
+    row.api_key_hash = api_key_hash
+    await db.flush()
+    logger.info("session key reissued for a repeated idempotency key", extra={"session_id": row.id})
+    return session_record(row)
 
 
 async def _admission_state(

@@ -117,6 +117,8 @@ class SessionRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     claimed_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # Production: the client's conversation id, unique per key. Training (no api_key_id):
+    # the Idempotency-Key the admin opened it with, unique by the admission lock.
     external_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     api_key_id: Mapped[str | None] = mapped_column(
         String(64), ForeignKey("api_keys.id"), nullable=True

@@ -42,7 +42,8 @@ class SessionRecord:
     created_at: datetime
     finished_at: datetime | None = None
     claimed_by: str | None = None
-    external_id: str | None = None  # X-Session-Id / `user` of production traffic
+    # X-Session-Id / `user` of production traffic; the Idempotency-Key of a training session
+    external_id: str | None = None
     api_key_id: str | None = None  # production key that owns the session, if any
     trained_version: int | None = None  # policy version the session was trained into
     adapter: str | None = None  # the policy it generates with: an adapter, None the base

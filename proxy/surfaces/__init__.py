@@ -16,17 +16,21 @@ The core never imports a surface: ``proxima.proxy.service`` takes a
 error table (``proxima.proxy.errors.KINDS``) gives every error its status, and
 a surface's envelope (``Surface.errors``) only writes it in its shape. No
 surface reads another's body: each translates straight into the canonical
-request. Shared pieces: ``openai_common`` (OpenAI's sampling fields and
-logprobs), ``reasoning_options`` (thinking switches), ``sse`` (event framing).
+request, and its errors name its own fields. Shared pieces: ``conversation``
+(no wire shape: messages, tools and tool choice into the canonical
+``ChatInput``, a body's strings checked), ``openai_common`` (what the OpenAI
+surfaces share: sampling fields, logprobs), ``reasoning_options`` (thinking
+switches), ``sse`` (event framing).
 
 Adding a surface (a new API, or a harness's dialect of one):
 
 1. copy the folder of the surface closest to it (``responses`` for an
    OpenAI-shaped API, ``messages`` for one with its own error shape);
-2. write its schema, its translation to ``CanonicalRequest`` (messages through
-   ``proxima.proxy.chat.normalize_messages``, tools in OpenAI's function
-   shape, the tool choice through ``proxima.proxy.tools.resolve_tool_choice``,
-   a new ``id_prefix``) and its events;
+2. write its schema, its translation to ``CanonicalRequest`` (a conversation
+   through ``conversation.chat_input``: messages in OpenAI's chat shape, tools
+   as ``conversation.function_tool`` builds them, the tool choice as OpenAI's
+   chat API spells it; ``Sampling.asked``; a new ``id_prefix``; 400s naming
+   its own fields) and its events;
 3. add its ``SURFACE`` to :data:`SURFACES` below: ``create_app`` includes its
    routers and the error edge answers under its ``path`` in its envelope.
 

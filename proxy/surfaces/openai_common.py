@@ -1,10 +1,11 @@
 """What the OpenAI surfaces (Chat Completions, Completions, Responses) share.
 
-OpenAI's sampling fields and their limits (``SamplingFields``, a base of the
-Chat Completions and Completions bodies), the parameters OpenAI's APIs have
-and Proxima refuses (:data:`UNSUPPORTED`), the translation of those fields
-into the canonical ``Sampling``, OpenAI's logprobs object, and the header
-that names a recorded request's session.
+The fields every OpenAI generation body has, with OpenAI's types and limits
+(``OpenAIGenerationBody``, the base of the Chat Completions and Completions
+request schemas), the parameters OpenAI's APIs have and Proxima refuses
+(:data:`UNSUPPORTED`), their sampling fields as the one ``Sampling``
+(``sampling_of``), OpenAI's logprobs object, and the header that names a
+recorded request's session.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from proxima.proxy.api.schemas import (
     OpenBody,
     StrictBody,
     check_identifier,
+    check_stop_sequences,
 )
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.service.canonical import Sampling
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.service.events import TokenLogprob
 from proxima.proxy.store.records import SessionRecord
 from pydantic import Field, field_validator
@@ -31,7 +33,10 @@ class StreamOptions(OpenBody):
     include_usage: bool = False
 
 
-class SamplingFields(OpenBody, StrictBody):
+class OpenAIGenerationBody(OpenBody, StrictBody):
+    """Chat Completions' and Completions' common fields: the model, ``n``, streaming,
+    sampling and ``user`` (a request schema: ``sampling_of`` makes its ``Sampling``)."""
+
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -58,10 +63,7 @@ class SamplingFields(OpenBody, StrictBody):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
-            if any(not s for s in v):
-                raise ValueError("stop sequences must be non-empty")
+            check_stop_sequences(v)
         return v
 
     @field_validator("logit_bias")
@@ -95,7 +97,7 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-def refuse_unsupported(req: SamplingFields) -> None:
+def refuse_unsupported(req: OpenAIGenerationBody) -> None:
     """A 400 for a field that would change the reply but is not implemented."""
     extra = req.model_extra or {}
     for name, why in UNSUPPORTED.items():
@@ -109,8 +111,9 @@ def refuse_unsupported(req: SamplingFields) -> None:
         )
 
 
-def sampling_of(req: SamplingFields, max_tokens: int | None) -> Sampling:
-    return Sampling(
+def sampling_of(req: OpenAIGenerationBody, max_tokens: int | None) -> Sampling:
+    """What ``req`` asks of sampling; ``max_tokens`` is the surface's own budget field."""
+    return Sampling.asked(
         n=req.n,
         max_tokens=max_tokens,
         temperature=req.temperature,

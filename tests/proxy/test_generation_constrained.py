@@ -12,7 +12,9 @@ import asyncio
 
 import httpx
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.generation import GenerationParams, GenerationResult, TokenChunk, generate
+from proxima.proxy.backends.sglang import TokenDelta
+from proxima.proxy.generation import GenerationResult, generate
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.structured import Grammar
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
@@ -21,10 +23,10 @@ PROMPT = [1, 2, 3]
 
 
 async def _run_with_update(
-    params: GenerationParams,
-) -> tuple[GenerationResult, list[TokenChunk], FakeBackend]:
+    params: Sampling,
+) -> tuple[GenerationResult, list[TokenDelta], FakeBackend]:
     fake = FakeBackend(tokens_per_s=400, seed=5, record_bodies=True)
-    chunks: list[TokenChunk] = []
+    chunks: list[TokenDelta] = []
     with ThreadedServer(create_fake_app(fake)) as server:
         async with httpx.AsyncClient() as http:
             pool = BackendPool([server.url], http=http)
@@ -44,7 +46,7 @@ async def _run_with_update(
 
 async def test_constrained_attempt_restarts_from_the_prompt() -> None:
     grammar = Grammar("json_schema", '{"type": "object"}')
-    params = GenerationParams(max_new_tokens=60, ignore_eos=True, grammar=grammar)
+    params = Sampling(max_tokens=60, ignore_eos=True, grammar=grammar)
     result, chunks, fake = await _run_with_update(params)
     assert result.interruptions >= 1 and result.finish_reason == "length"
     # Only the last attempt's tokens: all from the new weights, a full budget of them.
@@ -60,7 +62,7 @@ async def test_constrained_attempt_restarts_from_the_prompt() -> None:
 
 
 async def test_unconstrained_attempt_still_resumes() -> None:
-    params = GenerationParams(max_new_tokens=60, ignore_eos=True)
+    params = Sampling(max_tokens=60, ignore_eos=True)
     result, chunks, fake = await _run_with_update(params)
     assert result.interruptions >= 1 and len(result.output_ids) == 60
     assert result.versions[0] == 0 and result.versions[-1] == 1

@@ -9,7 +9,7 @@ from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.messages.schema import MessagesRequest
-from proxima.proxy.surfaces.messages.translate import to_chat_request
+from proxima.proxy.surfaces.messages.translate import canonical_request
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
 from proxima.proxy.surfaces.responses.translate import input_messages
 
@@ -65,11 +65,15 @@ def _messages(thinking: dict[str, Any], *, signature: str) -> MessagesRequest:
 
 def test_thinking_blocks_map_to_reasoning_content_only_when_signed() -> None:
     block = {"type": "thinking", "thinking": "R"}
-    body = to_chat_request(_messages(block, signature=SEAL.seal("msg_1", "R")), seal=SEAL)
-    assert body["messages"][1] == {"role": "assistant", "content": "A", "reasoning_content": "R"}
+    canonical = canonical_request(_messages(block, signature=SEAL.seal("msg_1", "R")), seal=SEAL)
+    assert canonical.input.messages[1] == {
+        "role": "assistant",
+        "content": "A",
+        "reasoning_content": "R",
+    }
     edited = _messages({"type": "thinking", "thinking": "R!"}, signature=SEAL.seal("msg_1", "R"))
     with pytest.raises(BadRequest, match="does not match") as info:
-        to_chat_request(edited, seal=SEAL)
+        canonical_request(edited, seal=SEAL)
     assert info.value.param == "messages[1].content[0].signature"
 
 
@@ -133,10 +137,11 @@ def test_bad_thinking_options_are_400s(thinking: dict[str, Any], param: str) -> 
 
 
 def test_responses_effort_none_turns_thinking_off() -> None:
-    from proxima.proxy.surfaces.responses.translate import to_chat_request as responses_chat
+    from proxima.proxy.surfaces.responses.translate import canonical_request as responses_request
 
     req = ResponsesRequest.model_validate(
         {"model": "m", "input": "Q", "reasoning": {"effort": "none", "summary": "auto"}}
     )
-    assert responses_chat(req, thinks=True)["chat_template_kwargs"] == {"enable_thinking": False}
-    assert "chat_template_kwargs" not in responses_chat(req, thinks=False)
+    thinking = responses_request(req, thinks=True).input
+    assert thinking.template_kwargs == {"enable_thinking": False}
+    assert responses_request(req, thinks=False).input.template_kwargs is None

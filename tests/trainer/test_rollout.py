@@ -21,9 +21,11 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
+from proxima.proxy.store import Store
 from proxima.proxy.testing.live import LiveProxy
 from proxima.trainer.agents import AgentError, AgentReward, RolloutError, parse_reward
 from proxima.trainer.rollout import RolloutController, item_id
+from proxima.trainer.rollout_sessions import open_session
 from pydantic import SecretStr
 
 SHORT = {"max_tokens": 8, "temperature": 1.0}
@@ -372,3 +374,108 @@ async def test_staleness_429s_are_waited_out(tiny_model_dir: Path, tmp_path: Pat
     assert versions == [1, 2]
     assert report.waits_429 > 0 and report.wait_seconds_429 > 0
     assert (report.sessions_started, report.sessions_rewarded, report.sessions_failed) == (6, 6, 0)
+
+
+class LosesFirstAnswers(httpx.AsyncBaseTransport):
+    """Forwards every request to the proxy; of each ``Idempotency-Key``'s first
+    ``POST /rl/sessions`` it drops the answer and raises ``ReadTimeout``, as a client
+    whose 60 s ran out while the proxy (slowed by load) was still creating the session."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.posts: dict[str, list[int]] = {}  # key -> status of each POST the proxy answered
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method != "POST" or request.url.path != "/rl/sessions":
+            return response
+        key = request.headers["idempotency-key"]
+        answered = self.posts.setdefault(key, [])
+        answered.append(response.status_code)
+        if len(answered) > 1:
+            return response
+        await response.aread()
+        await response.aclose()
+        raise httpx.ReadTimeout("timed out reading the answer (dropped)", request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_session_open_lost_in_transport_is_retried_with_its_key(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every session's first create is answered too late; the run still completes with one
+    session per run, each admitted once. (A proxy that ignored the key opens a second
+    session per retry, which joins its admitted group: 4 sessions, 4 admitted, 2 never
+    finished, and their groups never claimed.)"""
+    db_url = f"sqlite:///{tmp_path / 'store.db'}"
+    live = LiveProxy(tiny_model_dir, db_url=db_url, log_path=tmp_path / "serve.log").start()
+    transport = LosesFirstAnswers()
+    try:
+        ctl = controller(live, sdk_agent, max_concurrency=2, transport=transport)
+        items = [{"id": f"lost-{i}", "question": "hi", "n": 1} for i in range(2)]
+        report = await asyncio.wait_for(ctl.run(items), timeout=120)
+        store = await Store.open(db_url)
+        try:
+            admitted = (await store.admission_state()).admitted
+            sessions = await store.count_sessions()
+        finally:
+            await store.close()
+        trajectories = [live.trajectory(run.session_id) for run in report.runs]
+    finally:
+        live.stop()
+    assert (report.sessions_started, report.sessions_rewarded, report.sessions_failed) == (2, 2, 0)
+    assert report.waits_429 == 0
+    assert sorted(transport.posts.values()) == [[200, 200], [200, 200]]  # one key per session
+    assert (sessions, admitted) == (2, 2)
+    assert len({run.session_id for run in report.runs}) == 2
+    for stored in trajectories:
+        assert stored["status"] == "finished" and stored["reward"] == expected_reward(items[0])
+        assert len(stored["completions"]) == 1  # the agent's turn carried the reissued key
+
+
+async def test_open_session_retries_transport_losses_with_one_key_then_gives_up() -> None:
+    seen: list[tuple[str, str]] = []
+    script: list[Any] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.headers["idempotency-key"], json.loads(request.content)["group_id"]))
+        step = script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return httpx.Response(step, json={"session_id": "s", "api_key": "k", "base_url": "u"})
+
+    async def open_one(**kw: Any) -> dict[str, Any] | None:
+        async with httpx.AsyncClient(
+            transport=httpx.MockTransport(answer), base_url="http://proxy"
+        ) as client:
+            return await open_session(
+                client,
+                asyncio.Event(),
+                lambda s: None,
+                group_id="g",
+                data_id="d",
+                metadata={},
+                backoff_s=0.01,
+                **kw,
+            )
+
+    request = httpx.Request("POST", "http://proxy/rl/sessions")
+    script[:] = [httpx.ReadTimeout("t", request=request), httpx.ConnectError("c"), 503, 504, 200]
+    assert await open_one(attempts=5) == {"session_id": "s", "api_key": "k", "base_url": "u"}
+    assert len(seen) == 5 and len({key for key, _ in seen}) == 1
+    assert seen[0][0].startswith("rollout-")
+
+    first_key = seen[0][0]
+    seen.clear()
+    script[:] = [502, 502, 502, 200]
+    with pytest.raises(RolloutError, match=r"3 tries with one Idempotency-Key\): answered 502"):
+        await open_one(attempts=3)
+    assert len(seen) == 3 and {key for key, _ in seen} != {first_key}  # a new session, a new key
+
+    seen.clear()
+    script[:] = [400]
+    with pytest.raises(RolloutError, match="answered 400"):  # the proxy's answer: no retry
+        await open_one()
+    assert len(seen) == 1

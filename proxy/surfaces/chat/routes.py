@@ -13,12 +13,10 @@ from proxima.proxy.api.deps import SESSION_HEADER_DOC, PrincipalDep, service_of,
 from proxima.proxy.api.disconnect import unless_disconnected
 from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.routing import GenerationRoute
-from proxima.proxy.errors import BadRequest
 from proxima.proxy.surfaces.chat import translate
 from proxima.proxy.surfaces.chat.events import chat_response, chat_stream
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
 from proxima.proxy.surfaces.openai_common import session_header
-from proxima.proxy.unicode import InvalidString
 
 generation = APIRouter(prefix="/v1", tags=["openai"], route_class=GenerationRoute)
 
@@ -29,10 +27,6 @@ async def chat_completions(
 ) -> JSONResponse | EventStreamResponse:
     service, x_session_id = service_of(request), session_id_of(request)
     service.check_model(body.model)
-    try:
-        body.check_openai_tool_names()
-    except InvalidString as exc:
-        raise BadRequest(str(exc), param=exc.param) from None
     prep = await service.prepare(translate.chat_request(body), principal, x_session_id)
     headers = session_header(prep.session)
     model = service.settings.model_name

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from proxima.proxy.api.schemas import (
-    ANTHROPIC_TOOL_NAME,
     OPENAI_TOOL_NAME,
     OpenBody,
     check_tool_names,
 )
-from proxima.proxy.surfaces.openai_common import SamplingFields
+from proxima.proxy.surfaces.openai_common import OpenAIGenerationBody
 from pydantic import (
     Field,
     PrivateAttr,
@@ -45,7 +44,7 @@ class ResponseFormat(OpenBody):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(OpenAIGenerationBody):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -61,17 +60,10 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tools")
     @classmethod
     def _tool_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
-        # The loosest rule of the surfaces that translate into this body (Anthropic's); the
-        # Chat Completions route holds its own callers to OpenAI's (check_openai_tool_names).
+        # OpenAI's rule (``^[a-zA-Z0-9_-]{1,64}$``), each name once: ``InvalidString``.
         named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(v or []))
-        check_tool_names(named, ANTHROPIC_TOOL_NAME)
-        return v
-
-    def check_openai_tool_names(self) -> None:
-        """The tools' names as OpenAI's (``^[a-zA-Z0-9_-]{1,64}$``): ``InvalidString``."""
-        tools = self.tools or []
-        named = ((f"tools[{i}].function.name", t.function.name) for i, t in enumerate(tools))
         check_tool_names(named, OPENAI_TOOL_NAME)
+        return v
 
     @model_validator(mode="wrap")
     @classmethod

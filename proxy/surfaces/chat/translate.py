@@ -16,8 +16,6 @@ from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest, NamedToolChoice
 from proxima.proxy.surfaces.openai_common import refuse_unsupported, sampling_of
 from proxima.proxy.tools import resolve_tool_choice
-from proxima.proxy.unicode import InvalidString
-from pydantic import ValidationError
 
 
 def chat_request(req: ChatCompletionRequest) -> CanonicalRequest:
@@ -59,28 +57,3 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
                 param=f"chat_template_kwargs.{key}",
             )
     return kwargs or None
-
-
-def chat_request_of(body: dict[str, Any], params: dict[str, str]) -> CanonicalRequest:
-    """The canonical request of a chat body that another API's translation built.
-
-    Other API surfaces (Responses, Messages) translate into a Chat Completions
-    body so that every chat rule applies to them too; ``params`` renames chat
-    parameters to theirs in the 400s.
-    """
-    try:
-        return chat_request(ChatCompletionRequest.model_validate(body))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        cause = (first.get("ctx") or {}).get("error")
-        if isinstance(cause, InvalidString):  # a lone surrogate somewhere in the body
-            raise BadRequest(str(cause), param=cause.param) from exc
-        param = ".".join(str(p) for p in first.get("loc", ()))
-        raise BadRequest(
-            f"Invalid value for '{params.get(param, param)}': {first.get('msg')}.",
-            param=params.get(param, param),
-        ) from exc
-    except BadRequest as exc:
-        if exc.param in params:
-            exc.param = params[exc.param]
-        raise

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from proxima.proxy.surfaces.openai_common import SamplingFields
+from proxima.proxy.surfaces.openai_common import OpenAIGenerationBody
 from pydantic import Field
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(OpenAIGenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

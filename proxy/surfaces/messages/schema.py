@@ -22,7 +22,7 @@ ACCEPTED_WITHOUT_EFFECT = frozenset(
 
 
 class MessagesRequest(BaseModel):
-    """The body of ``POST /v1/messages`` (types checked; the rest in ``to_chat_request``)."""
+    """The body of ``POST /v1/messages`` (types checked; the rest in ``translate.canonical_request``)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,9 +1,11 @@
-"""Anthropic Messages API requests -> the canonical chat request the proxy serves.
+"""Anthropic Messages API requests -> the canonical request the proxy serves.
 
-``POST /v1/messages`` is a thin translation: the request becomes a Chat
-Completions request that the chat template renders exactly as for
-``/v1/chat/completions``, so the session, the token-exact reuse of earlier
-turns and the recorded tokens are the same whichever API a turn came in.
+``POST /v1/messages`` translates its body straight into the canonical
+request, which the chat template renders exactly as a ``/v1/chat/completions``
+conversation: the session, the token-exact reuse of earlier turns and the
+recorded tokens are the same whichever API a turn came in. Every 400 names
+the Messages field (``stop_sequences``, ``output_config.format``,
+``metadata.user_id``).
 
 What becomes what::
 
@@ -14,9 +16,10 @@ What becomes what::
     assistant: text blocks                   -> assistant content (joined as generated)
     assistant: tool_use blocks               -> the assistant message's tool_calls
     assistant: thinking blocks               -> its reasoning_content (signature verified)
-    tools [{name, description, input_schema}] -> function tools
+    tools [{name, description, input_schema}] -> function tools (input_schema as parameters)
     tool_choice auto / any / tool / none     -> "auto" / "required" / the named function / "none"
     max_tokens, stop_sequences, temperature, top_p, top_k -> the same sampling settings
+    metadata.user_id                         -> user (names a production session)
 
 Images, documents, server tools (web search, bash, text editor, computer use,
 ...) are refused with a 400 in Anthropic's error shape; so is ``thinking:
@@ -32,14 +35,20 @@ accepted as no-ops (``surfaces.reasoning_options``); ``cache_control`` on blocks
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.api.schemas import check_stop_sequences
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
-from proxima.proxy.surfaces.chat.translate import chat_request_of
+from proxima.proxy.surfaces.conversation import (
+    chat_input,
+    check_strings,
+    check_user,
+    function_tool,
+)
 from proxima.proxy.surfaces.messages.schema import ACCEPTED_WITHOUT_EFFECT, MessagesRequest
 
 Message = dict[str, Any]
@@ -158,8 +167,8 @@ def _verified_thinking(block: dict[str, Any], at: str, seal: ReasoningSeal | Non
     return block["thinking"]
 
 
-def chat_messages(req: MessagesRequest, seal: ReasoningSeal | None = None) -> list[Message]:
-    """The conversation as OpenAI chat messages."""
+def conversation(req: MessagesRequest, seal: ReasoningSeal | None = None) -> list[Message]:
+    """The conversation as canonical chat messages."""
     messages: list[Message] = []
     if req.system is not None:
         messages.append({"role": "system", "content": _text_of_blocks(req.system, "system", "\n")})
@@ -186,7 +195,7 @@ def chat_messages(req: MessagesRequest, seal: ReasoningSeal | None = None) -> li
 
 
 def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic client tools -> chat function tools; server tools are a 400."""
+    """Anthropic client tools -> canonical function tools; server tools are a 400."""
     if not tools:
         return None
     out = []
@@ -205,18 +214,18 @@ def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
             raise BadRequest(
                 f"tools[{i}].input_schema must be an object.", param=f"tools[{i}].input_schema"
             )
-        function: dict[str, Any] = {"name": name}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        function["parameters"] = schema
-        if tool.get("strict"):
-            function["strict"] = True
-        out.append({"type": "function", "function": function})
+        where = f"tools[{i}]"
+        out.append(
+            function_tool(
+                name, tool.get("description"), schema, strict=bool(tool.get("strict")), where=where
+            )
+        )
     return out
 
 
 def translate_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
-    """Anthropic ``tool_choice`` -> (chat ``tool_choice``, ``parallel_tool_calls``)."""
+    """Anthropic ``tool_choice`` -> (the canonical one, in OpenAI chat's spelling, and
+    ``parallel_tool_calls``)."""
     if choice is None:
         return None, None
     kind = choice.get("type")
@@ -237,7 +246,7 @@ def translate_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | No
 
 
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``output_config.format`` (structured output) -> chat ``response_format``;
+    """``output_config.format`` (structured output) -> the canonical ``response_format``;
     ``output_config.effort`` is judged in ``surfaces.reasoning_options``."""
     if not output_config:
         return None
@@ -261,10 +270,14 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
 
 
-def to_chat_request(
+def canonical_request(
     req: MessagesRequest, *, thinks: bool = False, seal: ReasoningSeal | None = None
-) -> dict[str, Any]:
-    """The Chat Completions request body equivalent to ``req``."""
+) -> CanonicalRequest:
+    """``req`` as the service's canonical request (recorded under a ``msg_`` id).
+
+    ``thinks``: the served model may think (its reasoning parser is not
+    ``none``); ``seal`` verifies thinking blocks sent back.
+    """
     unknown = sorted(set(req.model_extra or {}) - ACCEPTED_WITHOUT_EFFECT)
     if unknown:
         raise BadRequest(
@@ -276,41 +289,38 @@ def to_chat_request(
     )
     reasoning_options.check_messages_context_management(req.context_management)
     tool_choice, parallel = translate_tool_choice(req.tool_choice)
+    messages = conversation(req, seal)
+    tools = translate_tools(req.tools)
+    response_format = _response_format(req.output_config)
+    check_strings(req)
+    stop = list(req.stop_sequences or [])
+    try:
+        check_stop_sequences(stop)
+    except ValueError as exc:
+        raise BadRequest(
+            f"Invalid value for 'stop_sequences': {exc}.", param="stop_sequences"
+        ) from None
     user = (req.metadata or {}).get("user_id")
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": chat_messages(req, seal),
-        "max_tokens": req.max_tokens,
-        "stream": req.stream,
-    }
-    optional = {
-        "tools": translate_tools(req.tools),
-        "tool_choice": tool_choice,
-        "parallel_tool_calls": parallel,
-        "stop": list(req.stop_sequences) if req.stop_sequences else None,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "user": user if isinstance(user, str) else None,
-        "response_format": _response_format(req.output_config),
-        "chat_template_kwargs": template_kwargs,
-        "reasoning_budget": budget,
-    }
-    body.update({k: v for k, v in optional.items() if v is not None})
-    return body
-
-
-# Chat parameters named as the Messages API names them, for error messages.
-_PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
-
-
-def canonical_request(
-    req: MessagesRequest, *, thinks: bool = False, seal: ReasoningSeal | None = None
-) -> CanonicalRequest:
-    """``req`` as the service's canonical request (recorded under a ``msg_`` id).
-
-    ``thinks``: the served model may think (its reasoning parser is not
-    ``none``); ``seal`` verifies thinking blocks sent back.
-    """
-    chat = chat_request_of(to_chat_request(req, thinks=thinks, seal=seal), _PARAMS)
-    return replace(chat, id_prefix="msg_")
+    user = user if isinstance(user, str) else None
+    check_user(user, "metadata.user_id")
+    return CanonicalRequest(
+        input=chat_input(
+            messages,
+            tools,
+            tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=parallel,
+            template_kwargs=template_kwargs,
+            reasoning_budget=budget,
+        ),
+        sampling=Sampling.asked(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=stop,
+        ),
+        id_prefix="msg_",
+        user=user,
+        model=req.model,
+    )

@@ -28,7 +28,7 @@ ACCEPTED_WITHOUT_EFFECT = frozenset(
 
 
 class ResponsesRequest(BaseModel):
-    """The body of ``POST /v1/responses`` (types checked; the rest in ``to_chat_request``)."""
+    """The body of ``POST /v1/responses`` (types checked; the rest in ``translate.canonical_request``)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,10 +1,12 @@
-"""OpenAI Responses API requests -> the canonical chat request the proxy serves.
+"""OpenAI Responses API requests -> the canonical request the proxy serves.
 
-``POST /v1/responses`` is a thin translation: the request becomes a Chat
-Completions request (OpenAI chat messages, tools, ``tool_choice``, sampling),
-which the chat template renders exactly as for ``/v1/chat/completions``. So a
-Responses conversation is stored, reused token-exactly and trained exactly
-like a chat one, and a session may mix the two.
+``POST /v1/responses`` translates its body straight into the canonical
+request: the conversation as canonical chat messages, function tools, the
+tool choice, sampling. The chat template renders it exactly as a
+``/v1/chat/completions`` conversation, so a Responses conversation is stored,
+reused token-exactly and trained exactly like a chat one, and a session may
+mix the two. Every 400 names the Responses field (``input[2].arguments``,
+``text.format``, ``max_output_tokens``).
 
 Items of ``input`` and what they become::
 
@@ -16,6 +18,8 @@ Items of ``input`` and what they become::
      "name", "arguments"}                    -> a tool call of the assistant message
     {"type": "function_call_output",
      "call_id", "output"}                    -> tool message
+    {"type": "reasoning", ...}               -> reasoning_content of the assistant
+                                                message that follows it
 
 Consecutive assistant items (a message and the function calls that follow it)
 are one assistant turn, as the model produced them: their texts are joined
@@ -29,22 +33,29 @@ every request); other built-in tools are a 400. Reasoning options are judged
 in ``surfaces.reasoning_options`` (no-ops for a model that does not think).
 
 Everything else is refused with a 400 naming the parameter: built-in tools
-(file search, computer use, ...), images and files, reasoning items,
-server-side conversations and prompts, and the options that would change
-generation in a way this server does not implement.
+(file search, computer use, ...), images and files, server-side
+conversations and prompts, and the options that would change generation in a
+way this server does not implement.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any
 
+from proxima.proxy.chat import parse_tool_arguments
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
-from proxima.proxy.surfaces.chat.translate import chat_request_of
+from proxima.proxy.surfaces.conversation import (
+    chat_input,
+    check_function_name,
+    check_strings,
+    check_user,
+    function_tool,
+)
 from proxima.proxy.surfaces.responses.schema import ACCEPTED_WITHOUT_EFFECT, ResponsesRequest
 
 Message = dict[str, Any]
@@ -95,19 +106,18 @@ NOT_OFFERED_TOOLS = frozenset(
 
 
 def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    """One Responses function tool (flat) as a chat tool."""
+    """One Responses function tool (flat) in the canonical shape."""
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise BadRequest(f"{where}.name must be a non-empty string.", param=f"{where}.name")
-    function: dict[str, Any] = {"name": name}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    if tool.get("parameters") is not None:
-        function["parameters"] = tool["parameters"]
-    if tool.get("strict"):
-        # strict: false is the default; only an explicit true reaches the template.
-        function["strict"] = True
-    return {"type": "function", "function": function}
+    check_function_name(name, f"{where}.name")
+    return function_tool(
+        name,
+        tool.get("description"),
+        tool.get("parameters"),
+        strict=bool(tool.get("strict")),
+        where=where,
+    )
 
 
 def _refuse_tool(kind: Any, where: str) -> BadRequest:
@@ -120,7 +130,7 @@ def _refuse_tool(kind: Any, where: str) -> BadRequest:
 
 
 def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses tools -> chat function tools, in order.
+    """Responses tools -> canonical function tools, in order.
 
     A ``namespace`` tool's function tools are function tools (its calls carry the
     namespace back: ``tool_namespaces``); ``web_search`` tools are accepted and not
@@ -132,8 +142,8 @@ def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
     seen: dict[str, str] = {}
 
     def add(tool: dict[str, Any], where: str) -> None:
-        chat_tool = _function_tool(tool, where)
-        name = chat_tool["function"]["name"]
+        function = _function_tool(tool, where)
+        name = function["function"]["name"]
         if name in seen:
             raise BadRequest(
                 f"Tool name {name!r} ({where}) is declared twice (first at {seen[name]}); "
@@ -141,7 +151,7 @@ def translate_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
                 param=f"{where}.name",
             )
         seen[name] = where
-        out.append(chat_tool)
+        out.append(function)
 
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -180,10 +190,14 @@ def tool_namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
 
 
 def translate_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """Responses ``tool_choice`` -> chat ``tool_choice``."""
-    if choice is None or isinstance(choice, str):
+    """Responses ``tool_choice`` -> the canonical one (OpenAI chat's spelling)."""
+    if choice is None or choice in ("none", "auto", "required"):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("name"), str)
+    ):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise BadRequest(
         f"tool_choice {json.dumps(choice)} is not supported: use 'none', 'auto', 'required' "
@@ -193,7 +207,8 @@ def translate_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str
 
 
 def translate_text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``text.format`` -> chat ``response_format`` (json_schema moves under ``json_schema``)."""
+    """``text.format`` -> the canonical ``response_format`` (OpenAI chat's shape: a json_schema
+    moves under ``json_schema``)."""
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
@@ -349,9 +364,11 @@ def _add_item(
                     "string.",
                     param=f"{where}.{field}",
                 )
+        assert isinstance(arguments, str)  # checked above
         turn = conv.assistant()
+        parsed = parse_tool_arguments(arguments, f"{where}.arguments")
         turn.setdefault("tool_calls", []).append(
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
         )
     elif kind == "reasoning":
         # A reasoning item starts an assistant turn: the reply it came with follows it.
@@ -378,7 +395,7 @@ def _add_item(
 def input_messages(
     req: ResponsesRequest, previous: list[Message] | None = None, seal: ReasoningSeal | None = None
 ) -> list[Message]:
-    """The conversation as OpenAI chat messages.
+    """The conversation as canonical chat messages.
 
     ``previous`` is the conversation of ``previous_response_id`` (its request
     messages and its reply); the new input follows it. ``instructions``, when
@@ -403,44 +420,6 @@ def input_messages(
     return messages
 
 
-def to_chat_request(
-    req: ResponsesRequest,
-    previous: list[Message] | None = None,
-    seal: ReasoningSeal | None = None,
-    *,
-    thinks: bool = False,
-) -> dict[str, Any]:
-    """The Chat Completions request body equivalent to ``req``."""
-    _refuse_unsupported(req)
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": input_messages(req, previous, seal),
-        "stream": req.stream,
-    }
-    optional = {
-        "tools": translate_tools(req.tools),
-        "tool_choice": translate_tool_choice(req.tool_choice),
-        "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "parallel_tool_calls": req.parallel_tool_calls,
-        "response_format": translate_text_format(req.text),
-        "user": req.user,
-        "chat_template_kwargs": reasoning_options.reasoning_effort_kwargs(
-            req.reasoning, thinks=thinks
-        ),
-    }
-    if req.wants_logprobs or req.top_logprobs:
-        optional["logprobs"] = True
-        optional["top_logprobs"] = req.top_logprobs or 0
-    body.update({k: v for k, v in optional.items() if v is not None})
-    return body
-
-
-# Chat parameters named as the Responses API names them, for error messages.
-_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
-
-
 def canonical_request(
     req: ResponsesRequest,
     previous: list[Message] | None = None,
@@ -450,13 +429,39 @@ def canonical_request(
 ) -> CanonicalRequest:
     """``req`` as the service's canonical request (recorded under a ``resp_`` id).
 
-    ``seal`` verifies reasoning items' ``encrypted_content``; ``thinks``: the
-    served model may think (``reasoning.effort: "none"`` then turns it off).
+    ``previous``: the conversation of ``previous_response_id``; ``seal``
+    verifies reasoning items' ``encrypted_content``; ``thinks``: the served
+    model may think (``reasoning.effort: "none"`` then turns it off).
     """
-    chat = chat_request_of(to_chat_request(req, previous, seal, thinks=thinks), _PARAMS)
-    # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API does
-    # (Codex CLI never sends it, and a reply cut short is an error to it).
-    return replace(chat, id_prefix="resp_", max_tokens_fills_context=True)
+    _refuse_unsupported(req)
+    messages = input_messages(req, previous, seal)
+    tools = translate_tools(req.tools)
+    tool_choice = translate_tool_choice(req.tool_choice)
+    response_format = translate_text_format(req.text)
+    template_kwargs = reasoning_options.reasoning_effort_kwargs(req.reasoning, thinks=thinks)
+    check_strings(req)
+    check_user(req.user, "user")
+    return CanonicalRequest(
+        input=chat_input(
+            messages,
+            tools,
+            tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=req.parallel_tool_calls,
+            template_kwargs=template_kwargs,
+        ),
+        sampling=Sampling.asked(
+            max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p
+        ),
+        id_prefix="resp_",
+        logprobs=bool(req.wants_logprobs or req.top_logprobs),
+        top_logprobs=req.top_logprobs or 0,
+        user=req.user,
+        model=req.model,
+        # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API
+        # does (Codex CLI never sends it, and a reply cut short is an error to it).
+        max_tokens_fills_context=True,
+    )
 
 
 def echoed_settings(req: ResponsesRequest) -> dict[str, Any]:

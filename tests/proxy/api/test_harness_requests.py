@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from proxima.proxy.errors import BadRequest, ContextTooLong
+from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.surfaces.messages import translate as messages_translate
 from proxima.proxy.surfaces.messages.errors import error_of
 from proxima.proxy.surfaces.messages.schema import MessagesRequest
@@ -135,14 +136,15 @@ CLAUDE_TURN_1: dict[str, Any] = {
 
 def test_codex_first_request_is_accepted_whole() -> None:
     req = ResponsesRequest.model_validate(CODEX_TURN_1)
-    chat = responses_translate.to_chat_request(req)
-    assert [m["role"] for m in chat["messages"]] == ["system", "user", "user"]
-    assert chat["messages"][2]["content"] == "Create a file named done.txt"
-    # The namespace's function is a function tool; web_search is not offered to the model.
-    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "close_agent"]
-    assert chat["tools"][1]["function"]["parameters"] == CLOSE_AGENT["parameters"]
-    assert "max_completion_tokens" not in chat  # what the context leaves: see below
     canonical = responses_translate.canonical_request(req)
+    chat = canonical.input
+    assert isinstance(chat, ChatInput) and chat.tools is not None
+    assert [m["role"] for m in chat.messages] == ["system", "user", "user"]
+    assert chat.messages[2]["content"] == "Create a file named done.txt"
+    # The namespace's function is a function tool; web_search is not offered to the model.
+    assert [t["function"]["name"] for t in chat.tools] == ["exec_command", "close_agent"]
+    assert chat.tools[1]["function"]["parameters"] == CLOSE_AGENT["parameters"]
+    # No max_output_tokens: the reply may use what the context leaves.
     assert canonical.max_tokens_fills_context and canonical.sampling.max_tokens is None
 
 
@@ -177,8 +179,8 @@ def test_codex_second_request_round_trips_the_call_with_its_item_ids() -> None:
         },
         {"type": "function_call_output", "call_id": "call_1", "output": "Process exited 0"},
     ]
-    chat = responses_translate.to_chat_request(ResponsesRequest.model_validate(body))
-    assistant, tool = chat["messages"][-2:]
+    canonical = responses_translate.canonical_request(ResponsesRequest.model_validate(body))
+    assistant, tool = canonical.input.messages[-2:]
     assert assistant["tool_calls"][0]["function"]["name"] == "exec_command"
     assert tool == {"role": "tool", "tool_call_id": "call_1", "content": "Process exited 0"}
 
@@ -203,7 +205,7 @@ def test_namespaced_names_must_stay_unique(tools: list[dict[str, Any]], param: s
 def test_forcing_web_search_stays_a_400() -> None:
     body = {**CODEX_TURN_1, "tool_choice": {"type": "web_search"}}
     with pytest.raises(BadRequest) as info:
-        responses_translate.to_chat_request(ResponsesRequest.model_validate(body))
+        responses_translate.canonical_request(ResponsesRequest.model_validate(body))
     assert info.value.param == "tool_choice"
 
 
@@ -216,14 +218,16 @@ def test_reasoning_options_are_no_ops_for_a_model_that_does_not_think(
 ) -> None:
     body = {**CODEX_TURN_1, "reasoning": reasoning}
     plain = {k: v for k, v in CODEX_TURN_1.items() if k not in ("reasoning", "include")}
-    as_sent = responses_translate.to_chat_request(ResponsesRequest.model_validate(body))
-    without = responses_translate.to_chat_request(ResponsesRequest.model_validate(plain))
+    as_sent = responses_translate.canonical_request(ResponsesRequest.model_validate(body))
+    without = responses_translate.canonical_request(ResponsesRequest.model_validate(plain))
     assert as_sent == without
 
 
 def test_claude_code_first_request_is_accepted_whole() -> None:
-    chat = messages_translate.to_chat_request(MessagesRequest.model_validate(CLAUDE_TURN_1))
-    system, user, mid_system = chat["messages"]
+    canonical = messages_translate.canonical_request(MessagesRequest.model_validate(CLAUDE_TURN_1))
+    chat = canonical.input
+    assert isinstance(chat, ChatInput) and chat.tools is not None
+    system, user, mid_system = chat.messages
     assert system == {
         "role": "system",
         "content": "x-anthropic-billing-header: cc_version=2.1.197.c3b;\n"
@@ -232,15 +236,15 @@ def test_claude_code_first_request_is_accepted_whole() -> None:
     }
     assert user["role"] == "user" and user["content"].endswith("\nCreate a file named done.txt")
     assert mid_system == {"role": "system", "content": CLAUDE_TURN_1["messages"][1]["content"]}
-    assert chat["max_tokens"] == 32000
-    assert chat["tools"][0]["function"]["name"] == "Bash"
+    assert canonical.sampling.max_tokens == 32000
+    assert chat.tools[0]["function"]["name"] == "Bash"
     # Nothing of thinking, effort or context_management reaches generation.
     plain = {
         k: v
         for k, v in CLAUDE_TURN_1.items()
         if k not in ("thinking", "context_management", "output_config")
     }
-    assert chat == messages_translate.to_chat_request(MessagesRequest.model_validate(plain))
+    assert canonical == messages_translate.canonical_request(MessagesRequest.model_validate(plain))
 
 
 @pytest.mark.parametrize(
@@ -255,7 +259,7 @@ def test_claude_code_first_request_is_accepted_whole() -> None:
 def test_what_thinking_cannot_do_stays_a_400(field: str, value: Any, param: str | None) -> None:
     body = {**CLAUDE_TURN_1, field: value}
     with pytest.raises(BadRequest) as info:
-        messages_translate.to_chat_request(MessagesRequest.model_validate(body))
+        messages_translate.canonical_request(MessagesRequest.model_validate(body))
     assert info.value.param == (param or "context_management.edits[0].type")
 
 

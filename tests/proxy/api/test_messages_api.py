@@ -1,6 +1,6 @@
 """Anthropic Messages translation and builders, checked against the Anthropic SDK's own types.
 
-Requests are translated to chat messages by hand-written cases; built
+Requests are translated to the canonical request by hand-written cases; built
 messages and streamed events are validated strictly with the SDK's pydantic
 models and replayed through the SDK's stream accumulator.
 """
@@ -20,6 +20,7 @@ from proxima.proxy.errors import (
     BadRequest,
     ContextTooLong,
 )
+from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.surfaces.messages.errors import error_of
 from proxima.proxy.surfaces.messages.events import (
     MessageHead,
@@ -28,8 +29,8 @@ from proxima.proxy.surfaces.messages.events import (
     tool_input,
 )
 from proxima.proxy.surfaces.messages.schema import MessagesRequest
-from proxima.proxy.surfaces.messages.translate import chat_messages, to_chat_request
-from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
+from proxima.proxy.surfaces.messages.translate import canonical_request
+from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta, ToolChoice
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {
@@ -46,7 +47,7 @@ def req(**body: Any) -> MessagesRequest:
 # ------------------------------------------------------------------------ translation
 
 
-def test_system_blocks_and_a_tool_round_trip_become_chat_messages() -> None:
+def test_system_blocks_and_a_tool_round_trip_become_canonical_messages() -> None:
     messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {
@@ -77,7 +78,7 @@ def test_system_blocks_and_a_tool_round_trip_become_chat_messages() -> None:
         },
     ]
     system = [{"type": "text", "text": "You help."}, {"type": "text", "text": "Be brief."}]
-    assert chat_messages(req(system=system, messages=messages)) == [
+    assert canonical_request(req(system=system, messages=messages)).input.messages == [
         {"role": "system", "content": "You help.\nBe brief."},
         {"role": "user", "content": "What is the weather in Paris?"},
         {
@@ -98,22 +99,18 @@ def test_system_blocks_and_a_tool_round_trip_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tool_choice", "chat_choice", "parallel"),
+    ("tool_choice", "choice", "parallel"),
     [
-        ({"type": "auto"}, "auto", None),
-        ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
-        ({"type": "none"}, "none", None),
-        (
-            {"type": "tool", "name": "get_weather"},
-            {"type": "function", "function": {"name": "get_weather"}},
-            None,
-        ),
+        ({"type": "auto"}, ToolChoice("auto"), None),
+        ({"type": "any", "disable_parallel_tool_use": True}, ToolChoice("required"), False),
+        ({"type": "none"}, ToolChoice("none"), None),
+        ({"type": "tool", "name": "get_weather"}, ToolChoice("function", "get_weather"), None),
     ],
 )
-def test_tool_choice_and_sampling_translate_to_chat(
-    tool_choice: dict[str, Any], chat_choice: Any, parallel: bool | None
+def test_tool_choice_and_sampling_translate_to_the_canonical_request(
+    tool_choice: dict[str, Any], choice: ToolChoice, parallel: bool | None
 ) -> None:
-    body = to_chat_request(
+    canonical = canonical_request(
         req(
             messages=[{"role": "user", "content": "Q"}],
             tools=[WEATHER],
@@ -125,7 +122,9 @@ def test_tool_choice_and_sampling_translate_to_chat(
             metadata={"user_id": "u1"},
         )
     )
-    assert body["tools"] == [
+    chat, sampling = canonical.input, canonical.sampling
+    assert isinstance(chat, ChatInput)
+    assert chat.tools == [
         {
             "type": "function",
             "function": {
@@ -135,10 +134,10 @@ def test_tool_choice_and_sampling_translate_to_chat(
             },
         }
     ]
-    assert body["tool_choice"] == chat_choice
-    assert body.get("parallel_tool_calls") == parallel
-    assert (body["max_tokens"], body["stop"], body["user"]) == (64, ["END"], "u1")
-    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.3, 0.8, 5)
+    assert chat.tool_choice == choice
+    assert chat.parallel_tool_calls == parallel
+    assert (sampling.max_tokens, sampling.stop, canonical.user) == (64, ["END"], "u1")
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.3, 0.8, 5)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +184,7 @@ def test_unsupported_requests_are_400s_naming_the_parameter(
 ) -> None:
     body = {"messages": [{"role": "user", "content": "Q"}], **body}
     with pytest.raises(BadRequest) as info:
-        to_chat_request(req(**body))
+        canonical_request(req(**body))
     assert info.value.param == param
 
 
@@ -198,7 +197,7 @@ def test_a_redacted_thinking_block_is_refused_saying_what_to_send_back() -> None
         ]
     }
     with pytest.raises(BadRequest) as info:
-        to_chat_request(req(**body))
+        canonical_request(req(**body))
     assert info.value.param == "messages[1].content[0].type"
     assert "never produces" in str(info.value) and "thinking blocks" in str(info.value)
 
@@ -320,7 +319,7 @@ def test_stream_stopped_by_a_sequence_and_a_failed_stream() -> None:
 
 
 def test_hosted_service_options_are_accepted() -> None:
-    body = to_chat_request(
+    canonical = canonical_request(
         req(
             messages=[{"role": "user", "content": "Q"}],
             cache_control={"type": "ephemeral"},
@@ -328,4 +327,4 @@ def test_hosted_service_options_are_accepted() -> None:
             metadata={"user_id": "u"},
         )
     )
-    assert body["messages"] == [{"role": "user", "content": "Q"}]
+    assert canonical.input.messages == [{"role": "user", "content": "Q"}]

@@ -1,6 +1,6 @@
 """Responses API translation and builders, checked against the OpenAI SDK's own types.
 
-Requests are translated to chat messages by hand-written cases; built
+Requests are translated to the canonical request by hand-written cases; built
 responses and streamed events are validated strictly with the SDK's pydantic
 models and replayed through the SDK's stream accumulator.
 """
@@ -17,6 +17,7 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from proxima.proxy.errors import BackendUnavailable, BadRequest
+from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.surfaces.responses.events import (
     ResponseHead,
     ResponsesStream,
@@ -24,11 +25,11 @@ from proxima.proxy.surfaces.responses.events import (
 )
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
 from proxima.proxy.surfaces.responses.translate import (
+    canonical_request,
     echoed_settings,
     input_messages,
-    to_chat_request,
 )
-from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
+from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta, ToolChoice
 
 WEATHER = {
     "type": "function",
@@ -46,13 +47,13 @@ def req(**body: Any) -> ResponsesRequest:
 
 
 def test_string_input_is_one_user_message_after_instructions() -> None:
-    body = to_chat_request(req(input="Hi", instructions="Be brief.", max_output_tokens=7))
-    assert body["messages"] == [
+    canonical = canonical_request(req(input="Hi", instructions="Be brief.", max_output_tokens=7))
+    assert canonical.input.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
     ]
-    assert body["max_completion_tokens"] == 7
-    assert "tools" not in body and body["stream"] is False
+    assert canonical.sampling.max_tokens == 7
+    assert canonical.input.tools is None
 
 
 def test_output_items_sent_back_become_one_assistant_turn() -> None:
@@ -76,7 +77,7 @@ def test_output_items_sent_back_become_one_assistant_turn() -> None:
         },
         {"role": "developer", "content": "Now answer."},
     ]
-    assert input_messages(req(input=items)) == [
+    assert canonical_request(req(input=items)).input.messages == [
         {"role": "user", "content": "Q"},
         {
             "role": "assistant",
@@ -85,9 +86,9 @@ def test_output_items_sent_back_become_one_assistant_turn() -> None:
                 {
                     "id": "call_a",
                     "type": "function",
-                    "function": {"name": "f", "arguments": '{"x": 1}'},
+                    "function": {"name": "f", "arguments": {"x": 1}},
                 },
-                {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+                {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": {}}},
             ],
         },
         {"role": "tool", "tool_call_id": "call_a", "content": "one"},
@@ -112,8 +113,8 @@ def test_previous_conversation_comes_first_and_instructions_replace_its_system()
     ]
 
 
-def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
-    body = to_chat_request(
+def test_tools_tool_choice_and_text_format_translate_to_the_canonical_request() -> None:
+    canonical = canonical_request(
         req(
             input="Q",
             tools=[WEATHER, {**WEATHER, "name": "other", "strict": True}],
@@ -127,7 +128,9 @@ def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
             store=False,
         )
     )
-    assert body["tools"][0] == {
+    chat = canonical.input
+    assert isinstance(chat, ChatInput) and chat.tools is not None
+    assert chat.tools[0] == {
         "type": "function",
         "function": {
             "name": "get_weather",
@@ -135,14 +138,15 @@ def test_tools_tool_choice_and_text_format_translate_to_chat() -> None:
             "parameters": WEATHER["parameters"],
         },
     }
-    assert body["tools"][1]["function"]["strict"] is True
-    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-    assert body["response_format"] == {
+    assert chat.tools[1]["function"]["strict"] is True
+    assert chat.tool_choice == ToolChoice("function", "get_weather")
+    assert chat.response_format == {
         "type": "json_schema",
         "json_schema": {"name": "out", "schema": {"type": "object"}},
     }
-    assert (body["parallel_tool_calls"], body["temperature"], body["top_p"]) == (False, 0.5, 0.9)
-    assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
+    sampling = canonical.sampling
+    assert (chat.parallel_tool_calls, sampling.temperature, sampling.top_p) == (False, 0.5, 0.9)
+    assert (canonical.logprobs, canonical.top_logprobs) == (True, 2)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +187,7 @@ def test_unsupported_requests_are_400s_naming_the_parameter(
     body: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(BadRequest) as info:
-        to_chat_request(req(**body))
+        canonical_request(req(**body))
     assert info.value.param == param
     assert info.value.status_code == 400
 

@@ -18,7 +18,8 @@ from proxima.proxy.backends.errors import (
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import SGLangClient
-from proxima.proxy.generation import GenerationParams, GenerationResult, generate
+from proxima.proxy.generation import GenerationResult, generate
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
@@ -134,7 +135,7 @@ async def test_weight_update_interrupts_and_generation_resumes() -> None:
         async with httpx.AsyncClient() as http:
             pool = BackendPool([server.url], http=http)
             result = GenerationResult()
-            params = GenerationParams(max_new_tokens=60, ignore_eos=True)
+            params = Sampling(max_tokens=60, ignore_eos=True)
 
             async def run() -> None:
                 async for _ in generate(pool, prompt_ids=[1, 2], params=params, result=result):
@@ -153,7 +154,7 @@ async def test_weight_update_interrupts_and_generation_resumes() -> None:
 
 async def _generate_versions(pool: BackendPool, n: int = 8) -> list[int]:
     result = GenerationResult()
-    params = GenerationParams(max_new_tokens=n, ignore_eos=True)
+    params = Sampling(max_tokens=n, ignore_eos=True)
     async for _ in generate(pool, prompt_ids=[1, 2], params=params, result=result):
         pass
     assert len(result.output_ids) == n

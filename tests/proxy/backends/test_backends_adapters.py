@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.generation import GenerationParams, GenerationResult, generate
+from proxima.proxy.generation import GenerationResult, generate
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
@@ -33,7 +34,7 @@ async def _run(
     pool: BackendPool, adapter: str | None, n: int, sticky: str | None = None
 ) -> GenerationResult:
     result = GenerationResult()
-    params = GenerationParams(max_new_tokens=n, ignore_eos=True)
+    params = Sampling(max_tokens=n, ignore_eos=True)
     async for _ in generate(
         pool, prompt_ids=[1, 2], params=params, result=result, adapter=adapter, sticky_key=sticky
     ):
@@ -87,7 +88,7 @@ async def test_a_push_interrupts_and_resumes_only_that_adapters_generations(
 
             pool.backends[0].client.pause_generation = counted_pause  # type: ignore[method-assign]
             results = {name: GenerationResult() for name in ("base", "a", "b")}
-            params = GenerationParams(max_new_tokens=60, ignore_eos=True)
+            params = Sampling(max_tokens=60, ignore_eos=True)
 
             async def run(name: str) -> None:
                 adapter = None if name == "base" else name

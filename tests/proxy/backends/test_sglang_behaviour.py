@@ -16,11 +16,11 @@ import pytest
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.errors import BackendUnavailable, BadRequest, ContextTooLong
 from proxima.proxy.generation import (
-    GenerationParams,
     GenerationResult,
     backend_rid,
     generate,
 )
+from proxima.proxy.sampling import Sampling
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
@@ -43,7 +43,7 @@ def _client(fakes: dict[str, FakeBackend]) -> httpx.AsyncClient:
     )
 
 
-async def _run(pool: BackendPool, params: GenerationParams, **kw: Any) -> GenerationResult:
+async def _run(pool: BackendPool, params: Sampling, **kw: Any) -> GenerationResult:
     result = GenerationResult()
     async for _ in generate(
         pool, prompt_ids=kw.pop("prompt", [1, 2]), params=params, result=result, **kw
@@ -95,7 +95,7 @@ async def test_abort_with_status_is_an_error_at_once() -> None:
     async with served({"a": create_fake_app(fake)}) as (http, urls):
         pool = BackendPool([urls["a"]], http=http)
         with pytest.raises(ContextTooLong, match="exceeds the maximum allowed length"):
-            await _run(pool, GenerationParams(max_new_tokens=5), prompt=[1, 2, 3, 4, 5])
+            await _run(pool, Sampling(max_tokens=5), prompt=[1, 2, 3, 4, 5])
         assert fake.requests == 1  # not resumed
 
 
@@ -119,7 +119,7 @@ async def test_abort_of_a_retracted_request_duplicates_no_token(incremental: boo
     with ThreadedServer(create_fake_app(fake)) as server:
         async with httpx.AsyncClient() as http:
             pool = BackendPool([server.url], http=http)
-            params = GenerationParams(max_new_tokens=40, ignore_eos=True)
+            params = Sampling(max_tokens=40, ignore_eos=True)
             task = asyncio.create_task(_run(pool, params, prompt=[0, 1]))
             while not fake.generated_tokens >= 10:
                 await asyncio.sleep(0.005)
@@ -148,9 +148,7 @@ async def test_null_top_logprobs_are_floored_and_a_null_chosen_one_is_refused() 
             "b": create_fake_app(FakeBackend(null_logprob_at=frozenset({3}))),
         }
     ) as (http, urls):
-        greedy = GenerationParams(
-            max_new_tokens=6, temperature=0.0, top_logprobs=3, ignore_eos=True
-        )
+        greedy = Sampling(max_tokens=6, temperature=0.0, top_logprobs=3, ignore_eos=True)
         result = await _run(BackendPool([urls["a"]], http=http), greedy)
         assert all(len(top) == 3 for top in result.top_logprobs)
         # Alternatives of a greedy request have logprob -inf: JSON null, shown as OpenAI's floor.
@@ -166,7 +164,7 @@ async def test_stop_string_split_by_an_interruption_still_stops() -> None:
     fake = FakeBackend(script=script, abort_at=frozenset({9}), text_of=_text)
     async with served({"a": create_fake_app(fake)}) as (http, urls):
         pool = BackendPool([urls["a"]], http=http)
-        params = GenerationParams(max_new_tokens=20, stop=["hello"], decode=_text)
+        params = Sampling(max_tokens=20, stop=["hello"], decode=_text)
         result = await _run(pool, params, prompt=script[:2])
         assert result.interruptions == 1
         assert _text(result.output_ids) == "abcdhello"
@@ -174,9 +172,7 @@ async def test_stop_string_split_by_an_interruption_still_stops() -> None:
         assert len(result.logprobs) == len(result.versions) == 9
         # Without a decoder the loop cannot see it: the fake alone misses the stop.
         fake.abort_at = {9}
-        blind = await _run(
-            pool, GenerationParams(max_new_tokens=20, stop=["hello"]), prompt=script[:2]
-        )
+        blind = await _run(pool, Sampling(max_tokens=20, stop=["hello"]), prompt=script[:2])
         assert blind.finish_reason == "length"
 
 
@@ -194,7 +190,7 @@ async def test_aborting_one_completion_leaves_its_neighbour_running() -> None:
     with ThreadedServer(create_fake_app(fake)) as server:
         async with httpx.AsyncClient() as http:
             pool = BackendPool([server.url], http=http)
-            params = GenerationParams(max_new_tokens=60, ignore_eos=True)
+            params = Sampling(max_tokens=60, ignore_eos=True)
             first = asyncio.create_task(_run(pool, params, prompt=[1, 2], request_id="c"))
             while fake.requests < 2:  # choice 0 was interrupted once and resumed
                 await asyncio.sleep(0.005)

@@ -1,5 +1,5 @@
 """The surface registry: every registered API is served, answers errors in its own
-envelope, and the core imports none of them."""
+envelope, the core imports none of them, and none imports another."""
 
 from __future__ import annotations
 
@@ -41,9 +41,24 @@ def test_envelope_is_the_paths_surfaces() -> None:
 
 def test_the_core_imports_no_surface() -> None:
     core = [*(PROXY / "service").glob("*.py"), *(PROXY / "store").glob("*.py")]
-    core += [*(PROXY / "backends").glob("*.py"), PROXY / "generation.py"]
+    core += [*(PROXY / "backends").glob("*.py"), PROXY / "generation.py", PROXY / "sampling.py"]
     for path in core:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.startswith("proxima.proxy.surfaces"), path
+
+
+def test_no_surface_reads_another_surfaces_folder() -> None:
+    """A surface is one folder: what surfaces share lives beside the folders
+    (``conversation``, ``openai_common``, ``reasoning_options``, ``sse``)."""
+    folders = [p for p in (PROXY / "surfaces").iterdir() if (p / "__init__.py").exists()]
+    assert {p.name for p in folders} == {s.name for s in SURFACES}
+    for folder in folders:
+        others = {f"proxima.proxy.surfaces.{p.name}" for p in folders if p != folder}
+        for path in folder.glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                    hit = {n for n in names for o in others if n == o or n.startswith(o + ".")}
+                    assert not hit, (path, hit)

@@ -19,7 +19,8 @@ from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.service.prepare import PromptPreparer
-from proxima.proxy.surfaces.chat.translate import chat_request_of
+from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
+from proxima.proxy.surfaces.chat.translate import chat_request
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser
 from proxima.proxy.tools.fallback import template_renders_tools, with_tools_in_system
@@ -93,14 +94,14 @@ def test_hermes_fallback_goes_after_the_system_prompt_or_leads() -> None:
 
 async def test_tools_the_template_drops_are_a_400_without_a_fallback() -> None:
     p = preparer(tokenizer(NO_TOOLS_TEMPLATE), None)
-    request = chat_request_of(BODY, {})
+    request = chat_request(ChatCompletionRequest.model_validate(BODY))
     assert isinstance(request.input, ChatInput)
     with pytest.raises(BadRequest) as info:
         await p.chat(request, request.input, None, [])
     assert info.value.param == "tools"
     assert "--tool-fallback" in info.value.message
     # Without tools the same model serves the request.
-    plain = chat_request_of({**BODY, "tools": None}, {})
+    plain = chat_request(ChatCompletionRequest.model_validate({**BODY, "tools": None}))
     assert isinstance(plain.input, ChatInput)
     assert (await p.chat(plain, plain.input, None, [])).prompt_ids
     p.close()
@@ -109,7 +110,7 @@ async def test_tools_the_template_drops_are_a_400_without_a_fallback() -> None:
 async def test_the_hermes_fallback_puts_the_tools_in_the_prompt_and_records_it() -> None:
     tok = tokenizer(NO_TOOLS_TEMPLATE)
     p = preparer(tok, "hermes")
-    request = chat_request_of(BODY, {})
+    request = chat_request(ChatCompletionRequest.model_validate(BODY))
     assert isinstance(request.input, ChatInput)
     prepared = await p.chat(request, request.input, None, [])
     text = tok.decode(prepared.prompt_ids)
@@ -124,7 +125,7 @@ async def test_the_hermes_fallback_puts_the_tools_in_the_prompt_and_records_it()
 async def test_a_template_that_renders_tools_ignores_the_fallback() -> None:
     tok = tokenizer()
     p = preparer(tok, "hermes")
-    request = chat_request_of(BODY, {})
+    request = chat_request(ChatCompletionRequest.model_validate(BODY))
     assert isinstance(request.input, ChatInput)
     prepared = await p.chat(request, request.input, None, [])
     assert "tool_format" not in prepared.sampling
