@@ -97,3 +97,13 @@ def test_lora_arm_reads_its_tenant_and_pairs_with_another_arm(tmp_path: Path) ->
     assert lines[2] == (
         "paired over 1 seeds: this +10.0 +- 0.0 pt; full +20.0 +- 0.0 pt; difference -10.0 +- 0.0 pt"
     )
+
+
+def test_tenants_demo_config_trains_two_adapters_on_two_tasks() -> None:
+    cfg = TrainRunConfig.model_validate(
+        load_raw_config(ROOT / "agents_examples" / "tenants_demo.toml")
+    )
+    tasks = {t.adapter: t.data.difficulty for t in cfg.rollout.tenants if t.data is not None}
+    assert tasks == {"tenant-a": "add", "tenant-b": "sub"}
+    assert cfg.trainer.lora.adapters == ("tenant-a", "tenant-b")
+    assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha) == (16, 32.0)
