@@ -57,6 +57,9 @@ DIFFICULTIES: dict[str, Difficulty] = {
         Difficulty("easy", ("+", "-"), (1, 20), (1, 20)),
         Difficulty("medium", ("+", "-", "*"), (10, 99), (2, 99)),
         Difficulty("tool", ("*",), (100, 999), (11, 99)),
+        # easy's two operators apart: two tasks for two tenants' adapters (210 problems each).
+        Difficulty("add", ("+",), (1, 20), (1, 20)),
+        Difficulty("sub", ("-",), (1, 20), (1, 20)),
     )
 }
 

@@ -26,7 +26,11 @@ A run whose summary is already there with the same config is not run again.
 Run: ``.venv/bin/python bench/demo_seeds.py`` (3 seeds, one after another,
 about as long as three ``make demo``); ``--set trainer.optim.lr=2e-5`` (repeatable)
 to measure a variant on the same seeds, ``--parallel 3`` to run the seeds side
-by side (wall times are then not speed figures).
+by side (wall times are then not speed figures). ``--lora demo`` trains a LoRA
+adapter named ``demo`` on the same rollouts instead of the base (one
+``[[rollout.tenants]]``; its rank, alpha and lr with ``--set``), and
+``--versus runs/other`` prints this config's gain beside another out-dir's per seed,
+with mean +- sample std of both and of their paired difference.
 """
 
 from __future__ import annotations
@@ -100,8 +104,21 @@ def step_rewards(run_dir: Path) -> list[float]:
     return [float(r.get("reward_mean") or 0.0) for r in rows if r.get("event", "step") == "step"]
 
 
+def as_adapter_run(config: dict[str, Any], adapter: str) -> None:
+    """Turn ``config`` into a one-tenant run: the same rollouts train the LoRA adapter
+    ``adapter`` (``[[rollout.tenants]]`` + ``[trainer.lora] adapters``) instead of the base."""
+    config.setdefault("rollout", {})["tenants"] = [{"adapter": adapter}]
+    config.setdefault("trainer", {}).setdefault("lora", {})["adapters"] = [adapter]
+
+
 def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
     result = json.loads((run_dir / "summary.json").read_text())
+    tenants = result.pop("tenants", None)
+    if tenants:  # a one-tenant adapter run: its figures, with the run's timing
+        if len(tenants) != 1:
+            raise SystemExit(f"{run_dir}: {len(tenants)} tenants; this bench reads one")
+        ((adapter, figures),) = tenants.items()
+        result = {**result, **figures, "adapter": adapter}
     if result.get("unseen_before") is None:
         raise SystemExit(f"{run_dir}: no unseen-phrasings figures; set data.unseen_items")
     result["seed"] = seed
@@ -128,6 +145,38 @@ def final_line(results: list[dict[str, Any]]) -> str:
         f"demo seeds: gains {listed} points; mean {statistics.fmean(gains):+.1f}; "
         f"unseen phrasings mean {statistics.fmean(unseen):+.1f}"
     )
+
+
+def gain(r: dict[str, Any]) -> float:
+    """Held-out gain of one run, in points."""
+    return 100 * (r["after"] - r["before"])
+
+
+def paired_lines(results: list[dict[str, Any]], versus_dir: Path) -> list[str]:
+    """This config's gains beside those of the runs under ``versus_dir`` (another config of
+    this bench on the same seeds: paired splits), per seed and mean +- sample std."""
+    lines, ours, theirs = [], [], []
+    for r in results:
+        other_dir = versus_dir / f"seed{r['seed']}"
+        if not (other_dir / "summary.json").exists():
+            lines.append(f"seed {r['seed']}: {gain(r):+.0f} pt vs {versus_dir.name}: not there")
+            continue
+        other = read_result(r["seed"], other_dir)
+        ours.append(gain(r))
+        theirs.append(gain(other))
+        lines.append(
+            f"seed {r['seed']}: {gain(r):+.0f} pt vs {versus_dir.name} {gain(other):+.0f} pt "
+            f"(unseen phrasings {100 * (r['unseen_after'] - r['unseen_before']):+.0f} vs "
+            f"{100 * (other['unseen_after'] - other['unseen_before']):+.0f})"
+        )
+    if ours:
+        (m, s), (mo, so) = mean_std(ours), mean_std(theirs)
+        diff = mean_std([a - b for a, b in zip(ours, theirs, strict=True)])
+        lines.append(
+            f"paired over {len(ours)} seeds: this {m:+.1f} +- {s:.1f} pt; {versus_dir.name} "
+            f"{mo:+.1f} +- {so:.1f} pt; difference {diff[0]:+.1f} +- {diff[1]:.1f} pt"
+        )
+    return lines
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -174,9 +223,23 @@ def main() -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     parser.add_argument("--parallel", type=int, default=1, help="runs side by side")
+    parser.add_argument(
+        "--lora",
+        metavar="ADAPTER",
+        help="train a LoRA adapter of this name on the same rollouts instead of the base model "
+        "(one [[rollout.tenants]]; rank, alpha, lr with --set trainer.lora.rank=16 ...)",
+    )
+    parser.add_argument(
+        "--versus",
+        type=Path,
+        metavar="OUT_DIR",
+        help="another config's --out-dir (same seeds): print both gains per seed, mean +- std",
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-demo-seeds")
     args = parser.parse_args()
     base = load_raw_config(args.config)
+    if args.lora:
+        as_adapter_run(base, args.lora)
     for assignment in args.set:
         apply_set(base, assignment)
     if not base.get("data", {}).get("unseen_items") and not base.get("data", {}).get("unseen_file"):
@@ -209,7 +272,8 @@ def main() -> int:
         time.sleep(2)
     ordered = [results[s] for s in seeds]
     print()
-    overrides = f" with {', '.join(args.set)}" if args.set else ""
+    changes = ([f"LoRA adapter {args.lora}"] if args.lora else []) + args.set
+    overrides = f" with {', '.join(changes)}" if changes else ""
     print(f"config {args.config.name}{overrides}; {len(seeds)} seeds, paired splits")
     for r in ordered:
         print(seed_line(r))
@@ -219,6 +283,9 @@ def main() -> int:
         json.dumps({"config": base, "runs": ordered}, indent=2, default=str)
     )
     print(f"curves: {args.out_dir / 'reward_curves.png'}; raw: {args.out_dir / 'results.json'}")
+    if args.versus is not None:
+        for line in paired_lines(ordered, args.versus):
+            print(line)
     print(final_line(ordered))
     return 0
 

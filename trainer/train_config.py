@@ -42,7 +42,9 @@ class DataSection(_Section):
         "arithmetic", description="'arithmetic' (generated offline) or a JSONL file of train items."
     )
     test_file: Path | None = Field(None, description="Held-out JSONL (with a file source).")
-    difficulty: str = Field("easy", description="Arithmetic level (tiny, easy, medium, tool).")
+    difficulty: str = Field(
+        "easy", description="Arithmetic level (tiny, easy, medium, tool, add, sub)."
+    )
     train_items: int = Field(400, ge=1, description="Arithmetic train items.")
     test_items: int = Field(50, ge=1, description="Arithmetic held-out items.")
     unseen_items: int = Field(

@@ -61,3 +61,49 @@ def test_results_and_summary_line(tmp_path: Path) -> None:
     (tmp_path / "seed0" / "summary.json").write_text(json.dumps({"before": 0.2, "after": 0.5}))
     with pytest.raises(SystemExit, match="no unseen-phrasings figures"):
         bench.read_result(0, tmp_path / "seed0")
+
+
+def test_lora_arm_reads_its_tenant_and_pairs_with_another_arm(tmp_path: Path) -> None:
+    bench = _bench()
+    base = load_raw_config(ROOT / "agents_examples" / "demo.toml")
+    bench.as_adapter_run(base, "demo")
+    bench.apply_set(base, "trainer.lora.rank=16")
+    cfg = TrainRunConfig.model_validate(bench.seed_config(base, 1, tmp_path / "seed1"))
+    assert [t.adapter for t in cfg.rollout.tenants] == ["demo"]
+    assert cfg.trainer.lora.adapters == ("demo",) and cfg.trainer.lora.rank == 16
+
+    timing = {"steps": 4, "seconds_per_step": 30.0, "eval_s": 80.0, "wall_s": 200.0}
+    figures = {"before": 0.2, "after": 0.3, "unseen_before": 0.1, "unseen_after": 0.2}
+    lora_dir, full_dir = tmp_path / "lora", tmp_path / "full"
+    for seed, after in enumerate([0.3, 0.5]):
+        run_dir = lora_dir / f"seed{seed}"
+        (run_dir / "trainer" / "adapters" / "demo").mkdir(parents=True)
+        tenant = {**figures, "after": after, "steps": 2, "pushed_steps": 2}
+        (run_dir / "summary.json").write_text(json.dumps({"tenants": {"demo": tenant}, **timing}))
+        (run_dir / "trainer" / "adapters" / "demo" / "train_log.jsonl").write_text(
+            '{"event": "step", "reward_mean": 0.5}\n'
+        )
+    (full_dir / "seed0").mkdir(parents=True)
+    (full_dir / "seed0" / "summary.json").write_text(
+        json.dumps({**figures, "after": 0.4, "pushed_steps": 4, **timing})
+    )
+    runs = [bench.read_result(s, lora_dir / f"seed{s}") for s in (0, 1)]
+    assert runs[0]["adapter"] == "demo" and runs[0]["steps"] == 2  # the tenant's own steps
+    assert runs[0]["step_rewards"] == [0.5] and runs[0]["wall_s"] == 200.0
+    assert bench.final_line(runs).startswith("demo seeds: gains +10, +30 points; mean +20.0")
+    lines = bench.paired_lines(runs, full_dir)
+    assert lines[0].startswith("seed 0: +10 pt vs full +20 pt")
+    assert lines[1] == "seed 1: +30 pt vs full: not there"
+    assert lines[2] == (
+        "paired over 1 seeds: this +10.0 +- 0.0 pt; full +20.0 +- 0.0 pt; difference -10.0 +- 0.0 pt"
+    )
+
+
+def test_tenants_demo_config_trains_two_adapters_on_two_tasks() -> None:
+    cfg = TrainRunConfig.model_validate(
+        load_raw_config(ROOT / "agents_examples" / "tenants_demo.toml")
+    )
+    tasks = {t.adapter: t.data.difficulty for t in cfg.rollout.tenants if t.data is not None}
+    assert tasks == {"tenant-a": "add", "tenant-b": "sub"}
+    assert cfg.trainer.lora.adapters == ("tenant-a", "tenant-b")
+    assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha) == (16, 32.0)
