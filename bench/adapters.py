@@ -48,7 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proxima.proxy.backends.protocol import SamplingParams, lora_name  # noqa: E402
 from proxima.proxy.embedded.engine import Engine  # noqa: E402
 from proxima.proxy.embedded.live import EngineServer  # noqa: E402
-from proxima.proxy.testing.lora import LLAMA_TARGETS, linear_shapes, write_peft_adapter  # noqa: E402
+from proxima.proxy.testing.lora import (  # noqa: E402
+    LLAMA_TARGETS,
+    linear_shapes,
+    random_adapter_tensors,
+    save_peft_adapter,
+    write_peft_adapter,
+)
 from proxima.trainer.demo_model import prepare_smollm2  # noqa: E402
 
 logger = logging.getLogger("bench.adapters")
@@ -105,9 +111,12 @@ def measure_pushes(model_dir: Path, work: Path, *, rank: int, pushes: int) -> Pu
         previous: str | None = None
         for version in range(pushes + 1):  # version 0 warms both paths up: not counted
             # Adapter: write peft's directory, load the new version beside the old, unload the old.
+            # The trainer holds the adapter's tensors as the full push holds the state dict:
+            # drawing them is not part of the push.
             out = work / "adapters" / f"v{version}"
+            tensors = random_adapter_tensors(shapes, rank=rank, seed=version)
             started = time.perf_counter()
-            write_peft_adapter(out, shapes, rank=rank, alpha=2 * rank, seed=version)
+            save_peft_adapter(out, tensors, rank=rank, alpha=2 * rank)
             name = lora_name("bench", version)
             reply = http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": str(out)})
             reply.raise_for_status()

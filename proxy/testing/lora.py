@@ -43,15 +43,39 @@ def write_peft_adapter(
     """Write a random adapter of rank ``rank`` for the linears in ``shapes`` (see
     :func:`linear_shapes`); both A and B random (peft initialises B to zero, which
     would make the adapter a no-op). Returns the directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    tensors = random_adapter_tensors(shapes, rank=rank, seed=seed, std=std)
+    return save_peft_adapter(
+        path, tensors, rank=rank, alpha=alpha, base_model=base_model, extra_config=extra_config
+    )
+
+
+def random_adapter_tensors(
+    shapes: dict[str, tuple[int, int]], *, rank: int = 8, seed: int = 0, std: float = 0.05
+) -> dict[str, torch.Tensor]:
+    """peft's tensors (``base_model.model.<linear>.lora_{A,B}.weight``) of a random adapter."""
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, (fan_in, fan_out) in shapes.items():
         prefix = f"base_model.model.{name}"
         tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * std
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * std
-    targets = sorted({name.rsplit(".", 1)[-1] for name in shapes})
+    return tensors
+
+
+def save_peft_adapter(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    base_model: str = "",
+    extra_config: dict[str, object] | None = None,
+) -> Path:
+    """Write ``tensors`` (peft's names) and their ``adapter_config.json`` as peft saves an
+    adapter. Returns the directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    targets = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in tensors})
     config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -22,9 +22,10 @@ from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import SGLangClient
 from proxima.proxy.embedded.engine import Engine, GenerationState
 from proxima.proxy.embedded.live import EngineServer
+from proxima.proxy.embedded.lora import all_finite
 from proxima.proxy.testing.lora import LLAMA_TARGETS, linear_shapes, write_peft_adapter
 from proxima.proxy.testing.tiny_model import build_tiny_model
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -194,6 +195,27 @@ def _request(name: str | None, *, tokens: int = 4, rid: str | None = None) -> Ge
     return GenerateRequest(input_ids=[5, 6, 7], sampling_params=params, lora_path=name, rid=rid)
 
 
+def _with_inf(adapter: Path, out: Path) -> Path:
+    """A copy of ``adapter`` with one inf in one lora_B."""
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[3]
+    tensors[key].view(-1)[5] = float("inf")
+    out.mkdir()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    return out
+
+
+def test_all_finite_finds_any_nan_or_inf() -> None:
+    a, b = torch.randn(8, 64), torch.randn(64, 8)
+    assert all_finite(a, b) and all_finite(torch.full((4, 4), 3e38))  # large, not overflowing
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = b.clone().to(dtype)
+            x[5, 3] = bad
+            assert not all_finite(a, x), (bad, dtype)
+
+
 async def test_load_and_unload_errors_are_sglangs(
     lora_url: str, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -207,6 +229,7 @@ async def test_load_and_unload_errors_are_sglangs(
             ("n@v1", adapters["narrow"], r"do not fit a \(64, 64\) layer"),
             ("e@v1", tmp_path / "empty", "no adapter_config.json"),
             ("x@v1", tmp_path / "missing", "is not a directory"),
+            ("i@v1", _with_inf(adapters["a"], tmp_path / "inf"), r"non-finite values"),
         ):
             with pytest.raises(BackendOperationFailed, match=error):
                 await client.load_lora_adapter(name, str(path))
