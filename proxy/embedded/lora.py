@@ -176,8 +176,9 @@ def read_adapter(
         if not all_finite(a, b):
             raise AdapterLoadError(f"non-finite values (NaN or inf) in {module}'s weights")
         dtype = layer.weight.dtype
-        a_t = a.to(dtype).t().contiguous()  # (in, r)
-        sb_t = (b.to(dtype) * scale).t().contiguous()  # (r, out)
+        # Views (in, r) and (r, out): BatchAdapters.stacks copies them into its batch stacks.
+        a_t = a.to(dtype).t()
+        sb_t = (b.to(dtype) * scale).t()
         weights[module] = (a_t, sb_t)
     return LoRAAdapter(name=name, path=str(path), rank=rank, scale=scale, weights=weights)
 
