@@ -68,8 +68,7 @@ test: venv postgres haproxy lint harnesses
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn
 # math agent through the proxy on the embedded CPU engine; ends with
 # "held-out accuracy: BEFORE% -> AFTER%; unseen phrasings: BEFORE% -> AFTER%" (held-out problems
-# in wordings the training never used) and runs/demo/reward_curve_demo.png. The policy trained is
-# the LoRA adapter "demo" (agents_examples/demo.toml).
+# in wordings the training never used) and runs/demo/reward_curve.png.
 demo: venv
 	$(VENV)/bin/proxima --log-format text --log-level warning train --config agents_examples/demo.toml
 

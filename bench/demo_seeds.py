@@ -28,10 +28,7 @@ about as long as three ``make demo``); ``--set trainer.optim.lr=2e-5`` (repeatab
 to measure a variant on the same seeds, ``--parallel 3`` to run the seeds side
 by side (wall times are then not speed figures). ``--lora demo`` trains a LoRA
 adapter named ``demo`` on the same rollouts instead of the base (one
-``[[rollout.tenants]]``; its rank, alpha and lr with ``--set``) for a config
-that trains the base; ``--full`` fine-tunes every weight of the base instead
-of the config's adapter (``make demo``'s config trains one; the rate with
-``--set trainer.optim.lr=3e-5``); and
+``[[rollout.tenants]]``; its rank, alpha and lr with ``--set``), and
 ``--versus runs/other`` prints this config's gain beside another out-dir's per seed,
 with mean +- sample std of both and of their paired difference.
 """
@@ -112,13 +109,6 @@ def as_adapter_run(config: dict[str, Any], adapter: str) -> None:
     ``adapter`` (``[[rollout.tenants]]`` + ``[trainer.lora] adapters``) instead of the base."""
     config.setdefault("rollout", {})["tenants"] = [{"adapter": adapter}]
     config.setdefault("trainer", {}).setdefault("lora", {})["adapters"] = [adapter]
-
-
-def as_full_run(config: dict[str, Any]) -> None:
-    """Turn an adapter run (``make demo``'s) into full fine-tuning of the base: no
-    ``[[rollout.tenants]]``, no ``[trainer.lora]``; its rate with ``--set trainer.optim.lr=``."""
-    config.get("rollout", {}).pop("tenants", None)
-    config.get("trainer", {}).pop("lora", None)
 
 
 def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
@@ -240,12 +230,6 @@ def main() -> int:
         "(one [[rollout.tenants]]; rank, alpha, lr with --set trainer.lora.rank=16 ...)",
     )
     parser.add_argument(
-        "--full",
-        action="store_true",
-        help="fine-tune every weight of the base instead of the config's LoRA adapters "
-        "(make demo's config trains one); its rate with --set trainer.optim.lr=3e-5",
-    )
-    parser.add_argument(
         "--versus",
         type=Path,
         metavar="OUT_DIR",
@@ -254,12 +238,8 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-demo-seeds")
     args = parser.parse_args()
     base = load_raw_config(args.config)
-    if args.lora and args.full:
-        raise SystemExit("--lora and --full: choose one")
     if args.lora:
         as_adapter_run(base, args.lora)
-    if args.full:
-        as_full_run(base)
     for assignment in args.set:
         apply_set(base, assignment)
     if not base.get("data", {}).get("unseen_items") and not base.get("data", {}).get("unseen_file"):
@@ -293,7 +273,6 @@ def main() -> int:
     ordered = [results[s] for s in seeds]
     print()
     changes = ([f"LoRA adapter {args.lora}"] if args.lora else []) + args.set
-    changes = (["full fine-tuning"] if args.full else []) + changes
     overrides = f" with {', '.join(changes)}" if changes else ""
     print(f"config {args.config.name}{overrides}; {len(seeds)} seeds, paired splits")
     for r in ordered:

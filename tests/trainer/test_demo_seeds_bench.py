@@ -99,20 +99,6 @@ def test_lora_arm_reads_its_tenant_and_pairs_with_another_arm(tmp_path: Path) ->
     )
 
 
-def test_demo_trains_an_adapter_and_full_arm_trains_the_base(tmp_path: Path) -> None:
-    bench = _bench()
-    base = load_raw_config(ROOT / "agents_examples" / "demo.toml")
-    demo = TrainRunConfig.model_validate(bench.seed_config(base, 0, tmp_path / "lora"))
-    assert [t.adapter for t in demo.rollout.tenants] == ["demo"]
-    assert demo.trainer.lora.adapters == ("demo",)
-    bench.as_full_run(base)
-    bench.apply_set(base, "trainer.optim.lr=3e-5")
-    full = TrainRunConfig.model_validate(bench.seed_config(base, 0, tmp_path / "full"))
-    assert full.rollout.tenants == [] and not full.trainer.lora.adapters
-    assert full.trainer.optim.lr == 3e-5
-    assert (full.data, full.rollout.group_size) == (demo.data, demo.rollout.group_size)
-
-
 def test_tenants_demo_config_trains_two_adapters_on_two_tasks() -> None:
     cfg = TrainRunConfig.model_validate(
         load_raw_config(ROOT / "agents_examples" / "tenants_demo.toml")
