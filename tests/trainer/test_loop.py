@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from proxima.proxy.store import SessionStatus, Store, ensure_schema
-from proxima.proxy.store.records import CompletionRecord
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import read_log
 from proxima.trainer.loop import Trainer
@@ -90,11 +90,11 @@ async def add_session(
     logprob: float = -1.0,
     temperature: float = 1.0,
     bad_token: int | None = None,
+    opened: SessionRecord | None = None,
 ) -> str:
-    """A finished, rewarded session with one completion whose tokens have ``versions``."""
-    session = await store.create_session(
-        api_key_hash=hashlib.sha256(uuid.uuid4().bytes).hexdigest(), group_id=group
-    )
+    """A finished, rewarded session with one completion whose tokens have ``versions``
+    (``opened``: a session of ``group`` already created, still OPEN)."""
+    session = opened or await open_session(store, group)
     rng = random.Random(session.id)
     await store.record_completion(
         completion=CompletionRecord(
@@ -114,6 +114,12 @@ async def add_session(
     await store.set_session_reward(session_id=session.id, reward=reward)
     await store.finish_session(session_id=session.id)
     return session.id
+
+
+async def open_session(store: Store, group: str | None) -> SessionRecord:
+    return await store.create_session(
+        api_key_hash=hashlib.sha256(uuid.uuid4().bytes).hexdigest(), group_id=group
+    )
 
 
 async def add_batch(store: Store, count: int = 4, version: int = 0) -> list[str]:
@@ -272,7 +278,12 @@ async def test_refill_drops_groups_that_cannot_train_whole_and_waits_for_fresh_o
     assert not step.done()
     assert await statuses(store, tied + straddle) == [(SessionStatus.DROPPED, None)] * 4
     assert (await store.admission_state()).admitted == 2  # g1 only
-    second = [await add_session(store, group="g2", reward=float(i), versions=[5]) for i in (0, 1)]
+    # Both opened first: a trainer polling between the two would claim a group of one (tied).
+    opened = [await open_session(store, "g2") for _ in range(2)]
+    second = [
+        await add_session(store, group="g2", reward=float(i), versions=[5], opened=o)
+        for i, o in zip((0, 1), opened, strict=True)
+    ]
     record = await asyncio.wait_for(step, 60)
     await trainer.close()
 
