@@ -238,7 +238,7 @@ async def test_batch_mixing_constrained_and_plain_rows(
     mixed = await asyncio.gather(generate(client, **plain), generate(client, **constrained))
     assert engine.stats.peak_batch_size >= 2
     assert mixed[0]["output_ids"] == alone["output_ids"]  # a plain row is unaffected
-    assert logprobs_of(mixed[0]) == pytest.approx(logprobs_of(alone), abs=1e-5)
+    assert logprobs_of(mixed[0]) == pytest.approx(logprobs_of(alone), abs=1e-4)
     jsonschema.validate(json.loads(mixed[1]["text"]), SCHEMA)
 
 
