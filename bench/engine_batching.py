@@ -32,7 +32,7 @@ def _body(i: int, max_new_tokens: int) -> dict[str, Any]:
         "text": f"Request {i}: tell me a long story about the number {i * 7}.",
         "sampling_params": {
             "temperature": 1.0,
-            "seed": i,
+            "sampling_seed": i,
             "max_new_tokens": max_new_tokens,
             "ignore_eos": True,
         },

@@ -86,6 +86,7 @@ def _engine(args: argparse.Namespace) -> int:
         enable_lora=args.enable_lora,
         max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank,
+        num_threads=args.num_threads,
     )
     return 0
 
@@ -343,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="distinct adapters in one batch (default: %(default)s)",
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="refuse higher ranks")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: half the CPUs)"
+    )
     p.set_defaults(func=_engine)
 
     _add_trainer(sub)

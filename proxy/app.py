@@ -12,7 +12,7 @@ import asyncio
 import gc
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import httpx
@@ -24,7 +24,7 @@ from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
-from proxima.proxy.embedded.launcher import EngineProcess
+from proxima.proxy.embedded.launcher import EngineProcess, default_num_threads
 from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
@@ -98,20 +98,24 @@ async def _deployment(
     http: httpx.AsyncClient,
     urls: list[str],
     *,
-    engine: EngineProcess | None = None,
+    engines: Sequence[EngineProcess] = (),
 ) -> Deployment:
-    """A deployment on ``urls``, or on ``engine`` (started here) when given."""
-    if engine is not None:
-        await engine.wait_healthy()
-        urls = [engine.url]
+    """A deployment on ``urls``, or on ``engines`` (started here) when given."""
+    if engines:
+        for engine in engines:
+            await engine.wait_healthy()
+        urls = [engine.url for engine in engines]
     pool = BackendPool(urls, http=http, version=0)
     pool.start_health_checks(settings.health_check_interval)
-    return Deployment(name, pool, engine)
+    return Deployment(name, pool, tuple(engines))
 
 
-def _engine(settings: Settings) -> EngineProcess:
+def _engine(settings: Settings, count: int = 1) -> EngineProcess:
+    """An embedded engine, started; one of ``count`` that share the CPUs an engine gets
+    (half of them), each with its share of the threads."""
     engine = EngineProcess(
         settings.model,
+        num_threads=None if count == 1 else max(1, default_num_threads() // count),
         max_running_requests=settings.engine_max_running_requests,
         enable_lora=settings.enable_lora,
         max_loras_per_batch=settings.max_loras_per_batch,
@@ -126,11 +130,17 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
     engines: list[EngineProcess] = []
     try:
         # Start every engine first: they load their models in parallel.
-        training_engine = None if settings.backends else _engine(settings)
+        training_engines = (
+            []
+            if settings.backends
+            else [_engine(settings, settings.engines) for _ in range(settings.engines)]
+        )
+        engines = list(training_engines)
         production_engine = _engine(settings) if settings.production_engine else None
-        engines = [e for e in (training_engine, production_engine) if e is not None]
+        if production_engine is not None:
+            engines.append(production_engine)
         training = await _deployment(
-            TRAINING, settings, http, list(settings.backends), engine=training_engine
+            TRAINING, settings, http, list(settings.backends), engines=training_engines
         )
         production = None
         if settings.separate_production:
@@ -139,7 +149,7 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
                 settings,
                 http,
                 list(settings.production_backends),
-                engine=production_engine,
+                engines=[production_engine] if production_engine is not None else [],
             )
     except BaseException:
         for engine in engines:
@@ -157,7 +167,7 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
         async def canary_factory() -> Deployment:
             engine = _engine(settings)
             try:
-                return await _deployment(CANARY, settings, http, [], engine=engine)
+                return await _deployment(CANARY, settings, http, [], engines=[engine])
             except BaseException:
                 engine.stop()
                 raise

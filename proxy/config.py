@@ -153,6 +153,14 @@ class Settings(BaseSettings):
     health_check_interval: float = Field(
         5.0, gt=0, description="Seconds between backend health probes."
     )
+    engines: int = Field(
+        1,
+        ge=1,
+        description="Embedded training engines when no --backend is given: separate processes, "
+        "each with its own copy of the model and its share of half the CPUs as threads, "
+        "behind the pool like SGLang servers (sessions stick to one). On a CPU machine whose "
+        "trainer waits while the rollouts run, a second engine uses the idle core.",
+    )
     engine_max_running_requests: int = Field(
         32, ge=1, description="Embedded engine: requests decoded together in one batch."
     )

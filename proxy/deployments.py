@@ -47,11 +47,11 @@ _VERSIONED_MODEL = re.compile(r"^(?P<name>.+)@v(?P<version>\d+)$")
 
 @dataclass(eq=False)
 class Deployment:
-    """A named pool of backends; an embedded engine it started is stopped with it."""
+    """A named pool of backends; the embedded engines it started are stopped with it."""
 
     name: str
     pool: BackendPool
-    engine: EngineProcess | None = None
+    engines: tuple[EngineProcess, ...] = ()
 
     @property
     def version(self) -> int:
@@ -59,15 +59,16 @@ class Deployment:
 
     async def close(self) -> None:
         await self.pool.close()
-        if self.engine is not None:
-            self.engine.stop()
+        for engine in self.engines:
+            engine.stop()
 
     def describe(self) -> dict[str, object]:
         return {
             "name": self.name,
             "version": self.pool.version,
             "updating": self.pool.updating,
-            "embedded_engine": self.engine is not None,
+            "embedded_engine": bool(self.engines),
+            "embedded_engines": len(self.engines),
             "backends": [
                 {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}
                 for b in self.pool.backends

@@ -257,6 +257,8 @@ class _Run:
             str(t.batch_size),
             "--served-model-name",
             self.model_name,
+            "--engines",
+            str(self.cfg.proxy.engines),
         ]
         if self.lora:
             args.append("--enable-lora")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from proxima.proxy.backends.protocol import (
 )
 from proxima.proxy.embedded import worker as cmd
 from proxima.proxy.embedded.grammar import GrammarCompiler, InvalidGrammarError, grammar_of
+from proxima.proxy.embedded.launcher import default_num_threads
 from proxima.proxy.embedded.lora import AdapterLoadError, LoRAAdapter, LoRAHooks, read_adapter
 from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
 from proxima.proxy.embedded.sampling import make_generator
@@ -136,18 +136,6 @@ class RequestHandle:
             self._finish_reason = delta.finish_reason
 
 
-def _default_num_threads() -> int:
-    """Half the CPUs this process may use (at least one).
-
-    The engine shares the machine with the event loop, the proxy and usually
-    the trainer; intra-op threads that compete for busy cores spin and slow
-    every step down (on a loaded 2-core machine, 2 threads ran a tiny model
-    about 6x slower than 1).
-    """
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (available or 1) // 2)
-
-
 class Engine:
     """An HF causal LM served with continuous batching on CPU (float32).
 
@@ -188,7 +176,7 @@ class Engine:
         if max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be at least 1")
         self.model_path = str(model_dir)
-        torch.set_num_threads(num_threads or _default_num_threads())
+        torch.set_num_threads(num_threads or default_num_threads())
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.eval().requires_grad_(False)
