@@ -22,7 +22,7 @@ from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import SGLangClient
 from proxima.proxy.embedded.engine import Engine, GenerationState
 from proxima.proxy.embedded.live import EngineServer
-from proxima.proxy.embedded.lora import all_finite
+from proxima.proxy.embedded.lora import AdapterLoadError, all_finite, read_adapter
 from proxima.proxy.testing.lora import LLAMA_TARGETS, linear_shapes, write_peft_adapter
 from proxima.proxy.testing.tiny_model import build_tiny_model
 from safetensors.torch import load_file, save_file
@@ -214,6 +214,27 @@ def test_all_finite_finds_any_nan_or_inf() -> None:
             x = b.clone().to(dtype)
             x[5, 3] = bad
             assert not all_finite(a, x), (bad, dtype)
+
+
+def test_read_adapter_names_the_non_finite_module_and_takes_huge_finite_values(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """One fused norm screens the whole adapter; a failure (an inf, or finite values whose
+    norm overflows) is then checked module by module, which names the module or accepts."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    with pytest.raises(AdapterLoadError, match=r"non-finite values \(NaN or inf\) in model\."):
+        read_adapter(_with_inf(adapters["a"], tmp_path / "inf"), "i", linears)
+    tensors = load_file(adapters["a"] / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[3]
+    tensors[key].view(-1)[:4] = 1e30  # finite; its squares overflow float32
+    assert not torch.isfinite(torch.stack(torch._foreach_norm([tensors[key]]))).all()
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    save_file(tensors, str(huge / "adapter_model.safetensors"))
+    (huge / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
+    adapter = read_adapter(huge, "h", linears)
+    assert len(adapter.weights) == len(linear_shapes(model, LLAMA_TARGETS))
 
 
 async def test_load_and_unload_errors_are_sglangs(
