@@ -27,7 +27,8 @@ from proxima.proxy.testing.tiny_model import build_tiny_model
 logger = logging.getLogger("bench.engine_batching")
 
 
-def _body(i: int, max_new_tokens: int) -> dict[str, Any]:
+def generate_body(i: int, max_new_tokens: int) -> dict[str, Any]:
+    """A /generate body of exactly ``max_new_tokens`` sampled tokens (seeded by ``i``)."""
     return {
         "text": f"Request {i}: tell me a long story about the number {i * 7}.",
         "sampling_params": {
@@ -48,9 +49,9 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
 
 async def _measure(url: str, requests: int, max_new_tokens: int) -> tuple[float, float]:
     """Tokens/s (concurrent, sequential)."""
-    bodies = [_body(i, max_new_tokens) for i in range(requests)]
+    bodies = [generate_body(i, max_new_tokens) for i in range(requests)]
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
-        await _one(client, _body(-1, 8))  # warm-up
+        await _one(client, generate_body(-1, 8))  # warm-up
         start = time.perf_counter()
         concurrent_tokens = sum(await asyncio.gather(*(_one(client, b) for b in bodies)))
         concurrent_s = time.perf_counter() - start

@@ -19,25 +19,13 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
+from engine_batching import generate_body  # bench/ is the script's directory
 from proxima.proxy.embedded.launcher import EngineProcess, default_num_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("bench.engine_processes")
-
-
-def _body(i: int, max_new_tokens: int) -> dict[str, Any]:
-    return {
-        "text": f"Request {i}: tell me a long story about the number {i * 7}.",
-        "sampling_params": {
-            "temperature": 1.0,
-            "sampling_seed": i,
-            "max_new_tokens": max_new_tokens,
-            "ignore_eos": True,
-        },
-    }
 
 
 async def _tokens_per_s(
@@ -46,7 +34,7 @@ async def _tokens_per_s(
     start = time.perf_counter()
     replies = await asyncio.gather(
         *(
-            client.post(urls[i % len(urls)] + "/generate", json=_body(i, max_new_tokens))
+            client.post(urls[i % len(urls)] + "/generate", json=generate_body(i, max_new_tokens))
             for i in range(requests)
         )
     )
@@ -72,7 +60,7 @@ async def _measure(args: argparse.Namespace) -> tuple[list[float], list[float]]:
         urls = [e.url for e in engines]
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
             for url in urls:  # warm-up
-                (await client.post(url + "/generate", json=_body(-1, 8))).raise_for_status()
+                (await client.post(url + "/generate", json=generate_body(-1, 8))).raise_for_status()
             for round_ in range(args.rounds):
                 one.append(
                     await _tokens_per_s(client, urls[:1], args.requests, args.max_new_tokens)

@@ -83,6 +83,17 @@ class ProxyProcess:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
 
+    def push_weights(self, version: int, path: Path) -> None:
+        """``POST /admin/weights``: every backend loads ``path`` as ``version``."""
+        resp = httpx.post(
+            self.url + "/admin/weights",
+            json={"version": version, "path": str(path)},
+            headers=self.admin_headers(),
+            timeout=300,
+        )
+        if resp.status_code != 200:
+            raise RuntimeError(f"weight push {version} failed: {resp.status_code} {resp.text}")
+
     def new_session(self, **body: Any) -> dict[str, Any]:
         resp = httpx.post(
             self.url + "/rl/sessions", json=body, headers=self.admin_headers(), timeout=30

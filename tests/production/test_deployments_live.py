@@ -54,14 +54,7 @@ def env(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     proxy.start()
     try:
         for version in (1, 2):  # the trainer pushes two versions
-            path = build_tiny_model(work / f"v{version}", seed=version)
-            resp = httpx.post(
-                proxy.url + "/admin/weights",
-                json={"version": version, "path": str(path)},
-                headers=proxy.admin_headers(),
-                timeout=300,
-            )
-            assert resp.status_code == 200, resp.text
+            proxy.push_weights(version, build_tiny_model(work / f"v{version}", seed=version))
         yield Env(proxy, key, work)
     finally:
         proxy.stop()

@@ -111,14 +111,7 @@ async def test_recorded_production_session_reward_and_claim(
     session_id = first.headers[SESSION_HEADER]
 
     # A new policy version between the turns: each turn's tokens carry their own version.
-    weights = build_tiny_model(tmp_path / "v1", seed=1)
-    pushed = httpx.post(
-        proxy.url + "/admin/weights",
-        json={"version": 1, "path": str(weights)},
-        headers=proxy.admin_headers(),
-        timeout=120,
-    )
-    assert pushed.status_code == 200, pushed.text
+    proxy.push_weights(1, build_tiny_model(tmp_path / "v1", seed=1))
 
     reply = first.json()["choices"][0]["message"]
     second = _chat(

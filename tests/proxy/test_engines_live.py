@@ -70,14 +70,7 @@ def test_two_engines_serve_sessions_and_both_take_a_push(
     assert sum(served) == 20 and min(served) >= 1, served
 
     # A push reaches both engines: each reports version 1 itself.
-    weights = build_tiny_model(tmp_path / "v1", seed=1)
-    pushed = httpx.post(
-        proxy.url + "/admin/weights",
-        json={"version": 1, "path": str(weights)},
-        headers=proxy.admin_headers(),
-        timeout=120,
-    )
-    assert pushed.status_code == 200, pushed.text
+    proxy.push_weights(1, build_tiny_model(tmp_path / "v1", seed=1))
     for url in urls:
         info = httpx.get(url + "/model_info", timeout=30).json()
         assert info["weight_version"] == "1", (url, info)
