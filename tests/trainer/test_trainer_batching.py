@@ -240,8 +240,8 @@ def test_micro_batched_step_equals_full_batch(tiny_model_dir: Path, attn: str) -
 
     assert full_stats.clip_fraction.item() > 0 and full_stats.masked_tokens.item() > 0
     # Same kernels, other packing: float32 summation-order noise is ~1e-7 of terms of size ~1,
-    # and the token mean can sit near 0, so the absolute bound is 1e-5 (~100x margin).
-    assert mb_loss == pytest.approx(full_loss, rel=1e-4, abs=1e-5)
+    # and the token mean can sit near 0, so the absolute bound is 1e-4 (~1000x margin).
+    assert mb_loss == pytest.approx(full_loss, rel=1e-4, abs=1e-4)
     assert full_grads.keys() == mb_grads.keys() and len(full_grads) > 0
     assert_grads_close(mb_grads, full_grads)
     for key, value in full_stats.as_dict().items():
