@@ -115,7 +115,7 @@ def _engine(settings: Settings, count: int = 1) -> EngineProcess:
     (half of them), each with its share of the threads."""
     engine = EngineProcess(
         settings.model,
-        num_threads=None if count == 1 else max(1, default_num_threads() // count),
+        num_threads=max(1, default_num_threads() // count),
         max_running_requests=settings.engine_max_running_requests,
         enable_lora=settings.enable_lora,
         max_loras_per_batch=settings.max_loras_per_batch,
@@ -135,10 +135,8 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
             if settings.backends
             else [_engine(settings, settings.engines) for _ in range(settings.engines)]
         )
-        engines = list(training_engines)
-        production_engine = _engine(settings) if settings.production_engine else None
-        if production_engine is not None:
-            engines.append(production_engine)
+        production_engines = [_engine(settings)] if settings.production_engine else []
+        engines = training_engines + production_engines
         training = await _deployment(
             TRAINING, settings, http, list(settings.backends), engines=training_engines
         )
@@ -149,7 +147,7 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
                 settings,
                 http,
                 list(settings.production_backends),
-                engines=[production_engine] if production_engine is not None else [],
+                engines=production_engines,
             )
     except BaseException:
         for engine in engines:
