@@ -14,6 +14,8 @@ import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -173,20 +175,29 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
     return Deployments(training, production, canary_factory=canary_factory)
 
 
+def _load_tokenizer(model: Path) -> Any:
+    """The model's tokenizer; xgrammar is imported alongside (its first import takes seconds, and
+    the first request with a JSON schema or a forced tool call would wait for it)."""
+    import xgrammar  # noqa: F401
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
 @asynccontextmanager
 async def open_state(
     settings: Settings, metrics: Metrics, *, bound_port: int | None = None
 ) -> AsyncIterator[AppState]:
     """Open the store, start the deployments, load the tokenizer, build the app state and
     its background tasks; close everything at exit."""
-    from transformers import AutoTokenizer
-
     await ensure_schema(settings.db)
     store = await Store.open(settings.db)
     http = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     )
     deployments: Deployments | None = None
+    # The tokenizer loads on another thread while the engines start in their own processes.
+    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, settings.model))
     try:
         deployments = await build_deployments(settings, http)
         pool = deployments.training.pool
@@ -195,7 +206,7 @@ async def open_state(
         except ContextLengthMismatch as exc:
             logger.error("proxima serve: %s", exc)
             raise
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model))
+        tokenizer = await tokenizer_load
         state = build_state(
             settings=settings,
             metrics=metrics,
@@ -233,6 +244,7 @@ async def open_state(
         await state.group_commit.close()
         state.service.close()
     finally:
+        await asyncio.gather(tokenizer_load, return_exceptions=True)  # a thread cannot be cancelled
         if deployments is not None:
             await deployments.close()
         await http.aclose()

@@ -61,8 +61,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import xgrammar as xgr
-from proxima.proxy.embedded.grammar import unenforceable_schema_reason, xgrammar_message
+from proxima.proxy.embedded.schema_rules import unenforceable_schema_reason, xgrammar_message
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.tools import ToolChoice
 
@@ -396,6 +395,8 @@ def _checked(grammar: Grammar, param: str) -> Grammar:
             f"long; at most {MAX_SCHEMA_CHARS} are allowed (all tool schemas together).",
             param=param,
         )
+    import xgrammar as xgr  # torch and transformers come with it: loaded on first use
+
     try:
         if grammar.kind == "json_schema":
             xgr.Grammar.from_json_schema(grammar.value, any_whitespace=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from proxima.proxy import structured
-from proxima.proxy.embedded.grammar import unenforceable_schema_reason
+from proxima.proxy.embedded.schema_rules import unenforceable_schema_reason
 from proxima.proxy.errors import BadRequest
 from proxima.proxy.structured import enforceable_schema, output_grammar, response_format_schema
 from proxima.proxy.tools import ToolChoice, get_tool_parser
