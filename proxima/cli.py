@@ -31,8 +31,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from proxima.proxy.app import ContextLengthMismatch, check_context_length, create_app
     from proxima.proxy.config import ENV_PREFIX, Settings, flag_name, flags_of
+    from proxima.proxy.context_length import ContextLengthMismatch, check_context_length
+    from proxima.proxy.engines import start_engines
     from proxima.proxy.serving import bind_socket
 
     try:
@@ -59,7 +60,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     sock = bind_socket(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
-    app = create_app(settings, bound_port=bound_port)
+    # The engines import torch and load the model (seconds) while this process imports the app.
+    engines = start_engines(settings)
+    try:
+        from proxima.proxy.app import create_app
+
+        app = create_app(settings, bound_port=bound_port, engines=engines)
+    except BaseException:
+        engines.stop()
+        raise
     print(
         f"proxima: serving {settings.model_name} on http://{settings.host}:{bound_port}/v1",
         flush=True,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -25,8 +24,10 @@ from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
+from proxima.proxy.context_length import ContextLengthMismatch, resolve_context_length
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
-from proxima.proxy.embedded.launcher import EngineProcess, default_num_threads
+from proxima.proxy.embedded.launcher import EngineProcess
+from proxima.proxy.engines import StartedEngines, start_engine, start_engines
 from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
@@ -37,10 +38,6 @@ from proxima.proxy.store.store import Store
 from proxima.proxy.surfaces import SURFACES
 
 logger = logging.getLogger(__name__)
-
-
-class ContextLengthMismatch(RuntimeError):
-    """``--context-length`` exceeds what a backend serves: refused at start-up."""
 
 
 async def _backend_context_length(pool: BackendPool) -> int | None:
@@ -56,42 +53,6 @@ async def _backend_context_length(pool: BackendPool) -> int | None:
         if length is not None and length > 0:
             lengths.append(length)
     return min(lengths) if lengths else None
-
-
-def model_context_length(settings: Settings) -> int:
-    """The model config's ``max_position_embeddings`` (what the embedded engine serves)."""
-    config = json.loads((settings.model / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 4096)
-
-
-def check_context_length(settings: Settings) -> None:
-    """Refuse, before anything starts, a ``--context-length`` the embedded engine cannot serve.
-
-    External backends are checked in the lifespan, once they answer.
-    """
-    if not settings.backends and settings.context_length:
-        _context_length(settings, model_context_length(settings))
-
-
-def _context_length(settings: Settings, backend_length: int | None) -> int:
-    """The context window the proxy enforces.
-
-    ``--context-length`` if given, else the backends' own, else the model
-    config's ``max_position_embeddings``. A ``--context-length`` above what the
-    backends serve would let requests through that the backend then refuses,
-    so it stops the server with a message saying what to change.
-    """
-    if settings.context_length:
-        if backend_length is not None and settings.context_length > backend_length:
-            raise ContextLengthMismatch(
-                f"--context-length {settings.context_length} exceeds the backend's context "
-                f"length {backend_length}: lower --context-length to at most {backend_length} "
-                "(or start the backend with a longer context)."
-            )
-        return settings.context_length
-    if backend_length is not None:
-        return backend_length
-    return model_context_length(settings)
 
 
 async def _deployment(
@@ -112,35 +73,17 @@ async def _deployment(
     return Deployment(name, pool, tuple(engines))
 
 
-def _engine(settings: Settings, count: int = 1) -> EngineProcess:
-    """An embedded engine, started; one of ``count`` that share the CPUs an engine gets
-    (half of them), each with its share of the threads."""
-    engine = EngineProcess(
-        settings.model,
-        num_threads=max(1, default_num_threads() // count),
-        max_running_requests=settings.engine_max_running_requests,
-        enable_lora=settings.enable_lora,
-        max_loras_per_batch=settings.max_loras_per_batch,
-        max_lora_rank=settings.max_lora_rank,
-    )
-    engine.start()
-    return engine
+async def build_deployments(
+    settings: Settings, http: httpx.AsyncClient, engines: StartedEngines
+) -> Deployments:
+    """``training`` always; ``production`` (and a canary) with the production flags.
 
-
-async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Deployments:
-    """``training`` always; ``production`` (and a canary) with the production flags."""
-    engines: list[EngineProcess] = []
+    ``engines``: the embedded engines :func:`start_engines` started for ``settings`` (they
+    load their models in parallel, and with the proxy's own start-up); stopped here on failure.
+    """
     try:
-        # Start every engine first: they load their models in parallel.
-        training_engines = (
-            []
-            if settings.backends
-            else [_engine(settings, settings.engines) for _ in range(settings.engines)]
-        )
-        production_engines = [_engine(settings)] if settings.production_engine else []
-        engines = training_engines + production_engines
         training = await _deployment(
-            TRAINING, settings, http, list(settings.backends), engines=training_engines
+            TRAINING, settings, http, list(settings.backends), engines=engines.training
         )
         production = None
         if settings.separate_production:
@@ -149,11 +92,10 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
                 settings,
                 http,
                 list(settings.production_backends),
-                engines=production_engines,
+                engines=engines.production,
             )
     except BaseException:
-        for engine in engines:
-            engine.stop()
+        engines.stop()
         raise
 
     canary_factory = None
@@ -165,7 +107,7 @@ async def build_deployments(settings: Settings, http: httpx.AsyncClient) -> Depl
     elif settings.production_engine:
 
         async def canary_factory() -> Deployment:
-            engine = _engine(settings)
+            engine = start_engine(settings)
             try:
                 return await _deployment(CANARY, settings, http, [], engines=[engine])
             except BaseException:
@@ -186,23 +128,38 @@ def _load_tokenizer(model: Path) -> Any:
 
 @asynccontextmanager
 async def open_state(
-    settings: Settings, metrics: Metrics, *, bound_port: int | None = None
+    settings: Settings,
+    metrics: Metrics,
+    *,
+    bound_port: int | None = None,
+    engines: StartedEngines | None = None,
 ) -> AsyncIterator[AppState]:
     """Open the store, start the deployments, load the tokenizer, build the app state and
-    its background tasks; close everything at exit."""
-    await ensure_schema(settings.db)
-    store = await Store.open(settings.db)
+    its background tasks; close everything at exit.
+
+    ``engines``: the embedded engines, when the caller started them already (``proxima
+    serve`` does, before it imports this module); started here otherwise.
+    """
+    if engines is None:
+        engines = start_engines(settings)
+    # The tokenizer loads on another thread while the engines start in their own processes.
+    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, settings.model))
+    try:
+        await ensure_schema(settings.db)
+        store = await Store.open(settings.db)
+    except BaseException:
+        engines.stop()
+        await asyncio.gather(tokenizer_load, return_exceptions=True)  # a thread cannot be cancelled
+        raise
     http = httpx.AsyncClient(
         limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     )
     deployments: Deployments | None = None
-    # The tokenizer loads on another thread while the engines start in their own processes.
-    tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, settings.model))
     try:
-        deployments = await build_deployments(settings, http)
+        deployments = await build_deployments(settings, http, engines)
         pool = deployments.training.pool
         try:
-            context_length = _context_length(settings, await _backend_context_length(pool))
+            context_length = resolve_context_length(settings, await _backend_context_length(pool))
         except ContextLengthMismatch as exc:
             logger.error("proxima serve: %s", exc)
             raise
@@ -251,13 +208,16 @@ async def open_state(
         await store.close()
 
 
-def create_app(settings: Settings, *, bound_port: int | None = None) -> FastAPI:
-    """The proxy's app; ``bound_port``: the port its socket is bound to (``--port 0``)."""
+def create_app(
+    settings: Settings, *, bound_port: int | None = None, engines: StartedEngines | None = None
+) -> FastAPI:
+    """The proxy's app; ``bound_port``: the port its socket is bound to (``--port 0``);
+    ``engines``: its embedded engines, already started (else the lifespan starts them)."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_state(settings, metrics, bound_port=bound_port) as state:
+        async with open_state(settings, metrics, bound_port=bound_port, engines=engines) as state:
             install_state(app, state)
             yield
 

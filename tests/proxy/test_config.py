@@ -123,8 +123,8 @@ def test_the_lora_flags_reach_every_embedded_engine(
 ) -> None:
     """``--enable-lora --max-loras-per-batch --max-lora-rank`` start the embedded engines
     (training, production, canary) with SGLang's flags of the same names."""
-    from proxima.proxy import app
     from proxima.proxy.embedded.launcher import EngineProcess
+    from proxima.proxy.engines import start_engine
 
     monkeypatch.setattr(EngineProcess, "start", lambda self: None)
     settings = _settings(
@@ -136,7 +136,7 @@ def test_the_lora_flags_reach_every_embedded_engine(
         3,
         16,
     )
-    engine = app._engine(settings)
+    engine = start_engine(settings)
     assert engine.lora_args == [
         "--enable-lora",
         "--max-loras-per-batch",
@@ -144,7 +144,7 @@ def test_the_lora_flags_reach_every_embedded_engine(
         "--max-lora-rank",
         "16",
     ]
-    plain = app._engine(_settings("--model", str(model_dir)))
+    plain = start_engine(_settings("--model", str(model_dir)))
     assert "--enable-lora" not in plain.lora_args and "--max-lora-rank" not in plain.lora_args
     with pytest.raises(ValueError, match="max_loras_per_batch"):
         _settings("--model", str(model_dir), "--max-loras-per-batch", "0")
