@@ -76,7 +76,10 @@ test: venv postgres haproxy lint harnesses
 # math agent through the proxy on the embedded CPU engine; ends with
 # "held-out accuracy: BEFORE% -> AFTER%; unseen phrasings: BEFORE% -> AFTER%" (held-out problems
 # in wordings the training never used) and runs/demo/reward_curve.png.
+# Every run starts from the base model: a run left in runs/demo (its store and the trainer's
+# checkpoint) would otherwise be resumed, and "before" would be the last run's trained policy.
 demo: $(VENV)/.installed-demo
+	rm -rf runs/demo
 	$(VENV)/bin/proxima --log-format text --log-level warning train --config agents_examples/demo.toml
 
 # Lint, format and type checks are part of the suite (CI runs them through `make test`).
