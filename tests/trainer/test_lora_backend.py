@@ -141,7 +141,7 @@ def test_logprobs_and_loss_with_an_adapter_equal_the_merged_model(
     }
     loss_adapter, _ = loss_fn(with_adapter, **inputs)
     loss_merged, _ = loss_fn(expected, **inputs)
-    assert loss_adapter.item() == pytest.approx(loss_merged.item(), rel=1e-4, abs=1e-5)
+    assert loss_adapter.item() == pytest.approx(loss_merged.item(), rel=1e-4, abs=1e-4)
 
 
 def test_export_writes_peft_files_with_peft_keys(tiny_model_dir: Path, tmp_path: Path) -> None:

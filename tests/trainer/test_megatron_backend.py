@@ -302,7 +302,7 @@ def test_adamw_step_matches_hf(tiny_model_dir: Path) -> None:
     assert len(result.stats) == 2
     # Megatron's kernels differ from HF's (per-token logprobs agree to LOGPROB_ATOL), so the
     # token-mean loss is compared at a matching tolerance, not at float32 rounding.
-    assert result.loss == pytest.approx(loss.item(), rel=1e-4, abs=1e-5)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-4, abs=1e-4)
     assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-4)
     mcore_grads = mcore_grads_as_hf(megatron)
     assert mcore_grads.keys() == {k for k in hf_grads if k in megatron.to_hf_state_dict()}
@@ -342,7 +342,7 @@ def test_decoupled_ppo_step_on_packed_batches_matches_hf(tiny_model_dir: Path) -
     hf_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
 
     assert result.grad_norm > 0.1  # clipping was active
-    assert result.loss == pytest.approx(hf_loss.item(), rel=1e-4, abs=1e-5)  # see above
+    assert result.loss == pytest.approx(hf_loss.item(), rel=1e-4, abs=1e-4)  # see above
     assert result.grad_norm == pytest.approx(grad_norm.item(), rel=1e-4)
     assert float(result.stats[0].loss_tokens) == packs[0].num_loss_tokens
     mcore_grads = mcore_grads_as_hf(megatron)  # after clipping, as AdamW got them
@@ -441,7 +441,7 @@ def test_tensor_parallel_2_on_cpu_gloo_matches_hf(tiny_model_dir: Path, tmp_path
         assert result["qkv_shape"] == (64, 64)  # one query group of two: half of (128, 64)
         torch.testing.assert_close(result["logprobs"], expected, atol=LOGPROB_ATOL, rtol=0)
         assert all(torch.equal(result["initial"][k], t) for k, t in hf_state.items())
-        assert result["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-5)  # HF vs mcore
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-4)  # HF vs mcore
         assert result["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-4)
         assert_adamw_applied(result["updated"], stepped, defaults)
 
