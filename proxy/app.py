@@ -23,6 +23,7 @@ from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
+from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
 from proxima.proxy.config import Settings
 from proxima.proxy.context_length import ContextLengthMismatch, resolve_context_length
 from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
@@ -152,7 +153,11 @@ async def open_state(
         await asyncio.gather(tokenizer_load, return_exceptions=True)  # a thread cannot be cancelled
         raise
     http = httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+        limits=httpx.Limits(
+            max_connections=4096,
+            max_keepalive_connections=1024,
+            keepalive_expiry=ADMIN_KEEPALIVE_S,
+        )
     )
     deployments: Deployments | None = None
     try:

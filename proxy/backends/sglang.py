@@ -42,6 +42,12 @@ GENERATE_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
 ADMIN_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
 # Longer than SGLang's own health timeout (20 s): a slow probe is not a failed one.
 HEALTH_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=5.0, pool=5.0)
+# Idle admin connections are dropped after this long, before the server's own keep-alive
+# timeout closes them (uvicorn's default, and SGLang's unless ``SGLANG_TIMEOUT_KEEP_ALIVE``
+# says otherwise, is 5 s; httpx's own default is also 5 s). At equal timeouts a request
+# sent on an idle connection races the server's close and fails without a response: a
+# health probe every 5 s failed about once in a hundred and took a live backend out.
+ADMIN_KEEPALIVE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -134,6 +140,23 @@ class SGLangClient:
     def close(self) -> None:
         """Close the idle generation connections."""
         self._wire.close()
+
+    async def _get(self, path: str, timeout: httpx.Timeout) -> httpx.Response:
+        """An idempotent GET, sent once more on a new connection when the first one was
+        dropped without a response (a server that closed it while idle, whatever its
+        keep-alive timeout); a timeout is not retried."""
+        for attempt in (1, 2):
+            try:
+                return await self._http.get(self.base_url + path, timeout=timeout)
+            except httpx.HTTPError as exc:
+                dropped = isinstance(exc, httpx.TransportError) and not isinstance(
+                    exc, httpx.TimeoutException
+                )
+                if attempt == 2 or not dropped:
+                    raise BackendConnectionError(
+                        f"{path} failed: {exc!r}", url=self.base_url
+                    ) from exc
+        raise AssertionError("unreachable")
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> Any:
         try:
@@ -328,10 +351,7 @@ class SGLangClient:
     async def loaded_lora_adapters(self) -> set[str]:
         """The names of the adapters loaded now (SGLang lists them in ``GET /v1/models``,
         the cards with a ``parent``); empty when LoRA is not enabled."""
-        try:
-            resp = await self._http.get(self.base_url + "/v1/models", timeout=ADMIN_TIMEOUT)
-        except httpx.HTTPError as exc:
-            raise BackendConnectionError(f"/v1/models failed: {exc!r}", url=self.base_url) from exc
+        resp = await self._get("/v1/models", ADMIN_TIMEOUT)
         models = ModelList.model_validate(self._check(resp.status_code, resp.content, "/v1/models"))
         return {card.id for card in models.data if card.parent is not None}
 
@@ -344,17 +364,14 @@ class SGLangClient:
         after 20 s (``HEALTH_CHECK_TIMEOUT``), so our timeout is longer: SGLang's
         verdict decides, not our timer (see ``BackendPool.check_health``)."""
         try:
-            resp = await self._http.get(self.base_url + "/health", timeout=HEALTH_TIMEOUT)
-        except httpx.HTTPError:
+            resp = await self._get("/health", HEALTH_TIMEOUT)
+        except BackendConnectionError:
             return False
         return resp.status_code == 200
 
     async def model_info(self) -> ModelInfo:
         """``GET /model_info`` (SGLang's ``/get_model_info`` is deprecated)."""
-        try:
-            resp = await self._http.get(self.base_url + "/model_info", timeout=ADMIN_TIMEOUT)
-        except httpx.HTTPError as exc:
-            raise BackendConnectionError(f"/model_info failed: {exc!r}", url=self.base_url) from exc
+        resp = await self._get("/model_info", ADMIN_TIMEOUT)
         return ModelInfo.model_validate(self._check(resp.status_code, resp.content, "/model_info"))
 
 

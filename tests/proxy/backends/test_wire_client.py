@@ -185,6 +185,72 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_new_one() -> None:
         assert srv.connections == 2 and len(srv.requests) == 3
 
 
+def _json_reply(payload: dict) -> bytes:
+    body = json.dumps(payload).encode()
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+
+
+async def _read_get(srv: Scripted, reader: asyncio.StreamReader) -> bytes | None:
+    """One bodiless request's head, or None when the client closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    srv.requests.append(head)
+    return head
+
+
+async def test_admin_gets_on_a_dropped_idle_connection_go_once_more_on_a_new_one() -> None:
+    """The server's keep-alive timeout closes an idle connection as the next GET reaches it.
+
+    A health probe every 5 s against a server that closes idle connections after
+    5 s met this race about once in a hundred probes, and a live backend was taken
+    out of the pool. ``/health``, ``/model_info`` and ``/v1/models`` are idempotent:
+    they are sent again on a new connection.
+    """
+
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            first_connection = srv.connections == 1
+            while (head := await _read_get(srv, reader)) is not None:
+                if first_connection and len(srv.requests) > 1:
+                    return  # closed without an answer to the request that arrived
+                if head.startswith(b"GET /model_info"):
+                    writer.write(_json_reply({"model_path": "m", "weight_version": "3"}))
+                else:
+                    writer.write(_json_reply({}))
+                await writer.drain()
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        assert await client.health()
+        assert await client.health()  # on the dropped connection, then on a new one
+        assert srv.connections == 2 and len(srv.requests) == 3
+        assert (await client.model_info()).weight_version == "3"  # the new one is kept
+        assert srv.connections == 2
+
+
+async def test_an_admin_get_dropped_twice_is_a_failed_probe() -> None:
+    def handler(srv: Scripted) -> Handler:
+        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_get(srv, reader)  # then close without answering
+
+        return h
+
+    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+        client = SGLangClient(url, http=http)
+        assert not await client.health()
+        assert srv.connections == 2  # once more, not forever
+        with pytest.raises(BackendConnectionError, match="/model_info"):
+            await client.model_info()
+        assert srv.connections == 4
+
+
 async def test_a_new_connection_that_fails_is_not_retried() -> None:
     """/generate is not idempotent: a fresh connection's failure is the caller's to handle."""
 
