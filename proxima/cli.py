@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -258,6 +259,14 @@ def _add_trainer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_trainer)
 
 
+def _sigterm_stops_like_ctrl_c() -> None:
+    """SIGTERM (``kill``, ``timeout``, ``docker stop``, a job scheduler) stops a run the way
+    Ctrl-C does: the proxy, its engines and the trainer it started are stopped (the trainer
+    finishes or abandons its step and releases its claims). Python's default SIGTERM ends
+    this process at once and leaves them running."""
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.raise_signal(signal.SIGINT))
+
+
 def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -278,6 +287,7 @@ def _train(args: argparse.Namespace) -> int:
             cfg.proxy.url = args.proxy
         if args.admin_token is not None:
             cfg.proxy.admin_token = args.admin_token
+        _sigterm_stops_like_ctrl_c()
         try:
             asyncio.run(eval_only(cfg, args.version, adapter=args.adapter))
         except ValueError as exc:
@@ -286,12 +296,14 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.steps is not None:
         cfg.steps = args.steps
+    _sigterm_stops_like_ctrl_c()
     try:
         asyncio.run(train(cfg, progress=not args.no_progress))
     except KeyboardInterrupt:
         print(
-            "proxima train: stopped; the trainer checkpoint in "
-            f"{cfg.output_dir / 'trainer'} resumes the run",
+            "proxima train: stopped; the same command resumes the run from what the trainer "
+            f"saved in {cfg.output_dir / 'trainer'} (its last pushed weights, and its "
+            "checkpoint where trainer.checkpoint_every is set)",
             file=sys.stderr,
         )
         return 130

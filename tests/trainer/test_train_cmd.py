@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 from proxima.proxy.store.codec import decode_int32
 from proxima.trainer.train import curve_points, plot_rewards
 
@@ -27,13 +31,12 @@ def test_reward_curve_draws_each_step_once(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_short_train_run_completes_steps_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _run_config(tiny_model_dir: Path, tmp_path: Path, steps: int) -> tuple[Path, Path]:
+    """A one-policy ``proxima train`` config on the tiny model: (config path, output dir)."""
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
-    # 3 steps: with max staleness 1 the proxy admits 2 batches at version 0, so the third
-    # batch can only be generated after the first push (no race with the trainer's exit).
     config.write_text(f"""
-steps = 3
+steps = {steps}
 output_dir = "{out}"
 
 [model]
@@ -66,24 +69,19 @@ lr = 1e-4
 [trainer.advantage]
 zero_signal = "keep"
 """)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "proxima.cli",
-            "--log-format",
-            "text",
-            "--log-level",
-            "warning",
-            "train",
-            "--config",
-            str(config),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return config, out
+
+
+def _train_argv(config: Path) -> list[str]:
+    cli = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
+    return [*cli, "train", "--config", str(config), "--no-progress"]
+
+
+def test_short_train_run_completes_steps_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # 3 steps: with max staleness 1 the proxy admits 2 batches at version 0, so the third
+    # batch can only be generated after the first push (no race with the trainer's exit).
+    config, out = _run_config(tiny_model_dir, tmp_path, steps=3)
+    proc = subprocess.run(_train_argv(config), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.splitlines()[-1]
     assert "held-out accuracy: " in last and "; unseen phrasings: " in last
@@ -116,6 +114,45 @@ zero_signal = "keep"
     assert 0 in versions and max(versions) >= 1
     statuses = dict(db.execute("select status, count(*) from sessions group by status").fetchall())
     assert statuses.get("trained", 0) >= 8
+
+
+def test_sigterm_stops_the_run_and_every_process_it_started(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``kill`` (or ``timeout``, ``docker stop``) stops ``proxima train`` as Ctrl-C does: the
+    proxy, its engine and the trainer exit with it, the trainer after a clean stop. Before,
+    SIGTERM ended the command alone and left the three running."""
+    config, out = _run_config(tiny_model_dir, tmp_path, steps=1000)
+    proc = subprocess.Popen(
+        _train_argv(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    started: list[psutil.Process] = []
+    try:
+        log = out / "trainer" / "train_log.jsonl"
+        deadline = time.monotonic() + 300
+        while not (log.exists() and '"event": "step"' in log.read_text()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no trainer step within 300 s"
+            time.sleep(0.5)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in started]
+        assert any("proxima.cli" in c and " serve" in c for c in commands), commands
+        assert any("proxima.cli" in c and " trainer" in c for c in commands), commands
+
+        proc.send_signal(signal.SIGTERM)  # to the command alone, not its process group
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 130, stderr[-3000:]
+        assert "the same command resumes the run" in stderr
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        # The trainer stopped cleanly (claims released, its stop logged), after a pushed step.
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert records[-1]["event"] == "stop" and records[-1]["step"] >= 1
+    finally:
+        for p in [proc, *started]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        proc.wait(30)
 
 
 def test_two_tenants_train_their_own_adapters_end_to_end(
@@ -169,13 +206,7 @@ lr = 1e-3
 [trainer.advantage]
 zero_signal = "keep"
 """)
-    proc = subprocess.run(
-        [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
-        + ["train", "--config", str(config), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run(_train_argv(config), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("tenant-a: held-out accuracy before training: ")
