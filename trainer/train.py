@@ -429,9 +429,11 @@ async def _follow_training(
     policies: list[Policy],
     before: dict[str | None, Accuracy],
     on_step: Callable[[Policy, dict[str, Any]], None],
+    resumed: dict[str | None, int],
 ) -> dict[str | None, list[dict[str, Any]]]:
-    """Until the trainer exits: a progress bar per step and a fresh reward curve per policy."""
-    seen = dict.fromkeys((p.adapter for p in policies), 0)
+    """Until the trainer exits: a progress bar per step and a fresh reward curve per policy
+    (``resumed``: the steps each policy's log held before this run, already counted)."""
+    seen = dict(resumed)
     while trainer.poll() is None:
         await asyncio.sleep(1.0)
         for policy in policies:
@@ -526,8 +528,11 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         controllers = [
             rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
         ]
+        # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
+        resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
         bar = tqdm(
-            total=cfg.steps * len(policies),
+            initial=sum(resumed.values()),
+            total=sum(resumed.values()) + cfg.steps * len(policies),
             desc="PPO steps",
             unit="step",
             disable=not progress,
@@ -556,7 +561,9 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             asyncio.create_task(c.run(_cycle(p.items.train, fields_of(p))))
             for c, p in zip(controllers, policies, strict=True)
         ]
-        records = await _follow_training(cfg, trainer_proc, controllers, policies, before, on_step)
+        records = await _follow_training(
+            cfg, trainer_proc, controllers, policies, before, on_step, resumed
+        )
         train_s = time.monotonic() - train_started
         bar.close()
         reports = [await r for r in rollouts]
@@ -595,10 +602,12 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
                 "reward_curve": str(policy.curve_path(cfg)),
             }
         steps = sum(len(r) for r in records.values())
+        new_steps = steps - sum(resumed.values())
         timing = {
             "max_staleness": cfg.trainer.max_staleness,
             "train_s": round(train_s, 1),
-            "seconds_per_step": round(train_s / max(1, steps), 1),
+            "seconds_per_step": round(train_s / max(1, new_steps), 1),
+            "resumed_steps": sum(resumed.values()),
             "eval_s": round(eval_s, 1),
             "wall_s": round(time.monotonic() - started, 1),
         }
@@ -607,9 +616,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         else:
             summary = {**results[None], **timing}
         (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        earlier = f", after {timing['resumed_steps']} earlier" if timing["resumed_steps"] else ""
         print(
-            f"trained {steps} steps in {train_s:.0f} s ({timing['seconds_per_step']} s/step); "
-            f"whole run {timing['wall_s']:.0f} s"
+            f"trained {new_steps} steps{earlier} in {train_s:.0f} s "
+            f"({timing['seconds_per_step']} s/step); whole run {timing['wall_s']:.0f} s"
         )
         for policy in policies:
             result = results[policy.adapter]

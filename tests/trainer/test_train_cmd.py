@@ -148,11 +148,23 @@ def test_sigterm_stops_the_run_and_every_process_it_started(
         # The trainer stopped cleanly (claims released, its stop logged), after a pushed step.
         records = [json.loads(line) for line in log.read_text().splitlines()]
         assert records[-1]["event"] == "stop" and records[-1]["step"] >= 1
+        earlier = sum(1 for r in records if r["event"] == "step")
     finally:
         for p in [proc, *started]:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 p.kill()
         proc.wait(30)
+
+    # The same command resumes it: one more step, counted after the earlier ones, bar included.
+    argv = [a for a in _train_argv(config) if a != "--no-progress"]
+    again = subprocess.run([*argv, "--steps", "1"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_steps"] == earlier and summary["steps"] == earlier + 1
+    assert f"trained 1 steps, after {earlier} earlier in " in again.stdout
+    total = earlier + 1
+    assert f"| {total}/{total} [" in again.stderr  # the bar ends full, not past its total
+    assert f"{total + 1}/{total}" not in again.stderr
 
 
 def test_two_tenants_train_their_own_adapters_end_to_end(
