@@ -73,10 +73,10 @@ def teach_texts(
     model_dir: str | Path,
     sequences: Sequence[Sequence_],
     *,
-    rounds: int = 300,
+    rounds: int = 1000,
     steps: int = 20,
     lr: float = 1e-2,
-    min_prob: float = 0.999,
+    min_prob: float = 0.9999,
     seed: int = 0,
 ) -> Path:
     """Fine-tune ``model_dir`` in place on whole rendered conversations.
@@ -99,7 +99,10 @@ def teach_texts(
     prompts need over a hundred rounds): harnesses
     sample at temperature 1 (they send none), so a 20-token reply must come out
     whole with near certainty, and no other engine's summation order can flip
-    it; else an error.
+    it; else an error. At 0.999, a taught Codex run still strayed with
+    probability sum(1 - p) = 0.44% (11 taught tokens, the weakest just over the
+    bar), about 2% over the suite's four harness runs, and one did; at 0.9999
+    it is 0.05%, for about 20 s more of teaching per harness.
     """
     import copy
 

@@ -67,6 +67,8 @@ COMMAND = "echo proxima > done.txt"
 FINAL = "Done."
 END = "<|im_end|>"
 CONTEXT = 4096
+# Every taught token's least probability: the harnesses sample at temperature 1.
+MIN_PROB = 0.9999
 
 # Nothing may leave the machine: proxies point at a closed port, loopback excepted.
 OFFLINE_ENV = {
@@ -458,12 +460,13 @@ def serve_taught(
             h.final,
         )
     texts = [text for seq in sequences for text, _ in seq]
-    digest = hashlib.sha256(json.dumps(sequences).encode()).hexdigest()[:16]
+    # The bar is in the key: a model taught to a lower one is not reused.
+    digest = hashlib.sha256(json.dumps([sequences, MIN_PROB]).encode()).hexdigest()[:16]
     model_dir = CACHE / f"harness-taught-{digest}" / model_name
     if not (model_dir / "model.safetensors").exists():
         staging = Path(tempfile.mkdtemp(dir=CACHE)) / model_name
         build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
-        teach_texts(staging, sequences)
+        teach_texts(staging, sequences, min_prob=MIN_PROB)
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, model_dir)
     # Its own directory for the proxy: the served model name is the directory's name.
