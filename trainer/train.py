@@ -516,6 +516,8 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         config_path.write_text(
             trainer_cfg.model_dump_json(indent=2, exclude={"connection"}, exclude_unset=True)
         )
+        # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
+        resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
         trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
         env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
         trainer_proc = subprocess.Popen(
@@ -528,8 +530,6 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         controllers = [
             rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
         ]
-        # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
-        resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
         bar = tqdm(
             initial=sum(resumed.values()),
             total=sum(resumed.values()) + cfg.steps * len(policies),
