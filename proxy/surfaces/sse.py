@@ -9,12 +9,30 @@ from proxima.proxy.service.events import Usage
 
 DONE = b"data: [DONE]\n\n"
 
+# Characters JSON leaves raw that ``str.splitlines()`` takes for line ends: NEL, LINE
+# SEPARATOR, PARAGRAPH SEPARATOR. SSE ends lines at CR and LF only, but readers built on
+# httpx's ``iter_lines`` (a splitlines) cut an event holding one in two; a model's text may
+# hold any of them (the tiny test model's byte tokens do). Escaped, the JSON is the same.
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def event_json(data: dict[str, Any] | str) -> bytes:
+    """One event's JSON (``data`` already serialized when a str), safe on one line for every
+    reader. orjson: compact UTF-8 JSON, several times faster than json.dumps on the per-chunk
+    path; a non-finite float becomes null instead of the invalid token NaN."""
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:
+        for raw, escaped in _LINE_BREAKS:
+            payload = payload.replace(raw, escaped)
+    return payload
+
 
 def sse(data: dict[str, Any] | str) -> bytes:
-    # orjson: compact UTF-8 JSON, several times faster than json.dumps on the per-chunk path;
-    # a non-finite float becomes null instead of the invalid token NaN.
-    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
-    return b"data: " + payload + b"\n\n"
+    return b"data: " + event_json(data) + b"\n\n"
 
 
 def named_sse(event: dict[str, Any]) -> bytes:
@@ -23,7 +41,7 @@ def named_sse(event: dict[str, Any]) -> bytes:
     The Responses API and Anthropic's Messages API frame their events this way
     (Anthropic's SDK skips events without a name).
     """
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\ndata: " + event_json(event) + b"\n\n"
 
 
 def usage(u: Usage) -> dict[str, int]:
