@@ -282,12 +282,12 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.output_dir is not None:
         cfg.output_dir = args.output_dir
+    _sigterm_stops_like_ctrl_c()
     if args.command == "eval":
         if args.proxy is not None:
             cfg.proxy.url = args.proxy
         if args.admin_token is not None:
             cfg.proxy.admin_token = args.admin_token
-        _sigterm_stops_like_ctrl_c()
         try:
             asyncio.run(eval_only(cfg, args.version, adapter=args.adapter))
         except ValueError as exc:
@@ -296,7 +296,6 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.steps is not None:
         cfg.steps = args.steps
-    _sigterm_stops_like_ctrl_c()
     try:
         asyncio.run(train(cfg, progress=not args.no_progress))
     except KeyboardInterrupt:

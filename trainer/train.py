@@ -518,6 +518,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         )
         # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
         resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
+        resumed_steps = sum(resumed.values())
         trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
         env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
         trainer_proc = subprocess.Popen(
@@ -531,8 +532,8 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
         ]
         bar = tqdm(
-            initial=sum(resumed.values()),
-            total=sum(resumed.values()) + cfg.steps * len(policies),
+            initial=resumed_steps,
+            total=resumed_steps + cfg.steps * len(policies),
             desc="PPO steps",
             unit="step",
             disable=not progress,
@@ -602,12 +603,12 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
                 "reward_curve": str(policy.curve_path(cfg)),
             }
         steps = sum(len(r) for r in records.values())
-        new_steps = steps - sum(resumed.values())
+        new_steps = steps - resumed_steps
         timing = {
             "max_staleness": cfg.trainer.max_staleness,
             "train_s": round(train_s, 1),
             "seconds_per_step": round(train_s / max(1, new_steps), 1),
-            "resumed_steps": sum(resumed.values()),
+            "resumed_steps": resumed_steps,
             "eval_s": round(eval_s, 1),
             "wall_s": round(time.monotonic() - started, 1),
         }
@@ -616,7 +617,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         else:
             summary = {**results[None], **timing}
         (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        earlier = f", after {timing['resumed_steps']} earlier" if timing["resumed_steps"] else ""
+        earlier = f", after {resumed_steps} earlier" if resumed_steps else ""
         print(
             f"trained {new_steps} steps{earlier} in {train_s:.0f} s "
             f"({timing['seconds_per_step']} s/step); whole run {timing['wall_s']:.0f} s"

@@ -69,6 +69,10 @@ def teach(
     return model_dir
 
 
+# The least probability ``teach_texts`` gives every taught token (see its docstring).
+MIN_PROB = 0.9999
+
+
 def teach_texts(
     model_dir: str | Path,
     sequences: Sequence[Sequence_],
@@ -76,7 +80,7 @@ def teach_texts(
     rounds: int = 1000,
     steps: int = 20,
     lr: float = 1e-2,
-    min_prob: float = 0.9999,
+    min_prob: float = MIN_PROB,
     seed: int = 0,
 ) -> Path:
     """Fine-tune ``model_dir`` in place on whole rendered conversations.

@@ -72,9 +72,9 @@ zero_signal = "keep"
     return config, out
 
 
-def _train_argv(config: Path) -> list[str]:
+def _train_argv(config: Path, *, progress: bool = False) -> list[str]:
     cli = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
-    return [*cli, "train", "--config", str(config), "--no-progress"]
+    return [*cli, "train", "--config", str(config), *([] if progress else ["--no-progress"])]
 
 
 def test_short_train_run_completes_steps_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -156,8 +156,8 @@ def test_sigterm_stops_the_run_and_every_process_it_started(
         proc.wait(30)
 
     # The same command resumes it: one more step, counted after the earlier ones, bar included.
-    argv = [a for a in _train_argv(config) if a != "--no-progress"]
-    again = subprocess.run([*argv, "--steps", "1"], capture_output=True, text=True, timeout=600)
+    argv = [*_train_argv(config, progress=True), "--steps", "1"]
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_steps"] == earlier and summary["steps"] == earlier + 1

@@ -51,7 +51,7 @@ from proxima.proxy.surfaces.messages.schema import MessagesRequest
 from proxima.proxy.surfaces.responses import translate as responses_translate
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
 from proxima.proxy.testing.live import LiveProxy
-from proxima.proxy.testing.teach import teach_texts
+from proxima.proxy.testing.teach import MIN_PROB, teach_texts
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
 from transformers import AutoTokenizer
 
@@ -67,8 +67,6 @@ COMMAND = "echo proxima > done.txt"
 FINAL = "Done."
 END = "<|im_end|>"
 CONTEXT = 4096
-# Every taught token's least probability: the harnesses sample at temperature 1.
-MIN_PROB = 0.9999
 
 # Nothing may leave the machine: proxies point at a closed port, loopback excepted.
 OFFLINE_ENV = {
@@ -466,7 +464,7 @@ def serve_taught(
     if not (model_dir / "model.safetensors").exists():
         staging = Path(tempfile.mkdtemp(dir=CACHE)) / model_name
         build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
-        teach_texts(staging, sequences, min_prob=MIN_PROB)
+        teach_texts(staging, sequences)
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, model_dir)
     # Its own directory for the proxy: the served model name is the directory's name.

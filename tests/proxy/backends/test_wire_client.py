@@ -48,16 +48,20 @@ class Scripted:
             writer.close()
 
     async def read_request(self, reader: asyncio.StreamReader) -> bool:
-        """Read one request (head and body); False when the client closed the connection."""
+        """Read one request (head and body, none without a content-length: a GET); False
+        when the client closed the connection."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             self.closed_by_client.set()
             return False
         length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
         )
         self.requests.append(head + await reader.readexactly(length))
         return True
@@ -185,22 +189,12 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_new_one() -> None:
         assert srv.connections == 2 and len(srv.requests) == 3
 
 
-def _json_reply(payload: dict) -> bytes:
-    body = json.dumps(payload).encode()
-    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
-    )
-
-
-async def _read_get(srv: Scripted, reader: asyncio.StreamReader) -> bytes | None:
-    """One bodiless request's head, or None when the client closed the connection."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        return None
-    srv.requests.append(head)
-    return head
+def _json_reply(body: bytes | dict, status: int = 200) -> bytes:
+    """A response with a content-length body (a dict is sent as its JSON)."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, len(body)) + body
 
 
 async def test_admin_gets_on_a_dropped_idle_connection_go_once_more_on_a_new_one() -> None:
@@ -215,10 +209,10 @@ async def test_admin_gets_on_a_dropped_idle_connection_go_once_more_on_a_new_one
     def handler(srv: Scripted) -> Handler:
         async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             first_connection = srv.connections == 1
-            while (head := await _read_get(srv, reader)) is not None:
+            while await srv.read_request(reader):
                 if first_connection and len(srv.requests) > 1:
                     return  # closed without an answer to the request that arrived
-                if head.startswith(b"GET /model_info"):
+                if srv.requests[-1].startswith(b"GET /model_info"):
                     writer.write(_json_reply({"model_path": "m", "weight_version": "3"}))
                 else:
                     writer.write(_json_reply({}))
@@ -238,7 +232,7 @@ async def test_admin_gets_on_a_dropped_idle_connection_go_once_more_on_a_new_one
 async def test_an_admin_get_dropped_twice_is_a_failed_probe() -> None:
     def handler(srv: Scripted) -> Handler:
         async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _read_get(srv, reader)  # then close without answering
+            await srv.read_request(reader)  # then close without answering
 
         return h
 
@@ -342,10 +336,7 @@ async def test_error_statuses_with_content_length_bodies(
     def handler(srv: Scripted) -> Handler:
         async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while await srv.read_request(reader):
-                writer.write(
-                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                    % (status, len(body), body)
-                )
+                writer.write(_json_reply(body, status))
 
         return h
 
