@@ -189,6 +189,15 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_new_one() -> None:
         assert srv.connections == 2 and len(srv.requests) == 3
 
 
+def _answers_nothing(srv: Scripted) -> Handler:
+    """Every connection reads one request, then closes without answering."""
+
+    async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await srv.read_request(reader)
+
+    return h
+
+
 def _json_reply(body: bytes | dict, status: int = 200) -> bytes:
     """A response with a content-length body (a dict is sent as its JSON)."""
     if isinstance(body, dict):
@@ -230,13 +239,7 @@ async def test_admin_gets_on_a_dropped_idle_connection_go_once_more_on_a_new_one
 
 
 async def test_an_admin_get_dropped_twice_is_a_failed_probe() -> None:
-    def handler(srv: Scripted) -> Handler:
-        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)  # then close without answering
-
-        return h
-
-    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+    async with scripted(_answers_nothing) as (srv, url), httpx.AsyncClient() as http:
         client = SGLangClient(url, http=http)
         assert not await client.health()
         assert srv.connections == 2  # once more, not forever
@@ -248,13 +251,7 @@ async def test_an_admin_get_dropped_twice_is_a_failed_probe() -> None:
 async def test_a_new_connection_that_fails_is_not_retried() -> None:
     """/generate is not idempotent: a fresh connection's failure is the caller's to handle."""
 
-    def handler(srv: Scripted) -> Handler:
-        async def h(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await srv.read_request(reader)  # then close without answering
-
-        return h
-
-    async with scripted(handler) as (srv, url), httpx.AsyncClient() as http:
+    async with scripted(_answers_nothing) as (srv, url), httpx.AsyncClient() as http:
         client = SGLangClient(url, http=http)
         with pytest.raises(BackendConnectionError):
             [d async for d in client.generate_stream(REQUEST)]
