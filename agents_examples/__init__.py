@@ -1,7 +1,7 @@
 """Example agents, written the way users write them: no Proxima imports.
 
 Each module exposes ``run_agent_return_reward(data)`` for the rollout
-controller (``trainer/rollout.py``) and runs standalone
+controller (``trainer/rollout/controller.py``) and runs standalone
 (``python -m proxima.agents_examples.math_agent --base-url URL --api-key K --model M``).
 
 - :mod:`proxima.agents_examples.math_agent`: multi-turn math on the OpenAI SDK.

@@ -41,7 +41,7 @@ from proxima.trainer.config import (  # noqa: E402
     OptimConfig,
     PPOConfig,
 )
-from proxima.trainer.demo_model import prepare_smollm2  # noqa: E402
+from proxima.trainer.pipeline.demo_model import prepare_smollm2  # noqa: E402
 from proxima.trainer.samples import Sample  # noqa: E402
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

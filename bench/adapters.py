@@ -55,7 +55,7 @@ from proxima.proxy.testing.lora import (  # noqa: E402
     save_peft_adapter,
     write_peft_adapter,
 )
-from proxima.trainer.demo_model import prepare_smollm2  # noqa: E402
+from proxima.trainer.pipeline.demo_model import prepare_smollm2  # noqa: E402
 
 logger = logging.getLogger("bench.adapters")
 

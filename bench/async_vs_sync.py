@@ -7,7 +7,7 @@ A simulated cluster, real control plane:
   fewer run; see its docstring); it measures its own utilization;
 - the real proxy (``proxima serve`` via :class:`proxima.proxy.server_process.ProxyProcess`,
   ``--backend`` = the simulator, ``--max-staleness``, ``--train-batch-size``);
-- the real :class:`proxima.trainer.rollout.RolloutController`, driving an async agent
+- the real :class:`proxima.trainer.rollout.controller.RolloutController`, driving an async agent
   that makes one chat completion (OpenAI SDK, ``ignore_eos``) whose
   ``max_tokens`` is drawn from a capped lognormal (a long tail), reward 1;
 - a timing-model trainer that does what ``trainer/loop.py`` does around its
@@ -128,7 +128,7 @@ from proxima.proxy.serving import free_port  # noqa: E402
 from proxima.proxy.store.records import SessionStatus  # noqa: E402
 from proxima.proxy.store.store import Store  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
-from proxima.trainer.rollout import RolloutController  # noqa: E402
+from proxima.trainer.rollout.controller import RolloutController  # noqa: E402
 
 ADMIN = "bench-admin-token"
 TARGET_RATIO = 3.0

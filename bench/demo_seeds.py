@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from proxima.trainer.config import load_raw_config  # noqa: E402
-from proxima.trainer.testbed import summary as mean_std  # noqa: E402  (mean, sample std)
+
+from bench.testbed import summary as mean_std  # noqa: E402  (mean, sample std)
 
 
 def apply_set(config: dict[str, Any], assignment: str) -> None:

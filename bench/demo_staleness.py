@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from proxima.trainer.config import load_raw_config  # noqa: E402
-from proxima.trainer.testbed import summary  # noqa: E402  (mean and sample std)
+
+from bench.testbed import summary  # noqa: E402  (mean and sample std)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import step_rewards  # noqa: E402  (one reader of a run's train_log.jsonl)

@@ -1,6 +1,6 @@
 """Does asynchronous training learn as well as synchronous? A seeded staleness ablation.
 
-Each arm trains the testbed policy (``proxima.trainer.testbed``: small
+Each arm trains the testbed policy (``bench/testbed.py``: small
 addition, tiny model, through a real ``proxima serve`` + store + trainer) for
 the same number of PPO steps, with every batch generated exactly ``k``
 versions behind the trainer (controlled staleness, lockstep; ``k = 0`` is
@@ -37,9 +37,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from proxima.trainer.testbed import (  # noqa: E402
+
+from bench.testbed import (  # noqa: E402
     Arm,
     ArmResult,
     as_json,

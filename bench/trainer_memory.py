@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--variant", choices=["all", "loss"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
-        from proxima.trainer.demo_model import prepare_smollm2
+        from proxima.trainer.pipeline.demo_model import prepare_smollm2
 
         args.model = prepare_smollm2(ROOT / ".cache" / "models")
     if args.variant:  # a child process: one measurement, as JSON

@@ -43,14 +43,14 @@ from proxima.proxy.testing.tiny_model import build_tiny_model
 
 # Where a chain ends, and how many hops its start is from the turn's own frames.
 ENDS = {
-    "translate": ("proxima.proxy.chat.normalize_messages", 0),
-    "request": ("proxima.proxy.chat.ChatRenderer.build_prompt", 0),
+    "translate": ("proxima.proxy.rendering.chat_template.normalize_messages", 0),
+    "request": ("proxima.proxy.rendering.chat_template.ChatRenderer.build_prompt", 0),
     "tokens": ("proxima.proxy.backends.wire.WirePool.post", 0),
     "commit": ("proxima.proxy.store.group_commit.GroupCommit.commit", 1),
     "insert": ("proxima.proxy.store.completions.insert_completions_sqlite", 1),
 }
 # Frames that are not the turn's: middleware, the route class, the HTTP response.
-OUTER = ("proxima.proxy.logs.", "proxima.proxy.metrics.", "proxima.proxy.middleware.")
+OUTER = ("proxima.proxy.logs.", "proxima.proxy.metrics.", "proxima.proxy.api.middleware.")
 OUTER += ("proxima.proxy.api.routing.", "proxima.proxy.api.event_stream.")
 SURFACES = ("chat", "completions", "responses", "messages")
 

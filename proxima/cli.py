@@ -33,8 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from proxima.proxy.config import ENV_PREFIX, Settings, flag_name, flags_of
-    from proxima.proxy.context_length import ContextLengthMismatch, check_context_length
-    from proxima.proxy.engines import start_engines
+    from proxima.proxy.embedded.startup import start_engines
+    from proxima.proxy.rendering.context_length import ContextLengthMismatch, check_context_length
     from proxima.proxy.serving import bind_socket
 
     try:
@@ -270,8 +270,8 @@ def _sigterm_stops_like_ctrl_c() -> None:
 def _train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from proxima.trainer.train import eval_only, train
-    from proxima.trainer.train_config import load_run_config
+    from proxima.trainer.pipeline.config import load_run_config
+    from proxima.trainer.pipeline.train import eval_only, train
 
     try:
         cfg = load_run_config(args.config)

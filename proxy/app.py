@@ -21,18 +21,18 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
+from proxima.proxy.api.error_handlers import install_error_handlers
+from proxima.proxy.api.middleware import BodyLimitMiddleware
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
 from proxima.proxy.config import Settings
-from proxima.proxy.context_length import ContextLengthMismatch, resolve_context_length
-from proxima.proxy.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
 from proxima.proxy.embedded.launcher import EngineProcess
-from proxima.proxy.engines import StartedEngines, start_engine, start_engines
-from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.embedded.startup import StartedEngines, start_engine, start_engines
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
-from proxima.proxy.middleware import BodyLimitMiddleware
+from proxima.proxy.policies.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
+from proxima.proxy.rendering.context_length import ContextLengthMismatch, resolve_context_length
 from proxima.proxy.state import AppState, build_state, install_state
 from proxima.proxy.store.migrate import ensure_schema
 from proxima.proxy.store.store import Store

@@ -224,7 +224,7 @@ class Settings(BaseSettings):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, name: str | None) -> str | None:
-        from proxima.proxy.reasoning import known_reasoning_parsers
+        from proxima.proxy.rendering.reasoning import known_reasoning_parsers
 
         if name is not None and name not in known_reasoning_parsers():
             known = ", ".join(known_reasoning_parsers())

@@ -30,7 +30,7 @@ class's row (:func:`kind_of`). Each API surface writes the error in its own
 envelope from that row (OpenAI's ``{"error": {"message", "type", "param",
 "code"}}`` by :func:`openai_envelope`, Anthropic's in
 ``proxima.proxy.surfaces.messages.errors``: each surface's ``ErrorEnvelope``);
-``install_error_handlers`` is the edge that answers them in the envelope of
+``proxima.proxy.api.error_handlers`` is the HTTP edge that answers them in the envelope of
 the surface the path belongs to, and ``as_proxima_error`` picks the error that ends a stream
 that has started. Request validation errors (bad JSON, wrong types) become
 400s that name the offending parameter; they never leak a raw pydantic dump.
@@ -38,15 +38,11 @@ that has started. Request validation errors (bad JSON, wrong types) become
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
@@ -336,60 +332,3 @@ class OpenAIEnvelope:
 
 
 OPENAI_ENVELOPE = OpenAIEnvelope()
-
-
-def envelope_for(path: str) -> ErrorEnvelope:
-    """The envelope of the surface that serves ``path`` (OpenAI's off every surface)."""
-    from proxima.proxy.surfaces import envelope_for as surface_envelope
-
-    return surface_envelope(path) or OPENAI_ENVELOPE
-
-
-def _answer(
-    request: Request,
-    status: int,
-    envelope: dict[str, Any],
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """``envelope`` (OpenAI's) as the response, in the path's surface's own envelope."""
-    body = envelope_for(request.url.path).of_status(status, envelope)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ProximaError)
-    async def _proxima(request: Request, exc: ProximaError) -> JSONResponse:
-        if kind_of(exc).internal:
-            logger.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url, exc)
-        body = envelope_for(request.url.path).of(exc)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers())
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(envelope_for(request.url.path).of_validation(exc), status_code=400)
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return _answer(
-            request,
-            400,
-            error_envelope(f"Malformed JSON body: {exc.msg}.", "invalid_request_error"),
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # A bug: log it with its traceback, answer in the envelope (never a bare text 500).
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _answer(request, 500, error_envelope(INTERNAL_MESSAGE, "api_error"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
-            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "api_error"
-        )
-        return _answer(
-            request,
-            exc.status_code,
-            error_envelope(str(exc.detail), kind),
-            getattr(exc, "headers", None),
-        )

@@ -17,10 +17,10 @@ from fastapi import FastAPI
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
-from proxima.proxy.deployments import Deployments
-from proxima.proxy.fleet import FleetFollower
 from proxima.proxy.metrics import Metrics
-from proxima.proxy.production import ProductionController
+from proxima.proxy.policies.deployments import Deployments
+from proxima.proxy.policies.fleet import FleetFollower
+from proxima.proxy.policies.production import ProductionController
 from proxima.proxy.service import CompletionService
 from proxima.proxy.store.group_commit import GroupCommit
 from proxima.proxy.store.store import Store

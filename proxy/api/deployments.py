@@ -1,7 +1,7 @@
 """Admin routes of the deployments: the version registry, promotion, canary, rollback.
 
 Every route needs the admin token. Each validates its body and calls one
-method of ``ProductionController`` (``proxima.proxy.production``). Each
+method of ``ProductionController`` (``proxima.proxy.policies.production``). Each
 takes the policy it acts on: ``adapter`` in the body or the query (absent: the
 base model); one policy's production never moves another's.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from proxima.proxy.adapters import check_adapter
 from proxima.proxy.api.deps import AdminDep
-from proxima.proxy.deployments import CanarySplit
-from proxima.proxy.production import ProductionController
+from proxima.proxy.policies.adapters import check_adapter
+from proxima.proxy.policies.deployments import CanarySplit
+from proxima.proxy.policies.production import ProductionController
 from proxima.proxy.state import state_of
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 

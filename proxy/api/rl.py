@@ -24,7 +24,7 @@ from proxima.proxy.api.schemas import (
 )
 from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, PrincipalKind, hash_key, new_key
 from proxima.proxy.errors import BadRequest, NotFound, PermissionDenied, RateLimited
-from proxima.proxy.staleness import admit
+from proxima.proxy.policies.staleness import admit
 from proxima.proxy.store.errors import NotAdmitted
 from proxima.proxy.store.fleet import AdmissionState
 from proxima.proxy.store.records import CompletionRecord, SessionRecord, SessionStatus

@@ -23,9 +23,9 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from proxima.proxy.adapters import check_adapter
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.unicode import InvalidString, check_unicode
+from proxima.proxy.policies.adapters import check_adapter
+from proxima.proxy.rendering.unicode import InvalidString, check_unicode
 from pydantic import (
     BaseModel,
     ConfigDict,

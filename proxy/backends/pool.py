@@ -8,7 +8,7 @@ different replicas stays on one backend. Others go to the least-loaded
 healthy backend.
 
 A fleet of replicas shares backends: the version they all serve is the
-store's (``follow``, called by ``proxima.proxy.fleet``); a replica that
+store's (``follow``, called by ``proxima.proxy.policies.fleet``); a replica that
 learns of a version another replica pushed adopts what the backends report
 and loads only those that do not report it, one replica at a time
 (``fleet_lock``), so a push is loaded once, not once per replica.

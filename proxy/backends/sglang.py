@@ -58,7 +58,7 @@ class TokenDelta:
     one per ``/generate`` stream chunk (or per consecutive chunks that arrived
     together), whatever the server's stream mode, with the chunk's
     ``weight_version`` label, its finish and the prompt's length; the
-    generation loop (``proxima.proxy.generation``) fills in ``versions``, the
+    generation loop (``proxima.proxy.service.generation``) fills in ``versions``, the
     policy version each token carries, and hands the same object on.
     """
 

@@ -26,7 +26,7 @@ chat templates write with ``tojson`` (Python's ``json.dumps`` defaults: ``", "``
 between items, ``": "`` after keys, nothing else), so a constrained reply stays
 in the distribution the model was trained on and cannot spend its budget on
 runs of blanks at temperature 1. Structural tags (forced tool calls) carry
-their own bound, ``max_whitespace_cnt`` (``proxy/structured.py``: one
+their own bound, ``max_whitespace_cnt`` (``proxy/rendering/structured.py``: one
 whitespace character between JSON tokens).
 """
 

@@ -4,10 +4,10 @@ An API surface (OpenAI chat, OpenAI completions, and next the Responses and
 Anthropic Messages APIs) owns its wire schema; the service never sees it. The
 surface's translation module turns its request into a ``CanonicalRequest``:
 
-- ``ChatInput``: canonical messages (``proxima.proxy.chat.normalize_messages``),
+- ``ChatInput``: canonical messages (``proxima.proxy.rendering.chat_template.normalize_messages``),
   OpenAI-shaped ``tools`` and a resolved ``ToolChoice``; or
 - ``TextInput``: a raw prompt (one string or one list of token ids);
-- ``Sampling`` (``proxima.proxy.sampling``): how tokens are drawn, the one
+- ``Sampling`` (``proxima.proxy.rendering.sampling``): how tokens are drawn, the one
   sampling type from here to the backend's wire;
 - ``logprobs`` / ``top_logprobs``: whether to report them, and how many
   alternatives per token.
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.tools import ParsedOutput, ToolChoice
 
 
@@ -35,7 +35,7 @@ class ChatInput:
     tool_choice: ToolChoice
     response_format: dict[str, Any] | None = None
     """OpenAI chat's shape (``{"type": "json_schema", "json_schema": {"schema": ...}}``);
-    enforced with ``tool_choice`` by constrained decoding (``proxima.proxy.structured``)."""
+    enforced with ``tool_choice`` by constrained decoding (``proxima.proxy.rendering.structured``)."""
     parallel_tool_calls: bool | None = None
     template_kwargs: dict[str, Any] | None = None
     reasoning_budget: int | None = None

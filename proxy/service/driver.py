@@ -1,7 +1,7 @@
 """The generation driver: ``n`` interruptible generations in, API-neutral events out.
 
 One driver serves every API surface. For a ``Prepared`` request it runs
-``n`` choices concurrently (``proxima.proxy.generation.generate``), and
+``n`` choices concurrently (``proxima.proxy.service.generation.generate``), and
 
 - streaming: multiplexes their tokens as they arrive, detokenizes each
   choice incrementally, runs its tool-call stream parser, and yields
@@ -36,10 +36,9 @@ from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import TokenDelta
-from proxima.proxy.detokenize import IncrementalDetokenizer
 from proxima.proxy.errors import as_proxima_error
-from proxima.proxy.generation import GenerationResult, generate
-from proxima.proxy.reasoning import ReasoningDelta, ReasoningStream
+from proxima.proxy.rendering.detokenize import IncrementalDetokenizer
+from proxima.proxy.rendering.reasoning import ReasoningDelta, ReasoningStream
 from proxima.proxy.service.events import (
     Completion,
     Delta,
@@ -51,6 +50,7 @@ from proxima.proxy.service.events import (
     TokenLogprob,
     Usage,
 )
+from proxima.proxy.service.generation import GenerationResult, generate
 from proxima.proxy.service.prepare import Prepared
 from proxima.proxy.tools import (
     ContentDelta,

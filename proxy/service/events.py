@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proxima.proxy.errors import ProximaError
-from proxima.proxy.reasoning import ReasoningDelta
+from proxima.proxy.rendering.reasoning import ReasoningDelta
 from proxima.proxy.tools import ContentDelta, ParsedOutput, ToolCallDelta
 
 # A piece of a reply: reasoning, content text, or a piece of a tool call.

@@ -3,7 +3,7 @@
 One path per input kind, and one context check for both:
 
 - chat: canonical messages are rendered token-exactly against the session's
-  earlier completions (``proxima.proxy.chat.ChatRenderer.build_prompt``);
+  earlier completions (``proxima.proxy.rendering.chat_template.ChatRenderer.build_prompt``);
 - text: one string (tokenized without special tokens) or one list of token
   ids; its parent is the latest completion of the session whose prompt plus
   output it strictly extends;
@@ -36,15 +36,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from proxima.proxy.chat import ChatRenderer, PromptPlan, RenderedTexts
 from proxima.proxy.config import Settings
-from proxima.proxy.deployments import Deployment
 from proxima.proxy.errors import BadRequest, ContextTooLong
-from proxima.proxy.reasoning import ReasoningParser
-from proxima.proxy.sampling import ReasoningBudget, Sampling
+from proxima.proxy.policies.deployments import Deployment
+from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan, RenderedTexts
+from proxima.proxy.rendering.reasoning import ReasoningParser
+from proxima.proxy.rendering.sampling import ReasoningBudget, Sampling
+from proxima.proxy.rendering.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
-from proxima.proxy.structured import Grammar, ReasoningFirst, checked_output_grammar
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 from proxima.proxy.tools.fallback import template_renders_tools
 
@@ -69,7 +69,9 @@ class Prepared:
     n: int
     prompt_ids: list[int]
     parent_id: str | None
-    params: Sampling  # completed: its budget, logprobs, grammar (``proxima.proxy.sampling``)
+    params: (
+        Sampling  # completed: its budget, logprobs, grammar (``proxima.proxy.rendering.sampling``)
+    )
     session: SessionRecord | None
     logprobs: bool = False
     messages: list[dict[str, Any]] | None = None
@@ -77,7 +79,7 @@ class Prepared:
     parser: ToolCallParser | None = None
     tool_choice: ToolChoice | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
-    deployment: Deployment | None = None  # who serves it (``proxima.proxy.deployments``)
+    deployment: Deployment | None = None  # who serves it (``proxima.proxy.policies.deployments``)
     reasoning: ReasoningParser | None = None  # a thinking model's (chat input only)
     in_reasoning: bool = False  # the reply starts inside the reasoning (the prompt opened it)
     # The record of ``parent_id``, from the session's history: the store keeps only what
@@ -87,7 +89,7 @@ class Prepared:
     # (chat input only), kept for the next turn (``RenderedTexts``).
     rendered: tuple[str, dict[str, Any] | None] | None = None
     # The policy that serves it: a LoRA adapter's name, or None for the base model
-    # (``proxima.proxy.adapters``; the credential decides).
+    # (``proxima.proxy.policies.adapters``; the credential decides).
     adapter: str | None = None
 
     @property

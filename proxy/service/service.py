@@ -16,17 +16,22 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxima.proxy.adapters import check_adapter, policy_label, split_policy
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
-from proxima.proxy.deployments import TRAINING, Deployment, Deployments, split_model_version
 from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.logs import session_id_var
 from proxima.proxy.metrics import Metrics
-from proxima.proxy.reasoning import detect_reasoning_parser, get_reasoning_parser
-from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.policies.adapters import check_adapter, policy_label, split_policy
+from proxima.proxy.policies.deployments import (
+    TRAINING,
+    Deployment,
+    Deployments,
+    split_model_version,
+)
+from proxima.proxy.rendering.reasoning import detect_reasoning_parser, get_reasoning_parser
+from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.service.driver import GenerationDriver
 from proxima.proxy.service.events import Completion, Event

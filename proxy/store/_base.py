@@ -6,7 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from proxima.proxy.adapters import policy_label
+from proxima.proxy.policies.adapters import policy_label
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.direct_sqlite import DirectSqlite
 from proxima.proxy.store.errors import Conflict, NotFound

@@ -19,7 +19,7 @@ proxy only if what each decides comes from the database, not from its memory:
 - **change notices** (``notify_change``): a new policy version or production
   state is announced with ``pg_notify`` on ``FLEET_CHANNEL`` inside the
   transaction that records it (delivered at commit); replicas listen (see
-  ``proxima.proxy.fleet``) and poll as a floor.
+  ``proxima.proxy.policies.fleet``) and poll as a floor.
 - **publish lock** (``publish_lock``): one weight push at a time across the
   fleet (a session-level advisory lock on a connection of its own).
 
@@ -36,7 +36,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.adapters import check_adapter
+from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound

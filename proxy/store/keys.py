@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from proxima.proxy.adapters import check_adapter
+from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, new_id
 from proxima.proxy.store.convert import api_key_record
 from proxima.proxy.store.errors import Conflict, NotFound

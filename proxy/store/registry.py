@@ -10,7 +10,7 @@ adapter's; one policy's history never moves another's production.
 
 from __future__ import annotations
 
-from proxima.proxy.adapters import check_adapter
+from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store._base import of_policy
 from proxima.proxy.store.convert import promotion_record, version_eval_record
 from proxima.proxy.store.fleet import FleetMixin

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
-from proxima.proxy.adapters import check_adapter
+from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id, of_policy
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.direct_sqlite import SqliteBusy

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from proxima.proxy.adapters import check_adapter, policy_label
+from proxima.proxy.policies.adapters import check_adapter, policy_label
 from proxima.proxy.store.convert import policy_version_record
 from proxima.proxy.store.errors import Conflict
 from proxima.proxy.store.fleet import FleetMixin, newest_version

@@ -23,7 +23,7 @@ from proxima.proxy.api.schemas import (
     check_stop_sequences,
 )
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.service.events import TokenLogprob
 from proxima.proxy.store.records import SessionRecord
 from pydantic import Field, field_validator

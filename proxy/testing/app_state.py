@@ -13,8 +13,8 @@ import httpx
 from fastapi import FastAPI
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
-from proxima.proxy.deployments import TRAINING, Deployment, Deployments
 from proxima.proxy.metrics import Metrics
+from proxima.proxy.policies.deployments import TRAINING, Deployment, Deployments
 from proxima.proxy.state import AppState, build_state, install_state
 
 UNUSED_BACKEND = "http://127.0.0.1:9"

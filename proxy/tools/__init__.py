@@ -37,7 +37,7 @@ equal its non-streaming ``arguments``.
 
 ``tool_choice``: ``"none"`` turns parsing off; ``"auto"``, ``"required"`` and
 a named function turn it on. ``"required"`` and a named function are enforced
-by constrained decoding (``proxy/structured.py`` builds the grammar of this
+by constrained decoding (``proxy/rendering/structured.py`` builds the grammar of this
 format's calls); a reply cut at ``max_tokens`` mid-call may still hold no
 call, and ``apply_tool_choice`` then returns what was produced.
 

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.proxy.unicode import is_valid_unicode
+from proxima.proxy.rendering.unicode import is_valid_unicode
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -53,7 +53,7 @@ class ParsedOutput:
     """Generated text split into content and tool calls.
 
     ``content`` is ``None`` only when there are tool calls and no other text.
-    ``reasoning`` is a thinking model's reasoning (``proxima.proxy.reasoning``),
+    ``reasoning`` is a thinking model's reasoning (``proxima.proxy.rendering.reasoning``),
     None when the reply has none.
     """
 

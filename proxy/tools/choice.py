@@ -2,7 +2,7 @@
 
 ``"none"`` turns parsing off; ``"auto"``, ``"required"`` and a named function
 turn it on. ``"required"`` and a named function are enforced by constrained
-decoding (``proxy/structured.py``); a reply cut at ``max_tokens`` mid-call may
+decoding (``proxy/rendering/structured.py``); a reply cut at ``max_tokens`` mid-call may
 still hold no call, and ``apply_tool_choice`` then returns what was produced.
 """
 

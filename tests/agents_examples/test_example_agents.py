@@ -21,7 +21,7 @@ from proxima.agents_examples import httpx_agent, math_agent, tool_agent
 from proxima.agents_examples.common import endpoint, is_correct, last_integer, sampling
 from proxima.agents_examples.tool_agent import CalculatorError, calculator, evaluate
 from proxima.proxy.testing.live import LiveProxy
-from proxima.trainer.rollout import RolloutController
+from proxima.trainer.rollout.controller import RolloutController
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import OpenAI
-from proxima.proxy.deployments import canary_bucket
+from proxima.proxy.policies.deployments import canary_bucket
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.tiny_model import build_tiny_model
 

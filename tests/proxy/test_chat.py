@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from proxima.proxy.chat import (
+from proxima.proxy.errors import BadRequest
+from proxima.proxy.rendering.chat_template import (
     ChatRenderer,
     InvalidMessages,
     Message,
@@ -16,7 +17,6 @@ from proxima.proxy.chat import (
     messages_equivalent,
     normalize_messages,
 )
-from proxima.proxy.errors import BadRequest
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser

@@ -124,7 +124,7 @@ def test_the_lora_flags_reach_every_embedded_engine(
     """``--enable-lora --max-loras-per-batch --max-lora-rank`` start the embedded engines
     (training, production, canary) with SGLang's flags of the same names."""
     from proxima.proxy.embedded.launcher import EngineProcess
-    from proxima.proxy.engines import start_engine
+    from proxima.proxy.embedded.startup import start_engine
 
     monkeypatch.setattr(EngineProcess, "start", lambda self: None)
     settings = _settings(

@@ -8,15 +8,15 @@ from pathlib import Path
 import httpx
 import pytest
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.deployments import (
+from proxima.proxy.errors import Conflict, NotFound
+from proxima.proxy.policies.deployments import (
     CanarySplit,
     Deployment,
     Deployments,
     canary_bucket,
     split_model_version,
 )
-from proxima.proxy.errors import Conflict, NotFound
-from proxima.proxy.production import ProductionController, promotion_stack, rollback_target
+from proxima.proxy.policies.production import ProductionController, promotion_stack, rollback_target
 from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.store.records import PromotionRecord
 

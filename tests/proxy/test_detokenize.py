@@ -6,7 +6,7 @@ import copy
 import random
 
 import pytest
-from proxima.proxy.detokenize import IncrementalDetokenizer, text_decoder
+from proxima.proxy.rendering.detokenize import IncrementalDetokenizer, text_decoder
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 
 

@@ -13,10 +13,10 @@ import asyncio
 import httpx
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import TokenDelta
-from proxima.proxy.generation import GenerationResult, generate
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.sampling import Sampling
+from proxima.proxy.rendering.structured import Grammar
+from proxima.proxy.service.generation import GenerationResult, generate
 from proxima.proxy.serving import ThreadedServer
-from proxima.proxy.structured import Grammar
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
 PROMPT = [1, 2, 3]

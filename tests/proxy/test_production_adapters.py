@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.deployments import CanarySplit, Deployment, Deployments
 from proxima.proxy.errors import Conflict
-from proxima.proxy.production import ProductionController
+from proxima.proxy.policies.deployments import CanarySplit, Deployment, Deployments
+from proxima.proxy.policies.production import ProductionController
 from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from proxima.proxy.reasoning import (
+from proxima.proxy.rendering.reasoning import (
     ReasoningDelta,
     ReasoningSplit,
     detect_reasoning_parser,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.messages.schema import MessagesRequest
 from proxima.proxy.surfaces.messages.translate import canonical_request

@@ -1,4 +1,4 @@
-"""Admission of training sessions (``proxima.proxy.staleness``): the boundary and groups."""
+"""Admission of training sessions (``proxima.proxy.policies.staleness``): the boundary and groups."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proxima.proxy.staleness import admit, staleness_capacity
+from proxima.proxy.policies.staleness import admit, staleness_capacity
 from proxima.proxy.testing.live import LiveProxy
 
 # (admitted_so_far, version, eta, B) -> admitted?   capacity = (i + eta + 1) * B

@@ -1,4 +1,4 @@
-"""proxy/structured.py: canonical request fields -> the one backend grammar, and its 400s."""
+"""proxy/rendering/structured.py: canonical request fields -> the one backend grammar, and its 400s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import pytest
 from proxima.proxy import structured
 from proxima.proxy.embedded.schema_rules import unenforceable_schema_reason
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.structured import enforceable_schema, output_grammar, response_format_schema
+from proxima.proxy.rendering.structured import (
+    enforceable_schema,
+    output_grammar,
+    response_format_schema,
+)
 from proxima.proxy.tools import ToolChoice, get_tool_parser
 
 WEATHER = {

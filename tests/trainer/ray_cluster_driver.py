@@ -83,7 +83,7 @@ def items(runs: int, group_size: int) -> list[dict[str, Any]]:
 
 
 async def rollout(proxy: Any, runs: int, group_size: int) -> dict[str, Any]:
-    from proxima.trainer.rollout import RolloutController
+    from proxima.trainer.rollout.controller import RolloutController
 
     controller = RolloutController(
         proxy.url,
@@ -122,7 +122,7 @@ async def rollout(proxy: Any, runs: int, group_size: int) -> dict[str, Any]:
 
 async def node_loss(proxy: Any, cluster: Any, victim: Any, runs: int) -> dict[str, Any]:
     """``runs`` slow runs over every slot of the cluster; one worker node is removed mid-run."""
-    from proxima.trainer.rollout import RolloutController
+    from proxima.trainer.rollout.controller import RolloutController
 
     controller = RolloutController(
         proxy.url,

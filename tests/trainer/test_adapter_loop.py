@@ -250,7 +250,7 @@ def test_proxima_train_needs_a_tenant_per_adapter_and_an_adapter_per_tenant(
     lora: list[str], tenants: list[str], message: str
 ) -> None:
     """Otherwise the trainer would wait forever for sessions no rollout opens."""
-    from proxima.trainer.train_config import TrainRunConfig
+    from proxima.trainer.pipeline.config import TrainRunConfig
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=message):
@@ -263,8 +263,8 @@ def test_proxima_train_needs_a_tenant_per_adapter_and_an_adapter_per_tenant(
 
 
 def test_a_tenant_has_its_own_agent_data_and_fields_or_the_runs() -> None:
-    from proxima.trainer.train import run_policies
-    from proxima.trainer.train_config import TrainRunConfig
+    from proxima.trainer.pipeline.config import TrainRunConfig
+    from proxima.trainer.pipeline.train import run_policies
 
     cfg = TrainRunConfig.model_validate(
         {

@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from proxima.proxy.chat import ChatRenderer
-from proxima.trainer.demo_model import (
+from proxima.proxy.rendering.chat_template import ChatRenderer
+from proxima.trainer.pipeline.demo_model import (
     MARKER,
     MODEL_NAME,
     find_smollm2_gguf,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from proxima.trainer.config import load_raw_config
-from proxima.trainer.train_config import TrainRunConfig
+from proxima.trainer.pipeline.config import TrainRunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

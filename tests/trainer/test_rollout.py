@@ -23,9 +23,9 @@ from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 from proxima.proxy.store import Store
 from proxima.proxy.testing.live import LiveProxy
-from proxima.trainer.agents import AgentError, AgentReward, RolloutError, parse_reward
-from proxima.trainer.rollout import RolloutController, item_id
-from proxima.trainer.rollout_sessions import open_session
+from proxima.trainer.rollout.agents import AgentError, AgentReward, RolloutError, parse_reward
+from proxima.trainer.rollout.controller import RolloutController, item_id
+from proxima.trainer.rollout.sessions import open_session
 from pydantic import SecretStr
 
 SHORT = {"max_tokens": 8, "temperature": 1.0}

@@ -12,7 +12,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-from proxima.trainer.binding import (
+from proxima.trainer.rollout.binding import (
     HTTP_CLIENT_MODULES,
     SessionBinding,
     bind_session,

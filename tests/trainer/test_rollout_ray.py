@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.trainer.agents import RolloutError
-from proxima.trainer.rollout import RolloutController
-from proxima.trainer.rollout import main as rollout_main
-from proxima.trainer.train import rollout_controller
-from proxima.trainer.train_config import load_run_config
+from proxima.trainer.pipeline.config import load_run_config
+from proxima.trainer.pipeline.train import rollout_controller
+from proxima.trainer.rollout.agents import RolloutError
+from proxima.trainer.rollout.controller import RolloutController
+from proxima.trainer.rollout.controller import main as rollout_main
 
 HERE = Path(__file__).resolve().parent
 RUNS = 200

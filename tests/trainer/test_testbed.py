@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 from proxima.trainer.log import read_log
-from proxima.trainer.testbed import (
+from proxima.trainer.weights import PushResult
+
+from bench.testbed import (
     Arm,
     DelayedSink,
     reward_of,
@@ -14,7 +16,6 @@ from proxima.trainer.testbed import (
     steps_to,
     summary,
 )
-from proxima.trainer.weights import PushResult
 
 REWARDS = [((3, 4), "7", 1.0), ((3, 4), "07", 0.0), ((3, 4), " 7", 0.0), ((0, 0), "0", 1.0),
            ((2, 2), None, 0.0), ((4, 4), "8\n", 0.0)]  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 from proxima.proxy.store.codec import decode_int32
-from proxima.trainer.train import curve_points, plot_rewards
+from proxima.trainer.pipeline.train import curve_points, plot_rewards
 
 
 def test_reward_curve_draws_each_step_once(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxima.proxy.reasoning import ReasoningDelta
+from proxima.proxy.rendering.reasoning import ReasoningDelta
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.events import (
     Completion,

@@ -14,7 +14,7 @@ requires)::
 
 A thinking model's reasoning is a ``thinking`` block before the answer, with a
 ``signature`` the proxy verifies when the block comes back
-(``proxima.proxy.reasoning_seal``).
+(``proxima.proxy.rendering.reasoning_seal``).
     message_delta (stop_reason, stop_sequence, usage.output_tokens)
     message_stop
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.errors import ProximaError
-from proxima.proxy.reasoning import ReasoningDelta
+from proxima.proxy.rendering.reasoning import ReasoningDelta
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
 from proxima.proxy.surfaces.messages.errors import error_of
 from proxima.proxy.surfaces.sse import named_sse
@@ -65,7 +65,7 @@ class MessageHead:
     message_id: str
     model: str
     seal: Callable[[str], str] | None = None
-    """Thinking text -> its ``signature`` (``proxima.proxy.reasoning_seal``)."""
+    """Thinking text -> its ``signature`` (``proxima.proxy.rendering.reasoning_seal``)."""
 
     def signature(self, thinking: str) -> str:
         return self.seal(thinking) if self.seal is not None else ""

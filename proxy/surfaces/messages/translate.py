@@ -39,8 +39,8 @@ from typing import Any
 
 from proxima.proxy.api.schemas import check_stop_sequences
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
+from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.conversation import (

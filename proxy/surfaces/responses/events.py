@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxima.proxy.errors import ProximaError, public_message
-from proxima.proxy.reasoning import ReasoningDelta
+from proxima.proxy.rendering.reasoning import ReasoningDelta
 from proxima.proxy.service.events import Completion, Delta, Done, Event, Failed, Finish, Part
 from proxima.proxy.surfaces.openai_common import logprob_content
 from proxima.proxy.surfaces.sse import named_sse

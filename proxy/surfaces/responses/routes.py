@@ -22,11 +22,11 @@ from proxima.proxy.api.event_stream import EventStreamResponse
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.api.schemas import OPENAI_TOOL_NAME, check_listed_tool_names
 from proxima.proxy.errors import BadRequest, NotFound
-from proxima.proxy.reasoning_seal import ReasoningSeal
+from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
+from proxima.proxy.rendering.unicode import InvalidString, check_unicode
 from proxima.proxy.surfaces.responses import translate
 from proxima.proxy.surfaces.responses.events import ResponseHead, response_events, response_from
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
-from proxima.proxy.unicode import InvalidString, check_unicode
 
 
 def _sealer(

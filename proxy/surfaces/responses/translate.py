@@ -43,10 +43,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxima.proxy.chat import parse_tool_arguments
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.reasoning_seal import ReasoningSeal
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.chat_template import parse_tool_arguments
+from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
+from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.service.canonical import CanonicalRequest
 from proxima.proxy.surfaces import reasoning_options
 from proxima.proxy.surfaces.conversation import (

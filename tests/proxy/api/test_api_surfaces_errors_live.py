@@ -17,7 +17,7 @@ import openai
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
-from proxima.proxy.errors import install_error_handlers
+from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.testing.live import LiveProxy
 
 from tests.production.procs import create_production_key

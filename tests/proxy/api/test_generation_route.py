@@ -16,9 +16,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from proxima.proxy.api.deps import PrincipalDep
+from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.api.routing import GenerationRoute
 from proxima.proxy.config import Settings
-from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
 from proxima.proxy.testing.app_state import install_test_state
 

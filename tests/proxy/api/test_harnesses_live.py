@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.chat import ChatRenderer
+from proxima.proxy.rendering.chat_template import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.surfaces.chat import translate as openai_translate
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest

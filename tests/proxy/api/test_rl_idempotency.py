@@ -16,8 +16,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from proxima.proxy.api import rl
+from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.config import Settings
-from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.testing.app_state import install_test_state
 from pydantic import SecretStr

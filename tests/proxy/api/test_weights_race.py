@@ -18,10 +18,10 @@ import pytest
 from fastapi import FastAPI
 from proxima.proxy.api import admin
 from proxima.proxy.api.deps import get_admin
+from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.auth import Principal, PrincipalKind
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.config import Settings
-from proxima.proxy.errors import install_error_handlers
 from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.testing.app_state import install_test_state
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app

@@ -18,8 +18,8 @@ from proxima.proxy.backends.errors import (
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.protocol import GenerateRequest, SamplingParams
 from proxima.proxy.backends.sglang import SGLangClient
-from proxima.proxy.generation import GenerationResult, generate
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.sampling import Sampling
+from proxima.proxy.service.generation import GenerationResult, generate
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 

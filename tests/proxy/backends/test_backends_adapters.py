@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.generation import GenerationResult, generate
-from proxima.proxy.sampling import Sampling
+from proxima.proxy.rendering.sampling import Sampling
+from proxima.proxy.service.generation import GenerationResult, generate
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 

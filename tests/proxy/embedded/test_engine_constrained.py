@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, Reference, generate, logprobs_of
 from proxima.proxy.embedded.engine import Engine
-from proxima.proxy.structured import enforceable_schema
+from proxima.proxy.rendering.structured import enforceable_schema
 from proxima.proxy.tools import HermesToolParser
 
 SCHEMA: dict[str, Any] = {
@@ -47,7 +47,7 @@ def reference(tiny_model_dir: Path) -> Reference:
 
 
 def tool_calls_tag(functions: dict[str, dict[str, Any]], *, single: bool) -> str:
-    """A structural tag for hermes tool calls of ``functions`` (as proxy/structured.py builds)."""
+    """A structural tag for hermes tool calls of ``functions`` (as proxy/rendering/structured.py builds)."""
     tags = [
         {
             "type": "tag",
@@ -141,7 +141,7 @@ async def test_length_limited_strings_as_patterns_stay_valid_json(
     client: httpx.AsyncClient,
 ) -> None:
     # xgrammar 0.2.7 lets raw control characters into minLength/maxLength strings (invalid
-    # JSON); the proxy sends such strings as an equivalent pattern (proxy/structured.py).
+    # JSON); the proxy sends such strings as an equivalent pattern (proxy/rendering/structured.py).
     raw = {
         "type": "object",
         "properties": {"a": {"type": "string", "maxLength": 6}},

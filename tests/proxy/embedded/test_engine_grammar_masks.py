@@ -187,7 +187,7 @@ def test_json_schema_whitespace_is_the_templates_tojson(compiler: GrammarCompile
 
 
 def test_forced_call_arguments_take_one_blank_at_most(compiler: GrammarCompiler) -> None:
-    from proxima.proxy.structured import output_grammar
+    from proxima.proxy.rendering.structured import output_grammar
     from proxima.proxy.tools import ToolChoice
 
     tool = {

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from proxima.proxy.errors import OPENAI_ENVELOPE, install_error_handlers
+from proxima.proxy.api.error_handlers import install_error_handlers
+from proxima.proxy.errors import OPENAI_ENVELOPE
 from proxima.proxy.surfaces import SURFACES, envelope_for
 from proxima.proxy.surfaces.messages.errors import ANTHROPIC
 

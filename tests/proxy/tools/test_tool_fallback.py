@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.chat import ChatRenderer
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.rendering.chat_template import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.service.prepare import PromptPreparer
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest

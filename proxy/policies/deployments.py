@@ -5,7 +5,7 @@ One endpoint, up to three deployments, each a :class:`BackendPool` of its own
 
 - ``training``: RL sessions (and the admin token); follows every weight push.
 - ``production``: production keys; serves a pinned version that changes only
-  when an operator promotes one (``proxima.proxy.production``).
+  when an operator promotes one (``proxima.proxy.policies.production``).
 - ``canary``: a fraction of production sessions, sticky per session (a hash
   of the session's id puts it in ``[0, 1)``; below the fraction: canary).
 

@@ -3,8 +3,8 @@
 Open a session (waiting out ``429`` + ``Retry-After`` while the proxy has no
 staleness capacity), post an agent's rewards, finish the session. A proxy
 that cannot be reached or answers an unexpected status is a
-:class:`~proxima.trainer.agents.RolloutError` (the rollout cannot go on); a
-rejected reward is an :class:`~proxima.trainer.agents.AgentError` (that run's
+:class:`~proxima.trainer.rollout.agents.RolloutError` (the rollout cannot go on); a
+rejected reward is an :class:`~proxima.trainer.rollout.agents.AgentError` (that run's
 session fails).
 
 Opening is idempotent: each session is asked for with a fresh ``Idempotency-Key``,
@@ -27,7 +27,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
-from proxima.trainer.agents import AgentError, AgentReward, RolloutError
+from proxima.trainer.rollout.agents import AgentError, AgentReward, RolloutError
 
 logger = logging.getLogger(__name__)
 

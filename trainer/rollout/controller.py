@@ -14,8 +14,8 @@ times, each run in its own proxy session (docs/design.md,
             POST /rl/sessions/{id}/reward  (final, or one per completion)
             POST /rl/sessions/{id}/finish  {status: finished | failed}
 
-The agent module is not modified (loading and calling it: ``proxima.trainer.agents``). In ``"inprocess"`` mode its HTTP requests
-to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.binding`
+The agent module is not modified (loading and calling it: ``proxima.trainer.rollout.agents``). In ``"inprocess"`` mode its HTTP requests
+to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.rollout.binding`
 (a context variable plus an httpx hook), whatever ``api_key`` the agent
 passed; sync agents run in worker threads, which inherit the context. In
 ``"subprocess"`` mode each run is a fresh ``python -c`` process with
@@ -25,7 +25,7 @@ on stdin and the reward as JSON on stdout, for agents that read globals or
 must be killable. In ``"ray"`` mode (``pip install 'proxima[ray]'``) each run is
 a Ray task on any node of a Ray cluster, bound to its session the same two
 ways (environment and httpx hook); the controller still opens, rewards and
-finishes every session itself (``proxima.trainer.ray_agents``).
+finishes every session itself (``proxima.trainer.rollout.ray_agents``).
 
 What an agent may return:
 
@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from proxima.trainer.agents import (
+from proxima.trainer.config import ADAPTER_NAME
+from proxima.trainer.rollout.agents import (
     AgentError,
     AgentFn,
     Mode,
@@ -75,10 +76,9 @@ from proxima.trainer.agents import (
     parse_reward,
     resolve_agent,
 )
-from proxima.trainer.binding import SessionBinding, bound_context
-from proxima.trainer.config import ADAPTER_NAME
-from proxima.trainer.ray_agents import RayAgentRunner, RayOutcome, import_ray
-from proxima.trainer.rollout_sessions import finish_session, open_session, post_rewards
+from proxima.trainer.rollout.binding import SessionBinding, bound_context
+from proxima.trainer.rollout.ray_agents import RayAgentRunner, RayOutcome, import_ray
+from proxima.trainer.rollout.sessions import finish_session, open_session, post_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -479,9 +479,9 @@ class RolloutController:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m proxima.trainer.rollout``: run an agent over a JSONL dataset, print the report."""
+    """``python -m proxima.trainer.rollout.controller``: run an agent over a JSONL dataset, print the report."""
     parser = argparse.ArgumentParser(
-        prog="python -m proxima.trainer.rollout", description=main.__doc__
+        prog="python -m proxima.trainer.rollout.controller", description=main.__doc__
     )
     parser.add_argument("--proxy", required=True, help="proxy root URL, e.g. http://127.0.0.1:8000")
     parser.add_argument(

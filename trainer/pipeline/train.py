@@ -46,17 +46,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxima.proxy.adapters import check_adapter
+from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.server_process import ProxyProcess
-from proxima.trainer.agents import resolve_agent
 from proxima.trainer.log import LOG_FILE, policy_home
-from proxima.trainer.rollout import RolloutController
-from proxima.trainer.train_config import (
+from proxima.trainer.pipeline.config import (
     DataSection,
     EvalSection,
     ModelSection,
     TrainRunConfig,
 )
+from proxima.trainer.rollout.agents import resolve_agent
+from proxima.trainer.rollout.controller import RolloutController
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_dir(section: ModelSection) -> Path:
     if section.path == "smollm2":
-        from proxima.trainer.demo_model import prepare_smollm2
+        from proxima.trainer.pipeline.demo_model import prepare_smollm2
 
         return prepare_smollm2(section.cache_dir)
     path = Path(section.path)

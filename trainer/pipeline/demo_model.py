@@ -12,7 +12,7 @@ Before it is published, the converted directory is reloaded and must answer
 a chat prompt in words; the sample is logged and kept in
 ``proxima_conversion.json``.
 
-CLI: ``python -m proxima.trainer.demo_model --cache-dir .cache/models``.
+CLI: ``python -m proxima.trainer.pipeline.demo_model --cache-dir .cache/models``.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def prepare_smollm2(cache_dir: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """Convert the SmolLM2 GGUF once and print the model directory."""
     parser = argparse.ArgumentParser(
-        prog="python -m proxima.trainer.demo_model", description=main.__doc__
+        prog="python -m proxima.trainer.pipeline.demo_model", description=main.__doc__
     )
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/models"))
     args = parser.parse_args(argv)

@@ -60,8 +60,8 @@ from proxima.proxy.errors import (
     ProximaError,
     RateLimited,
 )
-from proxima.proxy.sampling import Sampling
-from proxima.proxy.structured import Grammar
+from proxima.proxy.rendering.sampling import Sampling
+from proxima.proxy.rendering.structured import Grammar
 
 logger = logging.getLogger(__name__)
 

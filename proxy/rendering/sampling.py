@@ -8,7 +8,7 @@ One type carries the sampling settings the whole way:
    budget in ``max_tokens``, the logprob alternatives to report, the logit
    bias checked against the vocabulary, the grammar of a constrained reply, a
    reasoning budget, the decoder that finds stop strings across interruptions;
-3. the generation loop (``proxima.proxy.generation``) sends it as SGLang's
+3. the generation loop (``proxima.proxy.service.generation``) sends it as SGLang's
    ``sampling_params`` on each backend attempt (:meth:`Sampling.wire`, with
    what is left of the budget).
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from proxima.proxy.backends.protocol import SamplingParams
 
 if TYPE_CHECKING:
-    from proxima.proxy.structured import Grammar
+    from proxima.proxy.rendering.structured import Grammar
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from proxima.proxy.adapters import policy_label
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
-from proxima.proxy.deployments import (
+from proxima.proxy.errors import BadRequest, Conflict, NotFound
+from proxima.proxy.policies.adapters import policy_label
+from proxima.proxy.policies.deployments import (
     CANARY,
     PRODUCTION,
     TRAINING,
@@ -44,7 +45,6 @@ from proxima.proxy.deployments import (
     Deployment,
     Deployments,
 )
-from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.store.records import PromotionRecord
 from proxima.proxy.store.store import Store
 

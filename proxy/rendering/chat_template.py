@@ -58,10 +58,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 from proxima.proxy import errors
+from proxima.proxy.rendering.unicode import InvalidString, check_unicode
 from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.tools.fallback import with_tools_in_system
-from proxima.proxy.unicode import InvalidString, check_unicode
 
 _ENCODE_CACHE_SIZE = 4096
 # Tokens of a parent's prompt decoded to check it ended with this request's generation prompt.

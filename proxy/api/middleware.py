@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxima.proxy.errors import envelope_for, error_envelope
+from proxima.proxy.api.error_handlers import envelope_for
+from proxima.proxy.errors import error_envelope
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

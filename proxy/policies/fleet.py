@@ -30,7 +30,7 @@ import logging
 from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.production import ProductionController
+from proxima.proxy.policies.production import ProductionController
 from proxima.proxy.store.fleet import FLEET_CHANNEL
 from proxima.proxy.store.store import Store
 

@@ -10,7 +10,7 @@ slot. The task gets the item plus its session's ``base_url``, ``api_key`` and
 - ``OPENAI_BASE_URL``/``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``
   and ``PROXIMA_SESSION_ID`` are set for the duration of the call (a Ray
   worker runs one task at a time) and restored afterwards;
-- the httpx hook of :mod:`proxima.trainer.binding` puts the session key on the
+- the httpx hook of :mod:`proxima.trainer.rollout.binding` puts the session key on the
   agent's requests to the session's ``/v1``, whatever key its client was built
   with (the same as in-process mode).
 
@@ -43,8 +43,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxima.trainer.agents import AgentError, AgentFn, RolloutError, resolve_agent, session_env
-from proxima.trainer.binding import SessionBinding, bind_session
+from proxima.trainer.rollout.agents import (
+    AgentError,
+    AgentFn,
+    RolloutError,
+    resolve_agent,
+    session_env,
+)
+from proxima.trainer.rollout.binding import SessionBinding, bind_session
 
 # Ray options of every agent task; the caller's ``ray_options`` are applied on top,
 # except the retry settings, which stay off (see the module docstring).

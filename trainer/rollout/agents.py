@@ -3,11 +3,11 @@
 ``run_agent_return_reward(data)`` is found from ``"module:function"``
 (:func:`resolve_agent`) and called either here (:func:`call_inprocess`: async
 agents awaited, sync ones on a worker thread that inherits the session
-binding of ``proxima.trainer.binding``) or in a fresh interpreter
+binding of ``proxima.trainer.rollout.binding``) or in a fresh interpreter
 (:func:`call_subprocess`: ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and
 ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` set for the session, the item as
 JSON on stdin, the reward as JSON on stdout). What it returns is normalised by
-:func:`parse_reward` (see ``proxima.trainer.rollout`` for the contract).
+:func:`parse_reward` (see ``proxima.trainer.rollout.controller`` for the contract).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxima.trainer.binding import SessionBinding
+from proxima.trainer.rollout.binding import SessionBinding
 
 AgentFn = Callable[[dict[str, Any]], Any]
 Mode = Literal["inprocess", "subprocess", "ray"]

@@ -1,0 +1,2 @@
+"""``proxima train`` and ``proxima eval``: the run config, the demo model, the processes a
+run starts, evaluation and plots."""
