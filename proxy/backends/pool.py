@@ -5,7 +5,7 @@ and forwards to them:
 
 - ``routing``: the healthy backend a request goes to (rendezvous hashing of the session
   for sticky requests, least-loaded for the others), and the count of requests each runs;
-- ``health``: the probes that take dead or stale backends out and bring recovered ones back;
+- ``probes``: the health checks that take dead or stale backends out and bring recovered ones back;
 - ``reconcile``: version reconciliation: weight pushes (``update_weights``: close the gate,
   pause every backend in abort mode, load, resume), following the fleet's version
   (``follow``), and loading the current weights on a backend that is behind (``rejoin``);
@@ -28,7 +28,6 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 
 import httpx
 from proxima.proxy.backends.adapter_sync import RETIRE_WAIT_S, AdapterSync
-from proxima.proxy.backends.health import HealthChecker
 from proxima.proxy.backends.members import (
     AdapterVersion,
     Backend,
@@ -36,6 +35,7 @@ from proxima.proxy.backends.members import (
     WeightUpdate,
     reported_version,
 )
+from proxima.proxy.backends.probes import HealthChecker
 from proxima.proxy.backends.reconcile import VersionReconciler
 from proxima.proxy.backends.routing import Router, rendezvous_score
 

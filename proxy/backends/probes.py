@@ -1,4 +1,4 @@
-"""Health checks: probe the backends, take out dead and stale ones, bring back recovered ones.
+"""Health probes: take dead and stale backends out of the pool, bring recovered ones back.
 
 Generation itself takes a backend out at once when its connection fails (``mark_failed``)
 or its tokens carry an older version than the pool's (``mark_stale``); the probes here find
