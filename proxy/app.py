@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from proxima.proxy.api import admin, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.api.error_handlers import install_error_handlers
-from proxima.proxy.api.middleware import BodyLimitMiddleware
+from proxima.proxy.api.middleware import AccessLogMiddleware, BodyLimitMiddleware
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
@@ -244,9 +244,12 @@ def create_app(
             allow_headers=["*"],
         )
 
-    # Added innermost first: RequestId wraps Metrics wraps BodyLimit wraps the app.
+    # Added innermost first: RequestId wraps AccessLog wraps Metrics wraps BodyLimit wraps
+    # the app (the request log sees the 413s and writes its line with the request id).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware)
     app.add_middleware(RequestIdMiddleware)
     for surface in SURFACES:  # the API surfaces: see proxima.proxy.surfaces
         for router in surface.routers:

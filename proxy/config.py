@@ -150,6 +150,12 @@ class Settings(BaseSettings):
         description="Require the admin token for /metrics and serve no /docs, /redoc or "
         "/openapi.json (for a proxy reachable beyond loopback).",
     )
+    access_log: bool = Field(
+        True,
+        description="The request log: one line per HTTP request at info level (logger "
+        "proxima.access: method, route, status, latency, session, policy, tokens, and an "
+        "error's message); --no-access-log turns it off.",
+    )
     health_check_interval: float = Field(
         5.0, gt=0, description="Seconds between backend health probes."
     )

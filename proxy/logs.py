@@ -4,6 +4,12 @@
 request middleware and the completion service, so every log line written
 while serving a request carries them. Bearer keys are never logged: nothing
 logs headers, and ``redact`` masks anything that looks like a key.
+
+The request log (``proxima.access``, one line per request: written by
+``proxima.proxy.api.middleware.AccessLogMiddleware``) collects what the layers
+below the routes know about a request through :func:`note_request`: the
+session, the policy, the tokens. The text format (``--log-format text``)
+writes a record's extra fields as ``key=value`` after its message.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 import uuid
 from typing import Any
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -26,12 +33,32 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "session_id", default=None
 )
 
+access_fields_var: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "access_fields", default=None
+)
+"""The fields of the current request's access-log line (None: no request, or the log is off)."""
+
 _KEY = re.compile(r"sk-[A-Za-z0-9_\-]{8,}")
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
 def redact(text: str) -> str:
-    return _KEY.sub("sk-***", text)
+    """``text`` with anything that looks like a key masked."""
+    return _KEY.sub("sk-***", text) if "sk-" in text else text
+
+
+def note_request(**fields: Any) -> None:
+    """Add ``fields`` (session_id, policy, prompt_tokens, ...) to the current request's
+    access-log line; nothing outside a request or with the request log off. One dict
+    update: cheap enough for the hot path."""
+    found = access_fields_var.get()
+    if found is not None:
+        found.update(fields)
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields passed with ``extra=``: the record's attributes a LogRecord lacks."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and k[0] != "_"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -47,14 +74,39 @@ class JsonFormatter(logging.Formatter):
             out["request_id"] = rid
         if (sid := session_id_var.get()) is not None:
             out["session_id"] = sid
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and not key.startswith("_"):
-                out[key] = (
-                    value if isinstance(value, int | float | bool | None) else redact(str(value))
-                )
+        for key, value in _extras(record).items():
+            out[key] = value if isinstance(value, int | float | bool | None) else redact(str(value))
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
-        return json.dumps(out, ensure_ascii=False)
+        try:
+            return orjson.dumps(out, default=str).decode()
+        except TypeError:  # an integer past 64 bits
+            return json.dumps(out, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``: for humans; the extra fields follow
+    the message (a value with spaces or quotes as a JSON string; those a record names in
+    its ``_in_message`` attribute are left out), keys masked."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = redact(super().format(record))
+        fields = []
+        shown = getattr(record, "_in_message", ())  # fields the message already says
+        for key, value in _extras(record).items():
+            if value is None or key in shown:
+                continue
+            text = redact(str(value))
+            if not text or any(c in text for c in ' "=\n\t'):
+                text = json.dumps(text, ensure_ascii=False)
+            fields.append(f"{key}={text}")
+        if not fields:
+            return line
+        head, sep, tail = line.partition("\n")  # a traceback stays below the fields
+        return f"{head} {' '.join(fields)}{sep}{tail}"
 
 
 def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
@@ -62,7 +114,7 @@ def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
     if json_logs:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -19,6 +19,7 @@ from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import AuthenticationFailed, BadRequest
+from proxima.proxy.logs import note_request
 from proxima.proxy.service import CompletionService
 from proxima.proxy.state import AppState, state_of
 from proxima.proxy.store.store import Store
@@ -100,9 +101,12 @@ async def get_principal(request: Request) -> Principal:
     # dependencies above: every inference request resolves this one, and each parameter
     # costs FastAPI tens of microseconds.
     headers = request.headers
-    return await _principal(
+    principal = await _principal(
         state_of(request), headers.get("authorization"), headers.get("x-api-key")
     )
+    if principal.session is not None:  # the request log names a session key's session
+        note_request(session_id=principal.session.id, policy=principal.session.adapter or "base")
+    return principal
 
 
 async def _principal(

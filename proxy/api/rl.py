@@ -24,6 +24,7 @@ from proxima.proxy.api.schemas import (
 )
 from proxima.proxy.auth import SESSION_KEY_PREFIX, Principal, PrincipalKind, hash_key, new_key
 from proxima.proxy.errors import BadRequest, NotFound, PermissionDenied, RateLimited
+from proxima.proxy.logs import note_request
 from proxima.proxy.policies.staleness import admit
 from proxima.proxy.store.errors import NotAdmitted
 from proxima.proxy.store.fleet import AdmissionState
@@ -132,6 +133,7 @@ async def create_session(
     # Its first turn then reads neither its key nor its history from the store.
     app_state.principals.remember(key_hash, Principal(PrincipalKind.SESSION, session=session))
     app_state.histories.remember(session.id, [])
+    note_request(session_id=session.id, policy=body.adapter or "base")
     return CreateSessionResponse(session_id=session.id, api_key=key, base_url=app_state.base_url)
 
 

@@ -37,6 +37,7 @@ from typing import Any
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import TokenDelta
 from proxima.proxy.errors import as_proxima_error
+from proxima.proxy.logs import note_request
 from proxima.proxy.rendering.detokenize import IncrementalDetokenizer
 from proxima.proxy.rendering.reasoning import ReasoningDelta, ReasoningStream
 from proxima.proxy.service.events import (
@@ -142,6 +143,7 @@ class GenerationDriver:
         except Exception as exc:  # the response has started: it ends with an error event
             outcome = "error"
             error = as_proxima_error(exc)
+            note_request(error=error.message)  # the request log: the stream's status was 200
             if error is exc:
                 logger.warning("stream %s failed: %s", prep.response_id, error.message)
             else:

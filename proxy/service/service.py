@@ -21,7 +21,7 @@ from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache, PrincipalCache
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest, Conflict, NotFound
-from proxima.proxy.logs import session_id_var
+from proxima.proxy.logs import note_request, session_id_var
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.policies.adapters import check_adapter, policy_label, split_policy
 from proxima.proxy.policies.deployments import (
@@ -132,8 +132,10 @@ class CompletionService:
             session = await self._session_for(principal, external_id or request.user)
         if session is not None:
             session_id_var.set(session.id)
+            note_request(session_id=session.id)
         history = await self._history(session) if session else []
         adapter = self._policy(request, principal)
+        note_request(policy=adapter or "base")
         deployment = self._route(request, principal, session, external_id, adapter)
         if isinstance(request.input, ChatInput):
             prep = await self.preparer.chat(request, request.input, session, history)
@@ -233,6 +235,13 @@ class CompletionService:
 
     def _observe(self, prep: Prepared, started: float, outcome: str, tokens: int) -> None:
         deployment = prep.deployment or self.deployments.training
+        note_request(
+            deployment=deployment.name,
+            version=deployment.version,
+            prompt_tokens=len(prep.prompt_ids),
+            output_tokens=tokens,
+            outcome=None if outcome == "ok" else outcome,  # error, or cancelled: the client left
+        )
         self.metrics.observe_generation(
             deployment=deployment.name,
             version=deployment.version,
