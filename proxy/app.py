@@ -29,6 +29,7 @@ from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
 from proxima.proxy.config import Settings
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.embedded.startup import StartedEngines, start_engine, start_engines
+from proxima.proxy.inspector.routes import router as inspector_router
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
 from proxima.proxy.policies.deployments import CANARY, PRODUCTION, TRAINING, Deployment, Deployments
@@ -258,4 +259,5 @@ def create_app(
     app.include_router(rl.router)
     app.include_router(admin.router)
     app.include_router(deployments_api.router)
+    app.include_router(inspector_router)  # /ui: the trajectory inspector
     return app
