@@ -7,8 +7,9 @@ reads and changes: the backends, the version and adapter versions served, the ga
 update closes, and the locks.
 
 ``PoolState``'s ``mark_*`` methods are the only ways a backend is taken out of the pool.
-``mark_stale`` and ``mark_missing_adapter`` also hand the backend to ``rejoin`` (the pool
-sets it to version reconciliation's), which loads what it lacks and puts it back.
+``mark_stale``, ``mark_must_reload`` and ``mark_missing_adapter`` also hand the backend to
+``rejoin`` (the pool sets it to version reconciliation's), which loads what it lacks and puts
+it back.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Backend:
     failures: int = 0
     last_error: str | None = None
     last_ok: float = 0.0  # monotonic time of its last answer to a generation
+    # A push failed part-way on it (it may hold half-updated weights while it reports the
+    # current version): it is routed to again only after ``rejoin`` reloads the current weights.
+    must_reload: bool = False
 
     @property
     def url(self) -> str:
@@ -155,7 +159,17 @@ class PoolState:
         backend.healthy = False
         backend.version = reported
         backend.last_error = f"reports version {reported}, current is {self.version}"
-        self._schedule_rejoin(backend)
+        self.schedule_rejoin(backend)
+
+    def mark_must_reload(self, backend: Backend, reason: str) -> None:
+        """Take out a backend whose weights may be half updated (a broadcast push failed on
+        it); ``rejoin`` reloads the current version before it is routed to again."""
+        if backend.healthy:
+            logger.warning("backend %s taken out until it reloads: %s", backend.url, reason)
+        backend.healthy = False
+        backend.must_reload = True
+        backend.last_error = reason
+        self.schedule_rejoin(backend)
 
     def mark_missing_adapter(self, backend: Backend, name: str) -> None:
         """Take out a backend that lacks the current adapter ``name`` (it restarted, or
@@ -166,9 +180,10 @@ class PoolState:
             )
         backend.healthy = False
         backend.last_error = f"lacks adapter {name}"
-        self._schedule_rejoin(backend)
+        self.schedule_rejoin(backend)
 
-    def _schedule_rejoin(self, backend: Backend) -> None:
+    def schedule_rejoin(self, backend: Backend) -> None:
+        """Bring ``backend`` back in a task (once at a time): ``rejoin`` loads what it lacks."""
         if backend not in self._rejoining:
             self._rejoining.add(backend)
             task = asyncio.get_running_loop().create_task(self.rejoin(backend))

@@ -13,7 +13,9 @@ and forwards to them:
   ``follow_adapter``), the adapter requests running now, and loading the current adapters
   on a backend that lacks them;
 - ``members``: each ``Backend``'s state and the ``PoolState`` the parts share, with the
-  ``mark_*`` transitions that take a backend out.
+  ``mark_*`` transitions that take a backend out;
+- ``weight_group``: the trainer's weight-update group with the backends and the pushes by
+  broadcast over it (``weight_groups``, used directly by the admin routes).
 
 A backend is routed to only while it reports the pool's current weight version and has
 every adapter's current version loaded; ``Backend.version`` is what the backend last
@@ -38,6 +40,7 @@ from proxima.proxy.backends.members import (
 from proxima.proxy.backends.probes import HealthChecker
 from proxima.proxy.backends.reconcile import VersionReconciler
 from proxima.proxy.backends.routing import Router, rendezvous_score
+from proxima.proxy.backends.weight_group import WeightGroups
 
 __all__ = [
     "RETIRE_WAIT_S",
@@ -63,6 +66,7 @@ class BackendPool:
         self.backends = self._state.backends
         self.adapters = self._state.adapters  # adapter -> its current version (absent: 0)
         self.publish_lock = self._state.publish_lock  # PoolState.publish_lock
+        self.weight_groups = WeightGroups(self._state)  # broadcast pushes
 
     # -- the shared state ------------------------------------------------------
     @property

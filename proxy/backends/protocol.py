@@ -349,3 +349,85 @@ class ModelList(BaseModel):
 
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---- weights over a process group (SGLang's ``update_weights_from_distributed`` family) ----
+#
+# ``POST /init_weights_update_group`` joins the server's workers to a torch process group
+# whose rank 0 is the trainer (ranks ``rank_offset .. rank_offset + tp_size - 1``; it blocks
+# until every rank joined). ``POST /begin_weight_update``, one ``POST
+# /update_weights_from_distributed`` per bucket (each receives its tensors by
+# ``broadcast(src=0)`` in the listed order, or as one flat uint8 buffer when ``load_format`` is
+# ``"flattened_bucket"``, then loads them), ``POST /end_weight_update``. Each answers
+# :class:`WeightSyncResponse`, HTTP 400 when ``success`` is false (SGLang's
+# ``io_struct.py`` ``*ReqInput`` structs; the http_server routes).
+
+
+class InitWeightsUpdateGroupBody(BaseModel):
+    """Body of ``POST /init_weights_update_group`` (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+
+    model_config = _STRICT
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="The server's first rank; rank 0 is the trainer.")
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupBody(BaseModel):
+    """Body of ``POST /destroy_weights_update_group``."""
+
+    model_config = _STRICT
+
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdateBody(BaseModel):
+    """Body of ``POST /begin_weight_update``: opens the session the bucket updates run in."""
+
+    model_config = _STRICT
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateBody(BaseModel):
+    """Body of ``POST /end_weight_update`` (no fields): closes the session."""
+
+    model_config = _STRICT
+
+
+class UpdateWeightsFromDistributedBody(BaseModel):
+    """Body of ``POST /update_weights_from_distributed``: one bucket of tensors, received by
+    broadcast from rank 0 in the listed order and loaded at once (SGLang's
+    ``UpdateWeightsFromDistributedReqInput``). ``weight_version`` is set only on a push's
+    last bucket: the version a backend reports changes when the whole push has arrived."""
+
+    model_config = _STRICT
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedBody:
+        if not self.names or not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError("names, dtypes and shapes must be non-empty and of one length")
+        return self
+
+
+class WeightSyncResponse(BaseModel):
+    """Reply of the weight-group routes above (HTTP 400 when ``success`` is false)."""
+
+    model_config = _LENIENT
+
+    success: bool
+    message: str = ""

@@ -65,11 +65,16 @@ class VersionReconciler:
                 return  # brought back meanwhile
             version = state.version
             try:
-                reported = reported_version((await backend.client.model_info()).weight_version)
-                if reported < version and state.weights_path is not None:
+                info = await backend.client.model_info()
+                reported = reported_version(info.weight_version)
+                # A backend a failed push may have left half updated reloads even at the
+                # current version (version 0's weights are the ones it started with).
+                path = state.weights_path or (info.model_path if backend.must_reload else None)
+                if (reported < version or backend.must_reload) and path is not None:
                     await backend.client.update_weights_from_disk(
-                        model_path=state.weights_path, weight_version=str(version)
+                        model_path=path, weight_version=str(version)
                     )
+                    backend.must_reload = False
                     reported = reported_version((await backend.client.model_info()).weight_version)
             except BackendError as exc:
                 logger.warning("backend %s could not load v%s: %s", backend.url, version, exc)

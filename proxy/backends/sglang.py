@@ -22,9 +22,13 @@ from proxima.proxy.backends.errors import (
 )
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
+    BeginWeightUpdateBody,
+    DestroyWeightsUpdateGroupBody,
+    EndWeightUpdateBody,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupBody,
     LoadLoRAAdapterBody,
     LoRAUpdateResponse,
     ModelInfo,
@@ -32,7 +36,9 @@ from proxima.proxy.backends.protocol import (
     PauseGenerationBody,
     UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
     UpdateWeightsResponse,
+    WeightSyncResponse,
 )
 from proxima.proxy.backends.wire import WirePool
 
@@ -76,6 +82,11 @@ class TokenDelta:
 LOGPROB_FLOOR = -9999.0
 
 
+class NonFiniteLogprob(BackendOperationFailed):
+    """A sampled token's logprob was null, NaN or inf: the weights served are broken (an
+    adapter's: the generation loop may fall the adapter back to its last good version)."""
+
+
 def _chosen_logprobs(entries: list[list[Any]], url: str) -> list[float]:
     """The sampled tokens' logprobs; a null or non-finite one is the backend's fault.
 
@@ -90,7 +101,7 @@ def _chosen_logprobs(entries: list[list[Any]], url: str) -> list[float]:
         pass
     for value, entry in zip(values, entries, strict=True):
         if value is None or not math.isfinite(value):
-            raise BackendOperationFailed(
+            raise NonFiniteLogprob(
                 f"the backend returned a non-finite logprob ({value!r}) for token {entry[1]}; "
                 "its weights or numerics are broken (NaN weights?)",
                 url=url,
@@ -311,6 +322,64 @@ class SGLangClient:
                 url=self.base_url,
             )
         return result
+
+    async def _weight_sync(
+        self, path: str, body: dict[str, Any], timeout: httpx.Timeout
+    ) -> WeightSyncResponse:
+        """One call of the weight-group family: SGLang answers 400 with ``{success: false,
+        message}`` when it failed (raised as ``BackendOperationFailed`` with the message)."""
+        try:
+            resp = await self._http.post(self.base_url + path, json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise BackendConnectionError(f"{path} failed: {exc!r}", url=self.base_url) from exc
+        if resp.status_code == 400:
+            try:
+                result = WeightSyncResponse.model_validate_json(resp.content)
+            except ValueError:
+                result = None  # a refused body: {"error": ...}
+            if result is not None and not result.success:
+                raise BackendOperationFailed(f"{path} failed: {result.message}", url=self.base_url)
+        return WeightSyncResponse.model_validate(self._check(resp.status_code, resp.content, path))
+
+    async def init_weights_update_group(
+        self, body: InitWeightsUpdateGroupBody, *, timeout_s: float
+    ) -> WeightSyncResponse:
+        """Join the server's workers to the trainer's process group; answers once every
+        rank joined (or the server's own rendezvous timed out). ``timeout_s`` bounds the
+        wait here."""
+        timeout = httpx.Timeout(connect=5.0, read=timeout_s, write=30.0, pool=30.0)
+        return await self._weight_sync("/init_weights_update_group", body.model_dump(), timeout)
+
+    async def destroy_weights_update_group(self, group_name: str) -> WeightSyncResponse:
+        body = DestroyWeightsUpdateGroupBody(group_name=group_name).model_dump()
+        return await self._weight_sync("/destroy_weights_update_group", body, ADMIN_TIMEOUT)
+
+    async def begin_weight_update(self) -> WeightSyncResponse:
+        """Open the session ``update_weights_from_distributed`` runs in."""
+        body = BeginWeightUpdateBody().model_dump()
+        return await self._weight_sync("/begin_weight_update", body, ADMIN_TIMEOUT)
+
+    async def end_weight_update(self) -> WeightSyncResponse:
+        body = EndWeightUpdateBody().model_dump()
+        return await self._weight_sync("/end_weight_update", body, ADMIN_TIMEOUT)
+
+    async def update_weights_from_distributed(
+        self, body: UpdateWeightsFromDistributedBody, *, timeout_s: float
+    ) -> WeightSyncResponse:
+        """Receive one bucket by broadcast from rank 0 and load it; answers once it arrived
+        (``timeout_s`` bounds the wait here)."""
+        timeout = httpx.Timeout(connect=5.0, read=timeout_s, write=30.0, pool=30.0)
+        wire = body.model_dump(exclude_none=True)
+        return await self._weight_sync("/update_weights_from_distributed", wire, timeout)
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``: the start-up configuration (``tp_size``, ``dp_size``,
+        ``pp_size``...) and live state (SGLang's ``/get_server_info`` is its deprecated alias)."""
+        resp = await self._get("/server_info", ADMIN_TIMEOUT)
+        info = self._check(resp.status_code, resp.content, "/server_info")
+        if not isinstance(info, dict):
+            raise BackendOperationFailed("/server_info is not a JSON object", url=self.base_url)
+        return info
 
     async def _lora_update(self, path: str, body: dict[str, Any]) -> LoRAUpdateResponse:
         """SGLang answers 400 with the reply body when ``success`` is false: read it either way."""
