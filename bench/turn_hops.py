@@ -43,7 +43,7 @@ from proxima.proxy.testing.tiny_model import build_tiny_model
 
 # Where a chain ends, and how many hops its start is from the turn's own frames.
 ENDS = {
-    "translate": ("proxima.proxy.rendering.chat_template.normalize_messages", 0),
+    "translate": ("proxima.proxy.rendering.chat_messages.normalize_messages", 0),
     "request": ("proxima.proxy.rendering.chat_template.ChatRenderer.build_prompt", 0),
     "tokens": ("proxima.proxy.backends.wire.WirePool.post", 0),
     "commit": ("proxima.proxy.store.group_commit.GroupCommit.commit", 1),

@@ -99,11 +99,13 @@ class ProxyProcess:
             self.url + "/rl/sessions", json=body, headers=self.admin_headers(), timeout=30
         )
         resp.raise_for_status()
-        return resp.json()
+        session: dict[str, Any] = resp.json()
+        return session
 
     def trajectory(self, session_id: str) -> dict[str, Any]:
         resp = httpx.get(
             f"{self.url}/rl/sessions/{session_id}", headers=self.admin_headers(), timeout=30
         )
         resp.raise_for_status()
-        return resp.json()
+        trajectory: dict[str, Any] = resp.json()
+        return trajectory

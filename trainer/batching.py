@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from .samples import Sample
+
+_V = TypeVar("_V", int, float)
 
 
 def plan_micro_batches(
@@ -148,7 +151,7 @@ class PackedBatch:
         )
 
 
-def _shift(values: Sequence[float] | Sequence[int], fill: float | int) -> list:
+def _shift(values: Sequence[_V], fill: _V) -> list[_V]:
     """Token-aligned (L,) -> target-aligned (L,): entry i describes token i+1."""
     return [*values[1:], fill]
 

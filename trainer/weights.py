@@ -375,7 +375,10 @@ class Checkpoint:
 
     def load_tensors(self) -> dict[str, Any]:
         """The backend state (model + optimizer) on the CPU."""
-        return torch.load(self.path / TENSORS_FILE, map_location="cpu", weights_only=True)
+        tensors: dict[str, Any] = torch.load(
+            self.path / TENSORS_FILE, map_location="cpu", weights_only=True
+        )
+        return tensors
 
 
 def save_checkpoint(output_dir: Path, state: TrainerState, backend_state: dict[str, Any]) -> Path:

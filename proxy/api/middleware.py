@@ -197,8 +197,9 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", "replace").strip()
     if isinstance(parsed, dict):
         error = parsed.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return message
         if isinstance(error, str):
             return error
         if "detail" in parsed:

@@ -81,7 +81,8 @@ class GenerationRoute(APIRoute):
             except ValidationError as exc:
                 errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
                 raise RequestValidationError(errors, body=payload) from None
-            return await endpoint(body, request, principal)
+            response: Response = await endpoint(body, request, principal)
+            return response
 
         return handler
 

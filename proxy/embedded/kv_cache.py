@@ -30,7 +30,7 @@ class _BufferLayer(DynamicLayer):
     """One layer's view of :class:`BatchKVCache`, in HF's cache-layer protocol."""
 
     def __init__(self, owner: BatchKVCache, layer_idx: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         self._owner = owner
         self._layer_idx = layer_idx
         self.is_initialized = True

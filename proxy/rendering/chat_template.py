@@ -1,16 +1,18 @@
 """Messages to token ids, token-exact across the turns of a session.
 
 The proxy, not the backend, turns messages into token ids (docs/design.md,
-"Token-exact multi-turn"). Three steps:
+"Token-exact multi-turn"). Two steps:
 
-1. ``normalize_messages`` validates OpenAI messages and brings them to one
-   canonical form, used both for rendering and for comparing turns.
+1. ``normalize_messages`` (``proxima.proxy.rendering.chat_messages``) validates
+   OpenAI messages and brings them to one canonical form, used both for
+   rendering and for comparing turns.
 2. ``ChatRenderer.build_prompt`` looks for an earlier completion of the
    session that the new messages extend (its request messages plus its
-   assistant reply, then something new). If there is one, the prompt is that
-   completion's exact ``prompt_ids + output_ids`` followed by the tokens of
-   the new messages only; otherwise the whole conversation is rendered fresh
-   and starts a new branch of the session's tree.
+   assistant reply, then something new: ``proxima.proxy.rendering.parents``).
+   If there is one, the prompt is that completion's exact ``prompt_ids +
+   output_ids`` followed by the tokens of the new messages only; otherwise the
+   whole conversation is rendered fresh and starts a new branch of the
+   session's tree.
 
 Why the reused tokens are exact: the chat template renders the earlier turn
 to a text ``T_prev`` and the whole conversation to ``T_full``. When
@@ -28,37 +30,19 @@ earlier turn's reasoning; a template may re-serialize a tool call) would make
 ``parent tokens + new tokens`` a prompt the model never sees in deployment,
 so then the whole conversation is rendered fresh: the template's own prompt,
 a new chain of the session's tree.
-
-Canonical message::
-
-    {"role": "system" | "user" | "assistant" | "tool",
-     "content": str,                          # "" for None; text parts joined
-     "tool_calls": [{"id": str, "type": "function",
-                     "function": {"name": str, "arguments": dict | str}}],
-                                              # assistant only, when non-empty
-     "reasoning_content": str,                # assistant only, when given
-     "tool_call_id": str,                     # tool only
-     "name": str}                             # when given
-
-``arguments`` is the parsed JSON object, or the raw string when it is not one
-(templates render objects with ``tojson``). ``developer`` messages become
-``system``. Records' ``request_messages`` should be stored canonical; they
-are re-normalized when compared, which is idempotent.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
-from proxima.proxy import errors
-from proxima.proxy.rendering.unicode import InvalidString, check_unicode
+from proxima.proxy.rendering.chat_messages import InvalidMessages, Message
+from proxima.proxy.rendering.parents import Candidate, RenderedTexts, find_parent
 from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.tools.fallback import with_tools_in_system
@@ -68,209 +52,6 @@ _ENCODE_CACHE_SIZE = 4096
 _PROMPT_TAIL = 32
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, Any]
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Text parts of a list ``content`` are joined like this (as vLLM does).
-_PART_SEPARATOR = "\n"
-
-
-class InvalidMessages(errors.BadRequest):
-    """``messages`` cannot be served; ``param`` names the offending field."""
-
-    def __init__(self, message: str, *, param: str = "messages") -> None:
-        super().__init__(message, param=param)
-
-
-# ----------------------------------------------------------------------- normalize
-
-
-def normalize_messages(messages: Any) -> list[Message]:
-    """Validate OpenAI chat messages and return them in canonical form.
-
-    Raises ``InvalidMessages`` (a 400) naming the field, for an empty list,
-    an unknown role, a non-text content part, a tool message without
-    ``tool_call_id``, or a field of the wrong type. Unknown fields (``refusal``,
-    ``audio``, ``annotations``, a null ``function_call``) are dropped.
-    """
-    if not isinstance(messages, list):
-        raise InvalidMessages("'messages' must be a list of message objects.")
-    if not messages:
-        raise InvalidMessages("'messages' must contain at least one message.")
-    return [normalize_message(message, index) for index, message in enumerate(messages)]
-
-
-def normalize_message(message: Any, index: int = 0) -> Message:
-    """One message in canonical form; ``index`` places it in error messages."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise InvalidMessages(f"{where} must be an object.", param=where)
-    role = message.get("role")
-    if role not in _ROLES:
-        raise InvalidMessages(
-            f"Invalid role {role!r} in {where}; expected one of: {', '.join(_ROLES)}.",
-            param=f"{where}.role",
-        )
-    if role == "developer":
-        role = "system"
-    if "content" not in message and role != "assistant":
-        raise InvalidMessages(f"{where} ({role}) is missing 'content'.", param=f"{where}.content")
-    out: Message = {"role": role, "content": _text_content(message.get("content"), where)}
-    if role == "assistant":
-        tool_calls = _tool_calls(message.get("tool_calls"), where)
-        if tool_calls:
-            out["tool_calls"] = tool_calls
-        reasoning = _reasoning_content(message, where)
-        if reasoning is not None:
-            out["reasoning_content"] = reasoning
-    elif message.get("tool_calls"):
-        raise InvalidMessages(
-            f"{where}: only assistant messages may have 'tool_calls'.",
-            param=f"{where}.tool_calls",
-        )
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidMessages(
-                f"{where} (tool) must have a non-empty string 'tool_call_id'.",
-                param=f"{where}.tool_call_id",
-            )
-        out["tool_call_id"] = call_id
-    name = message.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise InvalidMessages(f"{where}.name must be a string.", param=f"{where}.name")
-        out["name"] = name
-    return out
-
-
-def _reasoning_content(message: dict[str, Any], where: str) -> str | None:
-    """An assistant message's reasoning: ``reasoning_content`` (DeepSeek, SGLang) or
-    ``reasoning`` (newer vLLM), a string; None when absent or null."""
-    for key in ("reasoning_content", "reasoning"):
-        value = message.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise InvalidMessages(f"{where}.{key} must be a string.", param=f"{where}.{key}")
-        return value
-    return None
-
-
-def _text_content(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidMessages(
-            f"{where}.content must be a string, null, or a list of text parts.",
-            param=f"{where}.content",
-        )
-    texts: list[str] = []
-    for j, part in enumerate(content):
-        param = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise InvalidMessages(f"{param} must be an object.", param=param)
-        kind = part.get("type")
-        if kind != "text":
-            raise InvalidMessages(
-                f"Unsupported content part type {kind!r} in {param}: only 'text' parts "
-                "are supported by this model.",
-                param=f"{param}.type",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidMessages(f"{param}.text must be a string.", param=f"{param}.text")
-        texts.append(text)
-    return _PART_SEPARATOR.join(texts)
-
-
-def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
-    if tool_calls is None:
-        return []
-    if not isinstance(tool_calls, list):
-        raise InvalidMessages(f"{where}.tool_calls must be a list.", param=f"{where}.tool_calls")
-    return [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(tool_calls)]
-
-
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
-    if not isinstance(call, dict):
-        raise InvalidMessages(f"{where} must be an object.", param=where)
-    if call.get("type", "function") != "function":
-        raise InvalidMessages(
-            f"Unsupported tool call type {call.get('type')!r} in {where}; expected 'function'.",
-            param=f"{where}.type",
-        )
-    call_id = call.get("id") or ""
-    if not isinstance(call_id, str):
-        raise InvalidMessages(f"{where}.id must be a string.", param=f"{where}.id")
-    function = call.get("function")
-    if not isinstance(function, dict):
-        raise InvalidMessages(f"{where}.function must be an object.", param=f"{where}.function")
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidMessages(
-            f"{where}.function.name must be a non-empty string.", param=f"{where}.function.name"
-        )
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        arguments = parse_tool_arguments(arguments, f"{where}.function.arguments")
-    elif not isinstance(arguments, dict):
-        raise InvalidMessages(
-            f"{where}.function.arguments must be a JSON string.",
-            param=f"{where}.function.arguments",
-        )
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def parse_tool_arguments(arguments: str, param: str) -> dict[str, Any] | str:
-    """A tool call's ``arguments`` in canonical form: the JSON object the string holds, or
-    the string itself if it holds none. JSON escapes may decode to a lone surrogate: an
-    ``InvalidMessages`` naming ``param`` (and the key inside it)."""
-    try:
-        parsed: Any = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):
-        parsed = arguments
-    if not isinstance(parsed, dict):
-        parsed = arguments
-    try:
-        check_unicode(parsed, param)
-    except InvalidString as exc:
-        raise InvalidMessages(str(exc), param=exc.param) from exc
-    return parsed
-
-
-def messages_equivalent(a: Message, b: Message) -> bool:
-    """Whether two canonical messages are the same turn.
-
-    Role, content, ``tool_call_id`` and each call's name and parsed arguments
-    must match exactly; call ids, ``name`` and ``reasoning_content`` are
-    compared only when both sides have them (clients echo our ids and the
-    reasoning back, or drop them).
-    """
-    if a["role"] != b["role"] or a["content"] != b["content"]:
-        return False
-    if a.get("tool_call_id") != b.get("tool_call_id"):
-        return False
-    if "name" in a and "name" in b and a["name"] != b["name"]:
-        return False
-    if (
-        "reasoning_content" in a
-        and "reasoning_content" in b
-        and a["reasoning_content"] != b["reasoning_content"]
-    ):
-        return False
-    calls_a, calls_b = a.get("tool_calls", []), b.get("tool_calls", [])
-    if len(calls_a) != len(calls_b):
-        return False
-    for call_a, call_b in zip(calls_a, calls_b, strict=True):
-        if call_a["id"] and call_b["id"] and call_a["id"] != call_b["id"]:
-            return False
-        if call_a["function"] != call_b["function"]:
-            return False
-    return True
 
 
 # Arguments of the renderer itself: never a template variable a client may set.
@@ -297,18 +78,6 @@ def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in RESERVED_TEMPLATE_KWARGS}
 
 
-def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
-    """JSON of a tool list in its own key order (absent and empty are the same).
-
-    Key order matters: the template writes tools with ``tojson``, which keeps
-    it, so tools that differ only in key order render different prompts.
-    """
-    return json.dumps(list(tools or []), ensure_ascii=False)
-
-
-# ------------------------------------------------------------------------ renderer
-
-
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
     """The token ids to generate from, and where they came from.
@@ -322,49 +91,6 @@ class PromptPlan:
     parent_id: str | None
     appended_ids: list[int]
     text: str = ""  # the template's text of the whole conversation (generation prompt included)
-
-
-class RenderedTexts:
-    """The template's text of recent completions' requests, by completion id.
-
-    A turn extends its parent by checking that the parent's own prompt text starts
-    the new conversation's text; the parent's request was rendered when the parent
-    was prepared, so that text is kept here (and used only when the new request's
-    messages and tools up to the parent are identical to the parent's, so it is
-    exactly what rendering them again would give) instead of rendering the whole
-    conversation a second time every turn. Bounded in characters (least recently
-    added dropped first; a dropped text is rendered again when needed); shared by
-    the renderers of the event loop and of the worker thread.
-    """
-
-    def __init__(self, max_chars: int = 32 * 2**20) -> None:
-        self.max_chars = max_chars  # 32 Mi characters: 32-128 MiB of str by default
-        self._texts: OrderedDict[str, tuple[str, dict[str, Any] | None]] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def get(self, completion_id: str) -> tuple[str, dict[str, Any] | None] | None:
-        """The completion's prompt text and the template variables it was rendered with."""
-        with self._lock:
-            return self._texts.get(completion_id)
-
-    def add(
-        self,
-        completion_ids: Sequence[str],
-        text: str,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        entry = (text, template_kwargs or None)
-        with self._lock:
-            for cid in completion_ids:
-                old = self._texts.pop(cid, None)
-                if old is not None:
-                    self._chars -= len(old[0])
-                self._texts[cid] = entry  # choices of one request share the string
-                self._chars += len(text)
-            while self._chars > self.max_chars and self._texts:
-                _, dropped = self._texts.popitem(last=False)
-                self._chars -= len(dropped[0])
 
 
 class ChatRenderer:
@@ -467,7 +193,7 @@ class ChatRenderer:
         """
         kwargs = template_kwargs or None
         full = self.render_text(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
-        parent = _find_parent(messages, tools, history)
+        parent = find_parent(messages, tools, history)
         if parent is not None:
             plan = self._extend(parent, messages, full, tools, kwargs)
             if plan is not None:
@@ -482,7 +208,7 @@ class ChatRenderer:
         history: Sequence[CompletionRecord],
     ) -> CompletionRecord | None:
         """The completion ``build_prompt`` would try to extend (compares, renders nothing)."""
-        parent = _find_parent(messages, tools, history)
+        parent = find_parent(messages, tools, history)
         return None if parent is None else parent.record
 
     def _opened(
@@ -508,7 +234,7 @@ class ChatRenderer:
 
     def _extend(
         self,
-        parent: _Candidate,
+        parent: Candidate,
         messages: Sequence[Message],
         full: str,
         tools: Sequence[dict[str, Any]] | None,
@@ -582,53 +308,3 @@ class ChatRenderer:
                 list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
         )
-
-
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    """A completion that can be extended, with its messages in canonical form."""
-
-    record: CompletionRecord
-    request: list[Message]
-    reply: Message
-
-
-def _find_parent(
-    messages: Sequence[Message],
-    tools: Sequence[dict[str, Any]] | None,
-    history: Sequence[CompletionRecord],
-) -> _Candidate | None:
-    """The completion the new messages extend (longest prefix, then most recent)."""
-    candidates: list[tuple[int, int, CompletionRecord, list[Message], Message]] = []
-    for position, record in enumerate(history):
-        stored_request, stored_reply = record.request_messages, record.response_message
-        if not stored_request or stored_reply is None:
-            continue  # a /v1/completions record, or a reply that was never returned
-        if len(stored_request) + 1 < len(messages):
-            candidates.append(
-                (len(stored_request) + 1, position, record, stored_request, stored_reply)
-            )
-    candidates.sort(key=lambda item: (item[0], item[1]), reverse=True)
-    tool_list = list(tools or [])
-    for size, _, record, stored_request, stored_reply in candidates:
-        try:
-            # The reply is the likeliest difference (siblings of n > 1), so it goes first.
-            reply = normalize_message(stored_reply, size - 1)
-            if not messages_equivalent(messages[size - 1], reply):
-                continue
-            request: list[Message] = []
-            for index in range(size - 2, -1, -1):
-                if stored_request[index] == messages[index]:  # equal to a canonical one
-                    request.append(messages[index])
-                    continue
-                stored = normalize_message(stored_request[index], index)
-                if not messages_equivalent(messages[index], stored):
-                    break
-                request.append(stored)
-            else:
-                # Tools that differ only in key order render different prompts (tojson).
-                if identical(list(record.request_tools or []), tool_list):
-                    return _Candidate(record=record, request=request[::-1], reply=reply)
-        except InvalidMessages:
-            logger.warning("stored messages of completion %s are not valid", record.id)
-    return None

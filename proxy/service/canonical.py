@@ -4,7 +4,7 @@ An API surface (OpenAI chat, OpenAI completions, and next the Responses and
 Anthropic Messages APIs) owns its wire schema; the service never sees it. The
 surface's translation module turns its request into a ``CanonicalRequest``:
 
-- ``ChatInput``: canonical messages (``proxima.proxy.rendering.chat_template.normalize_messages``),
+- ``ChatInput``: canonical messages (``proxima.proxy.rendering.chat_messages.normalize_messages``),
   OpenAI-shaped ``tools`` and a resolved ``ToolChoice``; or
 - ``TextInput``: a raw prompt (one string or one list of token ids);
 - ``Sampling`` (``proxima.proxy.rendering.sampling``): how tokens are drawn, the one

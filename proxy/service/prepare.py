@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest, ContextTooLong
 from proxima.proxy.policies.deployments import Deployment
-from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan, RenderedTexts
+from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan
+from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.rendering.reasoning import ReasoningParser
 from proxima.proxy.rendering.sampling import ReasoningBudget, Sampling
 from proxima.proxy.rendering.structured import Grammar, ReasoningFirst, checked_output_grammar
@@ -238,7 +239,7 @@ class PromptPreparer:
     def text_prompt_ids(self, prompt: Any) -> list[int]:
         """Token ids of a text prompt: one string, or one list of ids (or a list of one)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1:

@@ -17,7 +17,7 @@ from typing import Any
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache
 from proxima.proxy.metrics import Metrics
-from proxima.proxy.rendering.chat_template import RenderedTexts
+from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.driver import ChoiceRun
 from proxima.proxy.service.events import Finish

@@ -173,7 +173,10 @@ class DirectSqlite:
     def _passive_checkpoint(self) -> tuple[int, int, int] | None:
         """``(busy, frames in the WAL, frames checkpointed)``, ``None`` if it failed."""
         try:
-            return self._thread_db().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            row: tuple[int, int, int] | None = (
+                self._thread_db().execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            )
+            return row
         except sqlite3.Error as exc:  # the next one tries again; other connections also do
             logger.warning("SQLite checkpoint failed: %s", exc)
             return None

@@ -28,7 +28,7 @@ from proxima.proxy.api.schemas import (
     check_tool_names,
 )
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.rendering.chat_template import normalize_messages
+from proxima.proxy.rendering.chat_messages import normalize_messages
 from proxima.proxy.rendering.unicode import InvalidString, check_unicode
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.tools import resolve_tool_choice

@@ -41,7 +41,8 @@ def named_sse(event: dict[str, Any]) -> bytes:
     The Responses API and Anthropic's Messages API frame their events this way
     (Anthropic's SDK skips events without a name).
     """
-    return b"event: " + event["type"].encode() + b"\ndata: " + event_json(event) + b"\n\n"
+    name: str = event["type"]
+    return b"event: " + name.encode() + b"\ndata: " + event_json(event) + b"\n\n"
 
 
 def usage(u: Usage) -> dict[str, int]:

@@ -8,15 +8,14 @@ from typing import Any
 
 import pytest
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.rendering.chat_template import (
-    ChatRenderer,
+from proxima.proxy.rendering.chat_messages import (
     InvalidMessages,
     Message,
-    PromptPlan,
-    RenderedTexts,
     messages_equivalent,
     normalize_messages,
 )
+from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan
+from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser

@@ -7,12 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from proxima.proxy.rendering.chat_template import (
-    ChatRenderer,
-    Message,
-    PromptPlan,
-    normalize_messages,
-)
+from proxima.proxy.rendering.chat_messages import Message, normalize_messages
+from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan
 from proxima.proxy.rendering.reasoning import get_reasoning_parser
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import THINKING_CHAT_TEMPLATE, build_tiny_tokenizer

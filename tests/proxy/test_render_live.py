@@ -21,7 +21,7 @@ from langchain_core.messages import HumanMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import OpenAI
-from proxima.proxy.rendering.chat_template import normalize_messages
+from proxima.proxy.rendering.chat_messages import normalize_messages
 from proxima.proxy.testing.live import LiveProxy
 from transformers import AutoTokenizer
 

@@ -129,7 +129,8 @@ def sample_chat(model_dir: Path, prompt: str = SAMPLE_PROMPT) -> str:
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    reply: str = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    return reply.strip()
 
 
 def looks_sensible(text: str) -> bool:

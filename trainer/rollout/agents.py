@@ -130,7 +130,8 @@ def resolve_agent(agent: str | AgentFn) -> AgentFn:
             raise RolloutError(f"{module_name!r} has no attribute {attr!r}") from exc
     if not callable(target):
         raise RolloutError(f"agent {agent!r} is not callable")
-    return target
+    fn: AgentFn = target
+    return fn
 
 
 def agent_spec(agent: str | AgentFn) -> str:

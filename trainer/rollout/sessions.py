@@ -89,7 +89,8 @@ async def open_session(
             raise RolloutError(f"cannot open a session at {client.base_url}: {exc!r}") from exc
         else:
             if resp.status_code == 200:
-                return resp.json()
+                opened: dict[str, Any] = resp.json()
+                return opened
             if resp.status_code == 429:
                 lost = 0
                 delay = _retry_after(resp)

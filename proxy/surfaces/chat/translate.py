@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.rendering.chat_template import RESERVED_TEMPLATE_KWARGS, normalize_messages
+from proxima.proxy.rendering.chat_messages import normalize_messages
+from proxima.proxy.rendering.chat_template import RESERVED_TEMPLATE_KWARGS
 from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest, NamedToolChoice
 from proxima.proxy.surfaces.openai_common import refuse_unsupported, sampling_of

@@ -164,7 +164,7 @@ def _verified_thinking(block: dict[str, Any], at: str, seal: ReasoningSeal | Non
             "sent back unmodified.",
             param=f"{at}.signature",
         )
-    return block["thinking"]
+    return sealed.reasoning
 
 
 def conversation(req: MessagesRequest, seal: ReasoningSeal | None = None) -> list[Message]:

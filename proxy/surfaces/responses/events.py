@@ -71,7 +71,9 @@ class ResponseHead:
             item["encrypted_content"] = self.seal(text)
         return item
 
-    def call_item(self, item_id: str, status: str, call_id: str, name: str, args: str) -> dict:
+    def call_item(
+        self, item_id: str, status: str, call_id: str, name: str, args: str
+    ) -> dict[str, Any]:
         item = _call_item(item_id, status, call_id, name, args)
         if name in self.tool_namespaces:
             item["namespace"] = self.tool_namespaces[name]
@@ -295,7 +297,8 @@ class ResponsesStream:
 
     def _open_id(self) -> str:
         assert self._open is not None
-        return self._open.item["id"]
+        item_id: str = self._open.item["id"]
+        return item_id
 
     def _open_index(self) -> int:
         assert self._open is not None

@@ -44,7 +44,7 @@ import json
 from typing import Any
 
 from proxima.proxy.errors import BadRequest
-from proxima.proxy.rendering.chat_template import parse_tool_arguments
+from proxima.proxy.rendering.chat_messages import parse_tool_arguments
 from proxima.proxy.rendering.reasoning_seal import ReasoningSeal
 from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.service.canonical import CanonicalRequest

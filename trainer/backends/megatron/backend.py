@@ -261,7 +261,7 @@ class MegatronBackend:
         # megatron's learned-position path is unused with RoPE; rotary angles are 0..L-1.
         position_ids = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
         with cpu_device_shim():
-            logits = self.model(
+            logits: Tensor = self.model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=mask
             )  # (N, L, V_padded)
         return logits[..., : self.shape.vocab_size]  # (N, L, V)
@@ -376,12 +376,14 @@ class MegatronBackend:
     @property
     def data_parallel_size(self) -> int:
         """Replicas of the model: ``world / (tensor_parallel * pipeline_parallel)``."""
-        return parallel_state.get_data_parallel_world_size()
+        size: int = parallel_state.get_data_parallel_world_size()
+        return size
 
     @property
     def data_parallel_rank(self) -> int:
         """This process's replica; ranks of one tensor-parallel group share it."""
-        return parallel_state.get_data_parallel_rank()
+        rank: int = parallel_state.get_data_parallel_rank()
+        return rank
 
     def all_gather_data_parallel(self, obj: ObjT) -> list[ObjT]:
         """Every replica's ``obj`` (picklable, tensors on the CPU), in replica order.

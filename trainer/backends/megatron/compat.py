@@ -179,7 +179,8 @@ def model_parallel_manual_seed(seed: int) -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+# megatron-core ships no type information: its classes are Any to mypy.
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):  # type: ignore[misc]
     """megatron's named RNG streams, kept as CPU generator states.
 
     Same contract as ``CudaRNGStatesTracker``: ``add`` records a seeded state
@@ -229,7 +230,8 @@ def cpu_device_shim() -> Iterator[None]:
     ``torch.cuda.current_device`` is replaced; anything else megatron needs
     from CUDA still fails loudly rather than silently running elsewhere.
     """
-    if cuda_available() or torch.cuda.current_device is _cpu_current_device:
+    installed: object = torch.cuda.current_device  # ours while a shim is active
+    if cuda_available() or installed is _cpu_current_device:
         yield
         return
     original = torch.cuda.current_device
