@@ -153,7 +153,9 @@ class PackedBatch:
 
 def _shift(values: Sequence[_V], fill: _V) -> list[_V]:
     """Token-aligned (L,) -> target-aligned (L,): entry i describes token i+1."""
-    return [*values[1:], fill]
+    shifted = list(values[1:])
+    shifted.append(fill)
+    return shifted
 
 
 def pack(samples: Sequence[Sample]) -> PackedBatch:
