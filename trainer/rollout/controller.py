@@ -43,6 +43,10 @@ Every pass (:meth:`RolloutController.run`) groups the runs of one item under
 ``group_tag`` given), so that the group-relative baseline never mixes runs
 of the same item from different passes (different policies); ``data_id`` is
 stored unchanged.
+
+The report a pass returns (:class:`RolloutReport`, one :class:`RunResult` per run) is
+``proxima.trainer.rollout.report``'s; reading a dataset is ``proxima.trainer.rollout.dataset``'s.
+Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -55,11 +59,10 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from proxima.trainer.config import ADAPTER_NAME
@@ -67,7 +70,6 @@ from proxima.trainer.rollout.agents import (
     AgentError,
     AgentFn,
     Mode,
-    RolloutError,
     agent_spec,
     call_inprocess,
     call_subprocess,
@@ -77,107 +79,26 @@ from proxima.trainer.rollout.agents import (
     resolve_agent,
 )
 from proxima.trainer.rollout.binding import SessionBinding, bound_context
+from proxima.trainer.rollout.dataset import Dataset, item_id, iter_dataset
 from proxima.trainer.rollout.ray_agents import RayAgentRunner, RayOutcome, import_ray
+from proxima.trainer.rollout.report import RolloutReport, RunResult
 from proxima.trainer.rollout.sessions import finish_session, open_session, post_rewards
+
+__all__ = [
+    "CANCEL_GRACE_S",
+    "Dataset",
+    "RolloutController",
+    "RolloutReport",
+    "RunResult",
+    "item_id",
+    "iter_dataset",
+    "main",
+]
 
 logger = logging.getLogger(__name__)
 
-Dataset = str | os.PathLike[str] | Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]]
-
 # How long a cancelled in-process agent gets to unwind before the run is given up on.
 CANCEL_GRACE_S = 5.0
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(slots=True)
-class RunResult:
-    """One agent run (one session)."""
-
-    session_id: str
-    group_id: str
-    data_id: str
-    sample: int
-    status: Literal["finished", "failed"]
-    reward: float | None
-    """Total posted reward (final plus per-completion); ``None`` for a failed run."""
-    error: str | None = None
-    timed_out: bool = False
-    seconds: float = 0.0
-    node_id: str | None = None
-    """The Ray node that ran the agent (``mode="ray"``; ``None`` otherwise or if its task died)."""
-
-
-@dataclass(slots=True)
-class RolloutReport:
-    """Counters of one :meth:`RolloutController.run` (live while it runs)."""
-
-    items: int = 0
-    sessions_started: int = 0
-    sessions_rewarded: int = 0
-    sessions_failed: int = 0
-    timeouts: int = 0
-    waits_429: int = 0
-    """Times a session request was answered 429 (staleness capacity) and waited out."""
-    wait_seconds_429: float = 0.0
-    elapsed_s: float = 0.0
-    runs: list[RunResult] = field(default_factory=list)
-
-    @property
-    def mean_reward(self) -> float | None:
-        """Mean total reward over the rewarded runs (``None`` if there are none)."""
-        rewards = [r.reward for r in self.runs if r.status == "finished" and r.reward is not None]
-        return sum(rewards) / len(rewards) if rewards else None
-
-    @property
-    def runs_by_node(self) -> dict[str, int]:
-        """Completed agent runs per Ray node (empty outside ``mode="ray"``)."""
-        counts: dict[str, int] = {}
-        for run in self.runs:
-            if run.node_id is not None:
-                counts[run.node_id] = counts.get(run.node_id, 0) + 1
-        return counts
-
-    def summary(self) -> dict[str, Any]:
-        """The counters as a JSON-ready dict (without the per-run list)."""
-        out = {k: v for k, v in asdict(self).items() if k != "runs"}
-        out["mean_reward"] = self.mean_reward
-        if by_node := self.runs_by_node:
-            out["runs_by_node"] = by_node
-        return out
-
-
-# --------------------------------------------------------------------------- agent loading
-
-
-# --------------------------------------------------------------------------- datasets
-
-
-async def iter_dataset(dataset: Dataset) -> AsyncIterator[dict[str, Any]]:
-    """Items of a JSONL file (path) or of any iterable / async iterable of mappings."""
-    if isinstance(dataset, str | os.PathLike):
-        path = Path(dataset)
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                item = json.loads(line)
-                if not isinstance(item, dict):
-                    raise RolloutError(f"{path}:{lineno}: a dataset line must be a JSON object")
-                yield item
-    elif isinstance(dataset, AsyncIterable):
-        async for item in dataset:
-            yield dict(item)
-    else:
-        for item in dataset:
-            yield dict(item)
-
-
-def item_id(item: Mapping[str, Any], index: int) -> str:
-    """The item's ``id`` (or ``data_id``), else its position in the dataset."""
-    value = item.get("id", item.get("data_id"))
-    return str(value) if value is not None else str(index)
 
 
 # --------------------------------------------------------------------------- controller
