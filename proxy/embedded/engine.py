@@ -1,15 +1,12 @@
 """The engine's asyncio-facing side: load the model, submit requests, control the worker.
 
 Nothing here runs the model. :class:`Engine` validates requests, hands them to
-the :class:`~proxy.embedded.worker.EngineWorker` thread, and turns the worker's
-deltas into cumulative :class:`GenerationState` snapshots. Every await is on an
-asyncio queue or a future, so the event loop never blocks on a forward pass.
-
-Errors::
-
-    EngineError
-    ├── InvalidRequestError      bad prompt / params / duplicate rid   (HTTP 400)
-    └── EngineUnavailableError   the worker is not running             (HTTP 503)
+the :class:`~proxy.embedded.worker.EngineWorker` thread, and returns a
+:class:`~proxy.embedded.handle.RequestHandle` that turns the worker's deltas into
+cumulative :class:`GenerationState` snapshots. Every await is on an asyncio queue or
+a future, so the event loop never blocks on a forward pass. LoRA adapters are kept
+by its :class:`~proxy.embedded.adapter_registry.AdapterRegistry`; its errors are
+those of ``proxima.proxy.embedded.errors`` (importable from here too).
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +24,17 @@ from proxima.proxy.backends.protocol import (
     UpdateWeightsResponse,
 )
 from proxima.proxy.embedded import worker as cmd
+from proxima.proxy.embedded.adapter_registry import AdapterRegistry
+from proxima.proxy.embedded.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
 from proxima.proxy.embedded.grammar import GrammarCompiler, InvalidGrammarError, grammar_of
+from proxima.proxy.embedded.handle import GenerationState, RequestHandle
 from proxima.proxy.embedded.launcher import default_num_threads
-from proxima.proxy.embedded.lora import AdapterLoadError, LoRAAdapter, LoRAHooks, read_adapter
-from proxima.proxy.embedded.requests import DeltaSink, FinishReason, GenerationDelta, WorkerRequest
+from proxima.proxy.embedded.lora import LoRAAdapter, LoRAHooks
+from proxima.proxy.embedded.requests import DeltaSink, WorkerRequest
 from proxima.proxy.embedded.sampling import make_generator
 from proxima.proxy.embedded.weights import WeightLoadError, load_checked_state_dict
 from proxima.proxy.embedded.worker import EngineWorker, WorkerStats
@@ -41,99 +43,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 logger = logging.getLogger(__name__)
 
 
-LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-
-
-class EngineError(Exception):
-    """Base of the engine's errors."""
-
-
-class InvalidRequestError(EngineError):
-    """The request cannot be served as given (HTTP 400)."""
-
-
-class EngineUnavailableError(EngineError):
-    """The worker thread is not running (HTTP 503)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationState:
-    """Everything generated for one request so far (cumulative)."""
-
-    rid: str
-    prompt_tokens: int
-    output_ids: tuple[int, ...]
-    output_logprobs: tuple[float, ...]
-    output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None
-    finish_reason: FinishReason | None
-    weight_version: str
-
-
-class RequestHandle:
-    """The asyncio side of one submitted request: read its progress or its result."""
-
-    def __init__(
-        self, engine: Engine, rid: str, prompt_tokens: int, sink: DeltaSink, top: bool
-    ) -> None:
-        self.rid = rid
-        self._engine = engine
-        self._sink = sink
-        self._prompt_tokens = prompt_tokens
-        self._output_ids: list[int] = []
-        self._logprobs: list[float] = []
-        self._top: list[tuple[tuple[float, int], ...]] | None = [] if top else None
-        self._finish_reason: FinishReason | None = None
-        self._weight_version = engine.weight_version
-
-    @property
-    def finished(self) -> bool:
-        """Whether the final delta has arrived."""
-        return self._finish_reason is not None
-
-    def snapshot(self) -> GenerationState:
-        """The cumulative state now."""
-        return GenerationState(
-            rid=self.rid,
-            prompt_tokens=self._prompt_tokens,
-            output_ids=tuple(self._output_ids),
-            output_logprobs=tuple(self._logprobs),
-            output_top_logprobs=tuple(self._top) if self._top is not None else None,
-            finish_reason=self._finish_reason,
-            weight_version=self._weight_version,
-        )
-
-    async def updates(self) -> AsyncIterator[GenerationState]:
-        """Yield a cumulative snapshot whenever new tokens arrive, the last one finished.
-
-        Deltas that queued up while the consumer was busy are merged into one
-        snapshot, so a slow reader never falls behind the worker.
-        """
-        while not self.finished:
-            self._apply(await self._sink.queue.get())
-            while not self.finished and not self._sink.queue.empty():
-                self._apply(self._sink.queue.get_nowait())
-            yield self.snapshot()
-
-    async def result(self) -> GenerationState:
-        """Wait for the request to finish and return its final state."""
-        while not self.finished:
-            self._apply(await self._sink.queue.get())
-        return self.snapshot()
-
-    async def abort(self) -> None:
-        """Abort this request if it is still running."""
-        if not self.finished:
-            await self._engine.abort(self.rid)
-
-    def _apply(self, delta: GenerationDelta) -> None:
-        for token in delta.tokens:
-            self._output_ids.append(token.token_id)
-            self._logprobs.append(token.logprob)
-            if self._top is not None:
-                self._top.append(tuple(token.top_logprobs or ()))
-        self._weight_version = delta.weight_version
-        if delta.finish_reason is not None:
-            self._finish_reason = delta.finish_reason
+__all__ = [
+    "Engine",
+    "EngineError",
+    "EngineUnavailableError",
+    "GenerationState",
+    "InvalidRequestError",
+    "RequestHandle",
+]
 
 
 class Engine:
@@ -193,14 +110,7 @@ class Engine:
         self.model = model
         self.lora = LoRAHooks(model) if enable_lora else None
         self.max_lora_rank = max_lora_rank
-        # The adapter registry (SGLang's LoRARegistry): loaded adapters by name, every name
-        # ever loaded (an unloaded one is loaded again when a request names it, as SGLang
-        # does), and the requests using each loaded copy.
-        self._adapters: dict[str, LoRAAdapter] = {}
-        self._ever_loaded: dict[str, str] = {}
-        self._adapter_users: dict[str, int] = {}
-        self._adapter_idle: dict[str, asyncio.Event] = {}
-        self._lora_lock = asyncio.Lock()
+        self._registry = AdapterRegistry(self.lora, max_lora_rank)
         self._worker = EngineWorker(
             model,
             self.tokenizer,
@@ -288,7 +198,7 @@ class Engine:
         self, token_ids: list[int] | tuple[int, ...], *, skip_special_tokens: bool = True
     ) -> str:
         """Text of ``token_ids``."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def submit(
         self,
@@ -342,12 +252,12 @@ class Engine:
             except InvalidGrammarError as exc:
                 raise InvalidRequestError(str(exc)) from exc
         if adapter is not None:
-            self._adapter_users[adapter.lora_id] = self._adapter_users.get(adapter.lora_id, 0) + 1
+            self._registry.acquire(adapter)
 
         def on_finish() -> None:
             self._active.discard(rid)
             if adapter is not None:
-                self._release_adapter(adapter)
+                self._registry.release(adapter)
 
         sink = DeltaSink(asyncio.get_running_loop(), on_finish=on_finish)
         request = WorkerRequest(
@@ -400,93 +310,19 @@ class Engine:
 
     def loaded_lora_adapters(self) -> dict[str, str]:
         """Loaded adapter names and their paths, in load order."""
-        return {name: adapter.path for name, adapter in self._adapters.items()}
-
-    def _lora_result(self, error: str | None = None) -> LoRAUpdateResponse:
-        return LoRAUpdateResponse(
-            success=error is None,
-            error_message=error or "",
-            loaded_adapters=self.loaded_lora_adapters(),
-        )
+        return self._registry.loaded_lora_adapters()
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateResponse:
-        """Read ``path`` (peft's directory) in a thread and serve it as ``name``; generation
-        goes on meanwhile. SGLang's refusals: LoRA not enabled, a name already loaded."""
-        if self.lora is None:
-            return LoRAUpdateResponse(success=False, error_message=LORA_NOT_ENABLED)
-        async with self._lora_lock:
-            return await self._load_locked(name, path)
-
-    async def _load_locked(self, name: str, path: str) -> LoRAUpdateResponse:
-        assert self.lora is not None
-        if name in self._adapters:
-            return self._lora_result(
-                f"Failed to load LoRA adapter {name} because it is already loaded"
-            )
-        try:
-            adapter = await asyncio.to_thread(
-                read_adapter, path, name, self.lora.linears, max_lora_rank=self.max_lora_rank
-            )
-        except AdapterLoadError as exc:
-            logger.warning("LoRA adapter %s not loaded from %s: %s", name, path, exc)
-            return self._lora_result(str(exc))
-        self._adapters[name] = adapter
-        self._ever_loaded[name] = adapter.path
-        logger.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
-        return self._lora_result()
+        """Serve peft's directory ``path`` as ``name`` (``AdapterRegistry.load_lora_adapter``)."""
+        return await self._registry.load_lora_adapter(name, path)
 
     async def unload_lora_adapter(self, name: str) -> LoRAUpdateResponse:
-        """Stop serving ``name``: new requests cannot use it at once; the answer comes when
-        the requests running with it have finished (SGLang's ``wait_for_unload``)."""
-        if self.lora is None:
-            return LoRAUpdateResponse(success=False, error_message=LORA_NOT_ENABLED)
-        async with self._lora_lock:
-            adapter = self._adapters.pop(name, None)
-            if adapter is None:
-                return LoRAUpdateResponse(
-                    success=False,
-                    error_message=f"LoRA with name {name} does not exist. "
-                    f"Loaded LoRAs: odict_keys({list(self._adapters)})",
-                )
-            if self._adapter_users.get(adapter.lora_id, 0) > 0:
-                idle = self._adapter_idle.setdefault(adapter.lora_id, asyncio.Event())
-                await idle.wait()
-            self._adapter_idle.pop(adapter.lora_id, None)
-            self._adapter_users.pop(adapter.lora_id, None)
-            logger.info("LoRA adapter %s unloaded", name)
-            return self._lora_result()
-
-    def _release_adapter(self, adapter: LoRAAdapter) -> None:
-        users = self._adapter_users[adapter.lora_id] - 1
-        self._adapter_users[adapter.lora_id] = users
-        if users == 0 and adapter.lora_id in self._adapter_idle:
-            self._adapter_idle[adapter.lora_id].set()
+        """Stop serving ``name`` (``AdapterRegistry.unload_lora_adapter``)."""
+        return await self._registry.unload_lora_adapter(name)
 
     async def resolve_adapter(self, name: str) -> LoRAAdapter:
-        """The adapter a request's ``lora_path`` names; one unloaded earlier is loaded again
-        from its path (SGLang's reload of an evicted adapter). Raises
-        :class:`InvalidRequestError` with SGLang's messages."""
-        if self.lora is None:
-            raise InvalidRequestError(
-                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch "
-                "the server with --enable-lora flag and preload adapters using --lora-paths "
-                "or /load_lora_adapter endpoint."
-            )
-        if name not in self._adapters:
-            if name not in self._ever_loaded:
-                raise InvalidRequestError(
-                    f"Got LoRA adapter that has never been loaded: {name}\n"
-                    f"All loaded adapters: dict_keys({list(self._ever_loaded)})."
-                )
-            async with self._lora_lock:
-                if name not in self._adapters:
-                    logger.info("Reloading evicted adapter: %s", name)
-                    result = await self._load_locked(name, self._ever_loaded[name])
-                    if not result.success:
-                        raise InvalidRequestError(
-                            f"Failed to implicitly load LoRA adapter {name}: {result.error_message}"
-                        )
-        return self._adapters[name]
+        """The adapter a request's ``lora_path`` names (``AdapterRegistry.resolve_adapter``)."""
+        return await self._registry.resolve_adapter(name)
 
     # ---- control --------------------------------------------------------------------
 
