@@ -159,19 +159,9 @@ def decoupled_ppo_loss(
     Returns:
         ``(loss, stats)``: scalar loss with grad, and detached :class:`PPOStats`.
     """
-    shape = logprobs.shape
     if prox_logprobs is None:
         prox_logprobs = logprobs.detach()
-    for name, t in (
-        ("prox_logprobs", prox_logprobs),
-        ("behav_logprobs", behav_logprobs),
-        ("advantages", advantages),
-        ("loss_mask", loss_mask),
-    ):
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}")
-    if int(total_loss_tokens) <= 0:
-        raise ValueError(f"total_loss_tokens must be positive, got {int(total_loss_tokens)}")
+    _check_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask, total_loss_tokens)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
 
     prox_logprobs = prox_logprobs.detach().float()  # (*S)
@@ -200,18 +190,59 @@ def decoupled_ppo_loss(
     loss = torch.where(mask, loss_tok, zeros).sum() / total_loss_tokens  # global token mean
 
     with torch.no_grad():
-        n_valid = valid.sum()
-        n_kept = mask.sum()
         clipped = (pg_loss2 > pg_loss1) & mask  # the clipped branch is active: zero gradient
-        approx_kl = (ratio - 1.0) - logratio  # k3 estimator of KL(prox || current), >= 0
-        w_valid = torch.where(valid, importance_weight, zeros)
-        stats = PPOStats(
-            loss=loss.detach(),
-            loss_tokens=n_valid,
-            masked_tokens=capped.sum(),
-            clip_fraction=clipped.sum() / n_kept.clamp(min=1),
-            importance_weight_mean=w_valid.sum() / n_valid.clamp(min=1),
-            importance_weight_max=w_valid.max() if w_valid.numel() else w_valid.new_zeros(()),
-            approx_kl=approx_kl.sum() / n_kept.clamp(min=1),  # 0 where masked
-        )
+        stats = _ppo_stats(loss, valid, mask, capped, clipped, importance_weight, ratio, logratio)
     return loss, stats
+
+
+def _check_inputs(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    total_loss_tokens: int | Tensor,
+) -> None:
+    """:func:`decoupled_ppo_loss`'s inputs: one shape for every tensor, a positive token count."""
+    shape = logprobs.shape
+    for name, t in (
+        ("prox_logprobs", prox_logprobs),
+        ("behav_logprobs", behav_logprobs),
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+    ):
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs has {tuple(shape)}")
+    if int(total_loss_tokens) <= 0:
+        raise ValueError(f"total_loss_tokens must be positive, got {int(total_loss_tokens)}")
+
+
+def _ppo_stats(
+    loss: Tensor,
+    valid: Tensor,
+    mask: Tensor,
+    capped: Tensor,
+    clipped: Tensor,
+    importance_weight: Tensor,
+    ratio: Tensor,
+    logratio: Tensor,
+) -> PPOStats:
+    """:func:`decoupled_ppo_loss`'s detached statistics (call under ``torch.no_grad``).
+
+    ``valid``: trained tokens; ``mask``: those that contribute (not capped); ``capped``:
+    masked by the importance-weight cap; ``clipped``: on the clipped branch.
+    """
+    zeros = torch.zeros_like(importance_weight)
+    n_valid = valid.sum()
+    n_kept = mask.sum()
+    approx_kl = (ratio - 1.0) - logratio  # k3 estimator of KL(prox || current), >= 0
+    w_valid = torch.where(valid, importance_weight, zeros)
+    return PPOStats(
+        loss=loss.detach(),
+        loss_tokens=n_valid,
+        masked_tokens=capped.sum(),
+        clip_fraction=clipped.sum() / n_kept.clamp(min=1),
+        importance_weight_mean=w_valid.sum() / n_valid.clamp(min=1),
+        importance_weight_max=w_valid.max() if w_valid.numel() else w_valid.new_zeros(()),
+        approx_kl=approx_kl.sum() / n_kept.clamp(min=1),  # 0 where masked
+    )
