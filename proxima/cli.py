@@ -309,25 +309,9 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from proxima.proxy.config import Settings
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``proxima serve``: the proxy's settings as flags."""
     from proxima.proxy.config import add_arguments as add_settings_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="proxima",
-        description="Train unmodified LLM agents with "
-        "asynchronous RL through an OpenAI-compatible proxy.",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument(
-        "--log-format",
-        default="json",
-        choices=["json", "text"],
-        help="json: one structured object per line (default); text: for humans",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
         "serve",
@@ -344,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_arguments(p)
     p.set_defaults(func=_serve)
+
+
+def _add_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``proxima engine``: the embedded CPU engine alone."""
+    from proxima.proxy.config import Settings
 
     p = sub.add_parser("engine", help="run the embedded CPU engine alone (SGLang's native API)")
     p.add_argument("--model", type=Path, required=True)
@@ -369,9 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_engine)
 
-    _add_trainer(sub)
-    _add_production(sub)
 
+def _add_train_and_eval(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``proxima train`` and ``proxima eval``: a run config and its overrides."""
     for name, text in (
         ("train", "one command: proxy + engine, rollouts of your agent, trainer, eval"),
         ("eval", "held-out accuracy of the configured model through the proxy"),
@@ -406,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", action="store_true", help="no progress bar")
         p.set_defaults(func=_train)
 
+
+def _add_db_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``proxima db upgrade|downgrade|current``: the store's migrations."""
     p = sub.add_parser("db", help="trajectory store schema (Alembic migrations)")
     dsub = p.add_subparsers(dest="db_command", required=True)
     for name, default in (("upgrade", "head"), ("downgrade", "base"), ("current", None)):
@@ -415,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("revision", nargs="?", default=default)
     p.set_defaults(func=_db)
 
+
+def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``proxima keys create|list|revoke``: production API keys."""
     p = sub.add_parser("keys", help="production API keys")
     ksub = p.add_subparsers(dest="keys_command", required=True)
     q = ksub.add_parser("create")
@@ -433,6 +428,31 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("key_id")
     _add_db(q)
     p.set_defaults(func=_keys)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="proxima",
+        description="Train unmodified LLM agents with "
+        "asynchronous RL through an OpenAI-compatible proxy.",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--log-format",
+        default="json",
+        choices=["json", "text"],
+        help="json: one structured object per line (default); text: for humans",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_engine(sub)
+    _add_trainer(sub)
+    _add_production(sub)
+    _add_train_and_eval(sub)
+    _add_db_commands(sub)
+    _add_keys(sub)
     return parser
 
 
