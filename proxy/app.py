@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from proxima.proxy.api import admin, models, rl
+from proxima.proxy.api import admin, health, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.api.middleware import AccessLogMiddleware, BodyLimitMiddleware
@@ -258,6 +258,7 @@ def create_app(
     app.include_router(models.router)
     app.include_router(rl.router)
     app.include_router(admin.router)
+    app.include_router(health.router)
     app.include_router(deployments_api.router)
     app.include_router(inspector_router)  # /ui: the trajectory inspector
     return app

@@ -19,6 +19,7 @@ HTTP::
     ├── RateLimited                   429 rate_limit_error (+ Retry-After)
     ├── ClientDisconnected            499 client_disconnected (nobody reads the answer)
     ├── StoreError                    500 api_error, message withheld (the store's own failure)
+    │   └── StoreUnavailable          503 service_unavailable / store_unavailable (+ Retry-After)
     └── BackendError                  503 service_unavailable
         ├── BackendUnavailable        no healthy backend; generation interrupted too often
         ├── BackendConnectionError    unreachable or died mid-request (the pool fails over)
@@ -162,6 +163,32 @@ class StoreError(ProximaError):
     """The store cannot do what it was asked (schema not current, a broken chain)."""
 
 
+STORE_RETRY_AFTER_S = 2.0
+"""The ``Retry-After`` of a store outage: a restarting database or a released lock is
+back within seconds."""
+
+
+class StoreUnavailable(StoreError):
+    """The database does not answer now: connection refused or reset, the server shutting
+    down or starting up, a SQLite file locked past its busy timeout. Retryable: the request
+    may be sent again after ``Retry-After`` (a connection lost during a commit leaves the
+    commit's outcome unknown: ``POST /rl/sessions`` with an ``Idempotency-Key`` is safe to
+    repeat)."""
+
+    def __init__(
+        self,
+        message: str = "The trajectory store is unavailable (the database is unreachable or "
+        "locked); retry the request shortly.",
+        *,
+        retry_after: float = STORE_RETRY_AFTER_S,
+    ):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
 # ----------------------------------------------------------------- the backends
 
 
@@ -219,6 +246,7 @@ KINDS: dict[type[ProximaError], Kind] = {
     RateLimited: Kind(429, "rate_limit_error"),
     ClientDisconnected: Kind(499, "client_disconnected"),
     StoreError: Kind(500, "api_error", internal=True),
+    StoreUnavailable: Kind(503, "service_unavailable", "store_unavailable"),
     BackendError: Kind(503, "service_unavailable"),
 }
 

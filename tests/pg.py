@@ -192,6 +192,14 @@ class PostgresCluster:
         except OSError:
             return "(no server log)"
 
+    def pause(self) -> None:
+        """Stop the server (clients are disconnected), keeping its files: an outage."""
+        self._pg("pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start the paused server again, on the same port."""
+        self._start_server()
+
     def stop(self) -> None:
         """Stop the server and delete the cluster's files."""
         try:

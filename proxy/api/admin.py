@@ -1,4 +1,5 @@
-"""Admin routes: weight updates, the trainer's shared settings, health."""
+"""Admin routes: weight updates, the trainer's shared settings, metrics (health:
+``proxima.proxy.api.health``)."""
 
 from __future__ import annotations
 
@@ -86,38 +87,6 @@ async def root() -> dict[str, str]:
     """200 at the root: Claude Code sends ``HEAD /`` to its base URL before its first request
     (a connectivity check). Names nothing about the model (``/v1/models`` needs a key)."""
     return {"service": "proxima", "api": "/v1"}
-
-
-@router.get("/health")
-async def health(state: StateDep) -> dict[str, Any]:
-    """The training pool's state (top level) and every deployment's.
-
-    ``adapters``: every LoRA adapter's current version, ``{name: version}``, read from
-    the store (the fleet's record of what was pushed and loaded, which every replica
-    shares), not from this process's pool. A trainer whose push answer was lost reads it
-    to tell that its retried push (answered 409) had already landed.
-    """
-    pool = state.pool
-    deployments = state.deployments.all()
-    heads = await state.store.adapter_heads()
-    return {
-        "status": "ok" if all(d.pool.healthy_backends() for d in deployments) else "degraded",
-        "version": pool.version,
-        "adapters": {name: record.version for name, record in sorted(heads.items())},
-        "updating": pool.updating,
-        "backends": [
-            {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}
-            for b in pool.backends
-        ],
-        "deployments": {
-            d.name: {
-                "version": d.version,
-                "healthy_backends": len(d.pool.healthy_backends()),
-                "backends": len(d.pool.backends),
-            }
-            for d in deployments
-        },
-    }
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,9 @@ from proxima.proxy.errors import (
     error_envelope,
     kind_of,
 )
+from proxima.proxy.store.errors import is_outage, unavailable
 from proxima.proxy.surfaces import envelope_for as surface_envelope
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("proxima.proxy.errors")
@@ -63,6 +66,18 @@ def install_error_handlers(app: FastAPI) -> None:
             400,
             error_envelope(f"Malformed JSON body: {exc.msg}.", "invalid_request_error"),
         )
+
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        # A driver error that reached the edge outside the store's transactions: an outage
+        # is a 503 like the store's own; anything else is a bug's 500. Answered here, not by
+        # the catch-all below, which closes the client's keep-alive connection.
+        if is_outage(exc):
+            return await _proxima(request, unavailable(exc))
+        logger.exception("database error on %s %s", request.method, request.url.path)
+        return _answer(request, 500, error_envelope(INTERNAL_MESSAGE, "api_error"))
+
+    app.add_exception_handler(SQLAlchemyError, _database)
+    app.add_exception_handler(sqlite3.Error, _database)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

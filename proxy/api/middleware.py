@@ -89,7 +89,7 @@ access_logger = logging.getLogger("proxima.access")
 
 # Probes a load balancer or Prometheus sends every few seconds: their successes are
 # logged at debug level, so that the request log at info is the traffic.
-QUIET_PATHS = frozenset({"/health", "/metrics"})
+QUIET_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics"})
 MAX_ERROR_CHARS = 300  # of an error's message in the log
 _MAX_ERROR_BODY = 65536  # bytes of an error response read for its message
 _IN_MESSAGE = ("method", "route", "status", "latency_ms")  # the text format's message says them

@@ -31,6 +31,7 @@ from typing import Any
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.policies.production import ProductionController
+from proxima.proxy.store.errors import StoreUnavailable
 from proxima.proxy.store.fleet import FLEET_CHANNEL
 from proxima.proxy.store.store import Store
 
@@ -92,7 +93,9 @@ class FleetFollower:
             self._wake.clear()
             try:
                 await self.sync()
-            except Exception:  # the store or a backend is down: the next round retries
+            except StoreUnavailable:  # logged by the store; the next round retries
+                pass
+            except Exception:  # a backend is down: the next round retries
                 logger.exception("following the fleet's state failed")
 
     async def _listen(self) -> None:

@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 from proxima.proxy.policies.adapters import policy_label
 from proxima.proxy.store.database import BEGIN_MODE_OPTION
 from proxima.proxy.store.direct_sqlite import DirectSqlite
-from proxima.proxy.store.errors import Conflict, NotFound
+from proxima.proxy.store.errors import Conflict, NotFound, outages
 from proxima.proxy.store.models import SessionRow
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import InstrumentedAttribute
 
@@ -71,9 +71,10 @@ class StoreBase:
 
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncSession]:
-        """A read-only transaction; rolled back at exit."""
-        async with self._sessionmaker() as db:
-            yield db
+        """A read-only transaction; rolled back at exit. An outage is ``StoreUnavailable``."""
+        with outages():
+            async with self._sessionmaker() as db:
+                yield db
 
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncSession]:
@@ -81,10 +82,19 @@ class StoreBase:
 
         On SQLite it starts with ``BEGIN IMMEDIATE``, so writers (in any
         process) serialize on the database lock instead of failing midway.
+        An outage (the database unreachable, or locked past the busy timeout) is
+        ``StoreUnavailable``.
         """
-        async with self._sessionmaker() as db, db.begin():
-            await db.connection(execution_options={BEGIN_MODE_OPTION: "IMMEDIATE"})
-            yield db
+        with outages():
+            async with self._sessionmaker() as db, db.begin():
+                await db.connection(execution_options={BEGIN_MODE_OPTION: "IMMEDIATE"})
+                yield db
+
+    async def ping(self) -> None:
+        """One round trip to the database; ``StoreUnavailable`` when it does not answer
+        (the readiness check: ``GET /health/ready``)."""
+        async with self._read() as db:
+            await db.execute(text("SELECT 1"))
 
     @staticmethod
     async def _session_row(

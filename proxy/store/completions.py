@@ -10,7 +10,7 @@ from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
 from proxima.proxy.store.direct_sqlite import RawInsert
-from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed
+from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed, outages
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
@@ -61,7 +61,8 @@ class CompletionsMixin(StoreBase):
                 # A SQLite file: the whole transaction is one call on the driver (on the event
                 # loop's connection, or the writer thread's when another writer holds the lock).
                 insert = direct.insert(CompletionRow.__table__)  # type: ignore[arg-type]
-                await direct.run(insert_completions_sqlite, insert, completions, rows)
+                with outages():
+                    await direct.run(insert_completions_sqlite, insert, completions, rows)
             else:
                 async with self._write() as db:
                     conn = await db.connection()

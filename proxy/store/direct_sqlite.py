@@ -53,6 +53,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from proxima.proxy.store.database import configure_sqlite, is_sqlite_busy
+from proxima.proxy.store.errors import is_outage, unavailable
 from sqlalchemy import Table, create_engine
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import URL, Connection, Dialect
@@ -118,6 +119,8 @@ class DirectSqlite:
         except sqlite3.OperationalError as exc:
             if is_sqlite_busy(exc):
                 raise SqliteBusy() from exc
+            if is_outage(exc):  # the file cannot be read (I/O error, removed): not a bug
+                raise unavailable(exc) from exc
             raise
         return raw.values(rows[0]) if rows else None
 

@@ -39,7 +39,7 @@ from typing import Any
 from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
-from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound
+from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound, outages
 from proxima.proxy.store.models import (
     AdapterVersionRow,
     CompletionRow,
@@ -206,14 +206,30 @@ class FleetMixin(StoreBase):
         if not self.shared:
             yield
             return
-        async with self._engine.connect() as conn:
-            await conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PUBLISH_LOCK})
-            await conn.commit()
+        with outages():
+            conn = await self._engine.connect()
             try:
-                yield
-            finally:
-                await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PUBLISH_LOCK})
+                await conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PUBLISH_LOCK})
                 await conn.commit()
+            except BaseException:
+                await conn.close()
+                raise
+        try:
+            yield
+        finally:
+            try:
+                with outages():
+                    await conn.execute(
+                        text("SELECT pg_advisory_unlock(:k)"), {"k": _PUBLISH_LOCK}
+                    )
+                    await conn.commit()
+            except BaseException:
+                # A session's lock outlives a pooled connection's rollback: drop the
+                # connection, which frees it on the server.
+                await conn.invalidate()
+                raise
+            finally:
+                await conn.close()
 
 
 def admitted_counter(adapter: str | None) -> str:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 
+from proxima.proxy.store.errors import StoreUnavailable
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.store.store import Store
 
@@ -76,10 +77,12 @@ class GroupCommit:
                 parents={p.id: p for _, p, _ in batch if p is not None},
             )
         except Exception as exc:  # handed to the waiting request, which reports it
-            if len(batch) == 1:
-                fut = batch[0][2]
-                if not fut.done():
-                    fut.set_exception(exc)
+            if len(batch) == 1 or isinstance(exc, StoreUnavailable):
+                # An outage fails the whole batch: retrying its records one by one would
+                # only fail each again.
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
                 return
             # One bad record must not fail its neighbours: retry one by one.
             for item in batch:

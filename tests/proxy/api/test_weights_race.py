@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
-from proxima.proxy.api import admin
+from proxima.proxy.api import admin, health
 from proxima.proxy.api.deps import get_admin
 from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.auth import Principal, PrincipalKind
@@ -65,6 +65,7 @@ async def setup(
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(admin.router)
+    app.include_router(health.router)
     install_test_state(
         app,
         settings=Settings(model=tiny_model_dir),
