@@ -95,6 +95,12 @@ class Metrics:
         self.canary_fraction = Gauge(
             "proxima_canary_fraction", "Share of production sessions on the canary", registry=r
         )
+        self.adapter_fallbacks = Counter(
+            "proxima_adapter_fallbacks",
+            "Adapter versions marked failed (non-finite logprobs once served), fallen back from",
+            ["adapter"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *values: str) -> Any:

@@ -11,6 +11,7 @@ from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, 
 from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.errors import BadRequest, Conflict
+from proxima.proxy.policies.adapters import screen_adapter_dir
 from proxima.proxy.store.records import SessionKind
 
 router = APIRouter(tags=["admin"])
@@ -34,6 +35,8 @@ async def update_weights(
     # One push at a time in the fleet (replicas on one PostgreSQL share the backends), then
     # in this process; the store's version is the fleet's, this pool may lag it a moment.
     adapter = body.adapter
+    if adapter is not None:
+        screen_adapter_dir(body.path)  # a bad adapter_config.json: 400 before any load
     async with store.publish_lock(), pool.publish_lock:
         current = max(pool.policy(adapter)[0], await store.current_policy_version(adapter=adapter))
         if body.version <= current:

@@ -18,6 +18,13 @@ the largest rank among them (smaller ranks padded with zeros)::
 ``A_rows`` and ``sB_rows`` stack each row's adapter matrices; they are built
 once per batch composition (:class:`BatchAdapters`), not once per step.
 
+An adapter is refused unless what the hook will compute with is servable: its
+config's values (``proxima.proxy.policies.adapters.check_adapter_config``: ``r`` a
+positive integer, ``lora_alpha`` finite and bounded, ``target_modules`` linears this
+model has), and per module ``A`` and ``s B`` in the layer's dtype (float32 here)
+finite, each of norm at most ``MAX_FACTOR_NORM``, their product ``s B @ A`` of norm
+at most ``MAX_DELTA_NORM``. The error names the field or the module.
+
 An adapter is read and checked off the worker thread (:func:`read_adapter`);
 a :class:`LoRAAdapter` is immutable, so loading one never pauses generation,
 and an unloaded adapter's tensors live on until its last row finishes.
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from proxima.proxy.policies.adapters import AdapterConfigError, check_adapter_config
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -41,6 +49,16 @@ SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 """The linear layers of a Llama / SmolLM2 / Qwen2 decoder layer an adapter may target."""
 
 PEFT_PREFIX = "base_model.model."
+
+MAX_DELTA_NORM = 1e4
+"""The largest Frobenius norm of an adapter's update ``s B @ A`` to one layer. A trained
+adapter's is of the order of the layer's own weights' (a few to a few hundred); one of 1e4
+already multiplies the layer's output a thousandfold, and a few such layers overflow
+float32 in the next normalisation (a sum of squares)."""
+
+MAX_FACTOR_NORM = 1e6
+"""The largest Frobenius norm of ``A`` and of ``s B`` alone: the hook computes ``x @ A``
+before ``@ sB``, so a huge ``A`` against a tiny ``B`` overflows there first."""
 
 
 class AdapterLoadError(Exception):
@@ -75,11 +93,13 @@ def _config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _check_config(config: dict[str, Any], name: str) -> tuple[int, float, set[str]]:
-    """``(r, scale, target module names)``; refuses what the engine would serve wrongly."""
-    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in config]
-    if missing:
-        raise AdapterLoadError(f"adapter_config.json lacks {missing}")
+def _check_config(config: dict[str, Any], name: str) -> tuple[int, float, set[str] | None]:
+    """``(r, scale, target module names)`` (None: ``all-linear``); refuses what the engine
+    would serve wrongly."""
+    try:
+        checked = check_adapter_config(config)
+    except AdapterConfigError as exc:
+        raise AdapterLoadError(str(exc)) from exc
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterLoadError(f"peft_type {config['peft_type']!r} is not LORA")
     if config.get("use_dora"):
@@ -100,19 +120,29 @@ def _check_config(config: dict[str, Any], name: str) -> tuple[int, float, set[st
         raise AdapterLoadError(f"bias {config['bias']!r} is not supported (only 'none')")
     if config.get("fan_in_fan_out"):
         raise AdapterLoadError("fan_in_fan_out adapters (Conv1D layers) are not supported")
-    rank, alpha = config["r"], config["lora_alpha"]
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
-        raise AdapterLoadError(f"bad r {rank!r} or lora_alpha {alpha!r}")
-    targets = config["target_modules"]
-    if isinstance(targets, str):
-        targets = SUPPORTED_TARGETS if targets == "all-linear" else [targets]
-    unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
+    if checked.targets is None:
+        return checked.rank, checked.scale, None
+    unsupported = sorted(set(checked.targets) - set(SUPPORTED_TARGETS))
     if unsupported:
         raise AdapterLoadError(
-            f"target modules {unsupported} are not supported; use {list(SUPPORTED_TARGETS)}"
+            f"adapter_config.json: target_modules {unsupported} are not supported; use "
+            f"{list(SUPPORTED_TARGETS)}"
         )
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, float(scale), set(targets)
+    return checked.rank, checked.scale, set(checked.targets)
+
+
+def _known_targets(targets: set[str] | None, linears: dict[str, torch.nn.Linear]) -> set[str]:
+    """The target modules, each a linear the model has (``all-linear``: all it has)."""
+    known = {m.rsplit(".", 1)[-1] for m in linears}
+    if targets is None:
+        return known
+    absent = sorted(targets - known)
+    if absent:
+        raise AdapterLoadError(
+            f"adapter_config.json: target_modules {absent} name no linear layer of this model "
+            f"(it has {sorted(known)})"
+        )
+    return targets
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -132,9 +162,11 @@ def read_adapter(
 ) -> LoRAAdapter:
     """Read and check peft's adapter directory ``path`` against the model's ``linears``
     (module name -> layer). Every tensor must belong to a target linear with the right
-    shape and be finite; every target linear must have its pair."""
+    shape; every target linear must have its pair; what the engine computes with (the
+    factors in the layer's dtype, ``B`` scaled) must be finite and bounded (:func:`_screen`)."""
     path = Path(path)
-    rank, scale, targets = _check_config(_config(path), name)
+    rank, scale, config_targets = _check_config(_config(path), name)
+    targets = _known_targets(config_targets, linears)
     if max_lora_rank is not None and rank > max_lora_rank:
         # SGLang's message (LoRAManager.validate_new_adapter).
         raise AdapterLoadError(
@@ -143,6 +175,30 @@ def read_adapter(
             "configured `--max-lora-rank` and that the target modules are included in "
             "`--lora-target-modules`."
         )
+    pairs = _pairs(path, linears, targets)
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in pairs.items():
+        layer = linears[module]
+        a, b = pair["A"], pair["B"]
+        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
+            raise AdapterLoadError(
+                f"{module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit a "
+                f"({layer.out_features}, {layer.in_features}) layer at rank {rank}"
+            )
+        dtype = layer.weight.dtype
+        # What the hook multiplies by: A and s * B in the layer's dtype (a float64 value
+        # past float32's range, or a B that scale pushes past it, is inf there).
+        weights[module] = (a.to(dtype), b.to(dtype) * scale)
+    _screen(pairs, weights, scale)
+    # Views (in, r) and (r, out): BatchAdapters.stacks copies them into its batch stacks.
+    transposed = {m: (a.t(), sb.t()) for m, (a, sb) in weights.items()}
+    return LoRAAdapter(name=name, path=str(path), rank=rank, scale=scale, weights=transposed)
+
+
+def _pairs(
+    path: Path, linears: dict[str, torch.nn.Linear], targets: set[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``module -> {"A": lora_A, "B": lora_B}`` from the adapter's safetensors file."""
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise AdapterLoadError(f"no adapter_model.safetensors in {str(path)!r}")
@@ -158,33 +214,67 @@ def read_adapter(
             raise AdapterLoadError(f"unexpected tensor {key!r} (not a LoRA A/B weight)")
         if module not in linears or module.rsplit(".", 1)[-1] not in targets:
             raise AdapterLoadError(f"tensor {key!r} names no target linear of the model")
+        if not tensor.is_floating_point():
+            raise AdapterLoadError(f"tensor {key!r} is {tensor.dtype}, not floating point")
         pairs.setdefault(module, {})[kind[0]] = tensor
     expected = {m for m in linears if m.rsplit(".", 1)[-1] in targets}
     incomplete = sorted(m for m in expected if set(pairs.get(m, {})) != {"A", "B"})
     if incomplete:
         raise AdapterLoadError(f"missing lora_A/lora_B weights for {incomplete[:3]}")
+    return pairs
 
-    # One pass over every tensor first (an L2 norm is inf or NaN where an element is, and
-    # one fused call costs a third of one check per module); only a failure, or a norm
-    # overflowed by finite values past 1e19, looks module by module to name the culprit.
-    whole_finite = bool(torch.stack(torch._foreach_norm(list(tensors.values()))).isfinite().all())
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, pair in pairs.items():
-        layer = linears[module]
-        a, b = pair["A"], pair["B"]
-        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
+
+def _screen(
+    pairs: dict[str, dict[str, torch.Tensor]],
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> None:
+    """Refuse an adapter whose computed update cannot be served: per module, ``A`` and
+    ``s B`` in the serving dtype finite with norms at most ``MAX_FACTOR_NORM``, and the update
+    ``s B @ A`` of norm at most ``MAX_DELTA_NORM``.
+
+    One fused pass takes the norms of every factor (an L2 norm is inf or NaN where an element
+    is, and one call costs a third of one check per module); a module passes at once when
+    ``|A| |sB|``, which bounds ``|sB @ A|``, is within bounds. Only the others are looked at
+    closely, in float64, to name the culprit or accept them.
+    """
+    factors = [t for pair in weights.values() for t in pair]
+    norms = torch.stack(torch._foreach_norm(factors)).double().tolist()
+    for i, (module, (a, sb)) in enumerate(weights.items()):
+        norm_a, norm_sb = norms[2 * i], norms[2 * i + 1]
+        small = norm_a <= MAX_FACTOR_NORM and norm_sb <= MAX_FACTOR_NORM
+        if small and norm_a * norm_sb <= MAX_DELTA_NORM:
+            continue
+        _check_module(module, pairs[module], a, sb, scale)
+
+
+def _check_module(
+    module: str, pair: dict[str, torch.Tensor], a: torch.Tensor, sb: torch.Tensor, scale: float
+) -> None:
+    """One module's factors and update, exactly (float64), or an error naming what is wrong."""
+    if not all_finite(pair["A"], pair["B"]):
+        raise AdapterLoadError(f"non-finite values (NaN or inf) in {module}'s weights")
+    if not all_finite(a, sb):
+        raise AdapterLoadError(
+            f"{module}'s weights overflow {a.dtype} once lora_B is scaled by "
+            f"lora_alpha / r = {scale:g}: lora_alpha or the weights are too large"
+        )
+    a64, sb64 = a.double(), sb.double()
+    for what, factor in (("lora_A", a64), (f"lora_B * {scale:g} (lora_alpha / r)", sb64)):
+        norm = float(factor.norm())
+        if norm > MAX_FACTOR_NORM:
             raise AdapterLoadError(
-                f"{module}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit a "
-                f"({layer.out_features}, {layer.in_features}) layer at rank {rank}"
+                f"{module}: {what} has norm {norm:.3g}, over {MAX_FACTOR_NORM:g}; "
+                "lora_alpha or the weights are too large"
             )
-        if not whole_finite and not all_finite(a, b):
-            raise AdapterLoadError(f"non-finite values (NaN or inf) in {module}'s weights")
-        dtype = layer.weight.dtype
-        # Views (in, r) and (r, out): BatchAdapters.stacks copies them into its batch stacks.
-        a_t = a.to(dtype).t()
-        sb_t = (b.to(dtype) * scale).t()
-        weights[module] = (a_t, sb_t)
-    return LoRAAdapter(name=name, path=str(path), rank=rank, scale=scale, weights=weights)
+    # |s B A|_F^2 = trace((s B)^T (s B) A A^T): two (r, r) products, not the (out, in) update.
+    squared = float((sb64.t() @ sb64).mul_(a64 @ a64.t()).sum())
+    if squared > MAX_DELTA_NORM**2:
+        raise AdapterLoadError(
+            f"{module}: the update lora_alpha / r * lora_B @ lora_A has norm "
+            f"{math.sqrt(squared):.3g}, over {MAX_DELTA_NORM:g}; lora_alpha or the weights "
+            "are too large"
+        )
 
 
 class BatchAdapters:

@@ -321,10 +321,19 @@ class ProductionController:
                 "version": 0,
                 "path": self.base_model_path if adapter is None else None,
                 "pushed_at": None,
+                "failed": None,
             }
         ]
         rows += [
-            {"version": r.version, "path": r.path, "pushed_at": r.created_at.isoformat()}
+            {
+                "version": r.version,
+                "path": r.path,
+                "pushed_at": r.created_at.isoformat(),
+                # An adapter version that broke once served (AdapterGuard): when, and why.
+                "failed": None
+                if r.failed_at is None
+                else {"at": r.failed_at.isoformat(), "reason": r.failure},
+            }
             for r in await self.store.list_policy_versions(adapter=adapter)
         ]
         for row in rows:

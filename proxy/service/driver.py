@@ -51,7 +51,7 @@ from proxima.proxy.service.events import (
     TokenLogprob,
     Usage,
 )
-from proxima.proxy.service.generation import GenerationResult, generate
+from proxima.proxy.service.generation import GenerationResult, OnBrokenAdapter, generate
 from proxima.proxy.service.prepare import Prepared
 from proxima.proxy.tools import (
     ContentDelta,
@@ -86,9 +86,16 @@ Observe = Callable[[str, int], None]
 
 
 class GenerationDriver:
-    def __init__(self, *, pool: BackendPool, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        *,
+        pool: BackendPool,
+        tokenizer: Any,
+        on_broken_adapter: OnBrokenAdapter | None = None,
+    ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
+        self.on_broken_adapter = on_broken_adapter  # AdapterGuard.fall_back
         self._token_text_cache: dict[int, str] = {}
 
     # ------------------------------------------------------------------ entry points
@@ -177,6 +184,7 @@ class GenerationDriver:
             sticky_key=prep.session.id if prep.session else None,
             request_id=run.completion_id,
             adapter=prep.adapter,
+            on_broken_adapter=self.on_broken_adapter,
         )
 
     async def _tokens(self, prep: Prepared, run: ChoiceRun) -> AsyncIterator[TokenDelta]:

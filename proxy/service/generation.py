@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field
 
@@ -53,17 +53,23 @@ from proxima.proxy.backends.errors import (
 )
 from proxima.proxy.backends.pool import Backend, BackendPool, reported_version
 from proxima.proxy.backends.protocol import FinishReason, GenerateRequest
-from proxima.proxy.backends.sglang import TokenDelta
+from proxima.proxy.backends.sglang import NonFiniteLogprob, TokenDelta
 from proxima.proxy.errors import (
     BadRequest,
     ContextTooLong,
     ProximaError,
     RateLimited,
 )
+from proxima.proxy.policies.adapter_guard import BrokenAdapter
 from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.rendering.structured import Grammar
 
 logger = logging.getLogger(__name__)
+
+# Called (outside the request's registration) when a pushed adapter version yielded a
+# non-finite logprob; True when the adapter serves another version now (the completion
+# resumes there), False: a 503 (``AdapterGuard.fall_back``).
+OnBrokenAdapter = Callable[[BrokenAdapter], Awaitable[bool]]
 
 # A completion interrupted more often than this is failed rather than retried forever.
 MAX_INTERRUPTIONS = 64
@@ -256,9 +262,12 @@ async def generate(
     sticky_key: str | None = None,
     request_id: str | None = None,
     adapter: str | None = None,
+    on_broken_adapter: OnBrokenAdapter | None = None,
 ) -> AsyncGenerator[TokenDelta]:
     """Generate one completion with the policy ``adapter`` (None: the base), yielding its
-    tokens as they arrive.
+    tokens as they arrive. An adapter version that yields a non-finite logprob is handed
+    to ``on_broken_adapter`` (which may fall the adapter back); the completion resumes on
+    the version the adapter serves then, or fails with a 503.
 
     ``result`` accumulates everything (tokens, logprobs, versions, finish
     reason); when the iterator ends normally the completion is finished.
@@ -310,6 +319,7 @@ async def generate(
         )
         attempt_state = _Attempt(backend, rid, boundary, version=version, label=label)
         held: list[TokenDelta] = []  # a constrained attempt's tokens, until it finishes
+        broken: NonFiniteLogprob | None = None
         result.backend = backend.url
         registered = (
             pool.adapter_request(adapter, backend, rid, lora)
@@ -355,10 +365,24 @@ async def generate(
                     param=None if params.grammar is None else params.grammar.param,
                 ) from exc
             except BackendOperationFailed as exc:
-                raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
+                if not (isinstance(exc, NonFiniteLogprob) and label and on_broken_adapter):
+                    raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
+                broken = exc
             except (asyncio.CancelledError, GeneratorExit):
                 await asyncio.shield(_abort_quietly(backend, rid))
                 raise
+        if broken is not None:
+            # Out of the request's registration: a fall-back waits until none is on ``lora``.
+            assert adapter is not None and label and lora is not None and on_broken_adapter
+            at_fault = BrokenAdapter(
+                pool, backend, adapter, label, lora, broken, request.input_ids or []
+            )
+            if not await on_broken_adapter(at_fault):
+                raise BackendUnavailable(f"The inference backend failed: {broken}") from broken
+            result.interruptions += 1
+            if result.interruptions > MAX_INTERRUPTIONS:
+                raise BackendUnavailable("Generation was interrupted too many times.")
+            continue
         if attempt_state.stale is not None:
             # Nothing of this attempt was kept: generate again where the current
             # weights are (the health checks bring this backend up to date).

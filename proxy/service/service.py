@@ -23,6 +23,7 @@ from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest, Conflict, NotFound
 from proxima.proxy.logs import note_request, session_id_var
 from proxima.proxy.metrics import Metrics
+from proxima.proxy.policies.adapter_guard import AdapterGuard
 from proxima.proxy.policies.adapters import check_adapter, policy_label, split_policy
 from proxima.proxy.policies.deployments import (
     TRAINING,
@@ -79,7 +80,10 @@ class CompletionService:
             tool_parser=get_tool_parser(parser_name),
             reasoning_parser=get_reasoning_parser(reasoning_name),
         )
-        self.driver = GenerationDriver(pool=pool, tokenizer=tokenizer)
+        self.guard = AdapterGuard(store=store, metrics=metrics)
+        self.driver = GenerationDriver(
+            pool=pool, tokenizer=tokenizer, on_broken_adapter=self.guard.fall_back
+        )
         self.thinks = reasoning_name != "none"
         self.seal = ReasoningSeal.from_secrets(
             settings.signing_key.get_secret_value() if settings.signing_key else None,

@@ -157,11 +157,15 @@ def api_key_record(row: ApiKeyRow) -> ApiKeyRecord:
 
 def policy_version_record(row: PolicyVersionRow | AdapterVersionRow) -> PolicyVersionRecord:
     """Build the record of a policy version row (the base's or an adapter's)."""
+    if not isinstance(row, AdapterVersionRow):
+        return PolicyVersionRecord(version=row.version, path=row.path, created_at=row.created_at)
     return PolicyVersionRecord(
         version=row.version,
         path=row.path,
         created_at=row.created_at,
-        adapter=row.adapter if isinstance(row, AdapterVersionRow) else None,
+        adapter=row.adapter,
+        failed_at=row.failed_at,
+        failure=row.failure,
     )
 
 

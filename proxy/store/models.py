@@ -188,6 +188,10 @@ class AdapterVersionRow(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     path: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Set when the version, once served, yielded non-finite logprobs and the adapter fell
+    # back to its last good version (0008); a failed version is never a head again.
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    failure: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class VersionEvalRow(Base):

@@ -101,6 +101,8 @@ class PolicyVersionRecord:
     path: str | None
     created_at: datetime
     adapter: str | None = None  # whose version: an adapter's, or the base's (None)
+    failed_at: datetime | None = None  # an adapter version that broke once served
+    failure: str | None = None  # why (the backend's error)
 
 
 @dataclass(frozen=True, slots=True)

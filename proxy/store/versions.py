@@ -3,6 +3,11 @@
 Every policy has its own sequence: the base model's versions are
 ``policy_versions``, each adapter's are ``adapter_versions`` rows of its name
 (from 1; an adapter's version 0 is the base weights with no adapter applied).
+
+An adapter version that, once served, yields non-finite logprobs is marked failed
+(``fail_adapter_version``): it keeps its number (a later push must be newer still)
+but is never an adapter's head again, so every replica, and a restarted one, serves
+the adapter's last good version instead.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import logging
 
 from proxima.proxy.policies.adapters import check_adapter, policy_label
 from proxima.proxy.store.convert import policy_version_record
-from proxima.proxy.store.errors import Conflict
+from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.fleet import FleetMixin, newest_version
 from proxima.proxy.store.models import AdapterVersionRow, PolicyVersionRow, utcnow
 from proxima.proxy.store.records import PolicyVersionRecord
@@ -100,9 +105,11 @@ class PolicyVersionsMixin(FleetMixin):
             return [policy_version_record(row) for row in (await db.execute(query)).scalars()]
 
     async def adapter_heads(self) -> dict[str, PolicyVersionRecord]:
-        """Every adapter's newest version (what a backend must serve for it), by name."""
+        """Every adapter's newest good version (what a backend must serve for it), by name;
+        an adapter whose every version failed has none (it is served bare: version 0)."""
         newest = (
             select(AdapterVersionRow.adapter, func.max(AdapterVersionRow.version).label("v"))
+            .where(AdapterVersionRow.failed_at.is_(None))
             .group_by(AdapterVersionRow.adapter)
             .subquery()
         )
@@ -114,3 +121,36 @@ class PolicyVersionsMixin(FleetMixin):
         async with self._read() as db:
             rows = (await db.execute(query)).scalars()
             return {row.adapter: policy_version_record(row) for row in rows}
+
+    async def fail_adapter_version(
+        self, *, adapter: str, version: int, reason: str
+    ) -> PolicyVersionRecord | None:
+        """Mark ``version`` of ``adapter`` failed (it broke once served; ``reason`` says how)
+        and return the version to fall back to: the newest good one below it (None: version
+        0, the bare base). Marking a version already failed keeps its first reason.
+        ``NotFound`` when the version was never recorded."""
+        check_adapter(adapter)
+        async with self._write() as db:
+            row = await db.get(AdapterVersionRow, (adapter, version))
+            if row is None:
+                raise NotFound(f"{policy_label(adapter)} has no version {version}")
+            if row.failed_at is None:
+                row.failed_at, row.failure = utcnow(), reason[:2000]
+                await db.flush()
+                await self.notify_change(db, f"adapter:{adapter}:failed:{version}")
+                logger.warning(
+                    "adapter version marked failed",
+                    extra={"adapter": adapter, "version": version, "reason": reason},
+                )
+            query = (
+                select(AdapterVersionRow)
+                .where(
+                    AdapterVersionRow.adapter == adapter,
+                    AdapterVersionRow.version < version,
+                    AdapterVersionRow.failed_at.is_(None),
+                )
+                .order_by(AdapterVersionRow.version.desc())
+                .limit(1)
+            )
+            good = (await db.execute(query)).scalar_one_or_none()
+            return None if good is None else policy_version_record(good)

@@ -216,11 +216,12 @@ def test_all_finite_finds_any_nan_or_inf() -> None:
             assert not all_finite(a, x), (bad, dtype)
 
 
-def test_read_adapter_names_the_non_finite_module_and_takes_huge_finite_values(
+def test_read_adapter_names_the_non_finite_module_and_the_overflowing_one(
     tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     """One fused norm screens the whole adapter; a failure (an inf, or finite values whose
-    norm overflows) is then checked module by module, which names the module or accepts."""
+    norm overflows) is then checked module by module, which names the module: finite values
+    too large to compute with are refused as an inf is."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     with pytest.raises(AdapterLoadError, match=r"non-finite values \(NaN or inf\) in model\."):
@@ -233,7 +234,10 @@ def test_read_adapter_names_the_non_finite_module_and_takes_huge_finite_values(
     huge.mkdir()
     save_file(tensors, str(huge / "adapter_model.safetensors"))
     (huge / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
-    adapter = read_adapter(huge, "h", linears)
+    module = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+    with pytest.raises(AdapterLoadError, match=f"{module}: lora_B .* has norm 4e\\+30"):
+        read_adapter(huge, "h", linears)
+    adapter = read_adapter(adapters["a"], "a", linears)
     assert len(adapter.weights) == len(linear_shapes(model, LLAMA_TARGETS))
 
 
