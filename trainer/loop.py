@@ -20,8 +20,8 @@ One step (:meth:`Trainer.step`), top to bottom:
    with nothing left takes no optimizer step and pushes no version. With
    ``zero_signal = "refill"`` (the default) step 1 already screens each
    claimed group this way and drops those that cannot train whole, claiming
-   others in their place (``Trainer._screen``), so the batch is full of
-   signal.
+   others in their place (``proxima.trainer.batch_claims``), so the batch is
+   full of signal.
 4. Proximal logprobs: the current weights (the policy before this step) at
    each sample's sampling temperature; ``prox = behav`` when
    ``ppo.decoupled`` is false. With one minibatch per step they come from
@@ -72,8 +72,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proxima.proxy.store import CompletionRecord, SessionKind, SessionRecord, SessionStatus, Store
+from proxima.proxy.store import SessionRecord, SessionStatus, Store
 from proxima.trainer.backends.base import PPOBackend, StepStats
+from proxima.trainer.batch_claims import Batch, BatchClaims, trainable_samples
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import (
     BatchMetrics,
@@ -82,20 +83,9 @@ from proxima.trainer.log import (
     TrainLog,
     policy_home,
 )
-from proxima.trainer.production import (
-    filter_stale_by_kind,
-    production_quota,
-    production_use,
-)
+from proxima.trainer.production import production_use
 from proxima.trainer.recovery import recover, settle_pending_step
-from proxima.trainer.samples import (
-    Sample,
-    build_samples,
-    drop_too_long,
-    vocab_size_of,
-    without_invalid,
-    zero_signal_filter,
-)
+from proxima.trainer.samples import Sample, vocab_size_of
 from proxima.trainer.torchrun import (
     BroadcastingBackend,
     RankZeroLeader,
@@ -118,16 +108,6 @@ from proxima.trainer.weights import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class Screened:
-    """Sessions ``zero_signal = "refill"`` dropped toward the next batch, and their samples."""
-
-    sessions: list[tuple[SessionRecord, list[CompletionRecord]]] = dataclasses.field(
-        default_factory=list
-    )
-    samples: int = 0
 
 
 class Trainer:
@@ -160,11 +140,13 @@ class Trainer:
         self.home = policy_home(cfg.output_dir, adapter)  # its pending step, checkpoints, log
         self._executor = executor
         self._owns_executor = owns_executor
-        self._claimed: list[SessionRecord] = []  # claims held toward the next batch
-        self._screened = Screened()  # what ``refill`` dropped while the batch filled
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
         self._vocab_size = vocab_size_of(cfg.connection.model_dir)
+        # Claims held toward the next batch, and what ``refill`` dropped while it filled.
+        self.claims = BatchClaims(
+            cfg, store, trainer_id=state.trainer_id, adapter=adapter, vocab_size=self._vocab_size
+        )
 
     # ------------------------------------------------------------------ start-up
 
@@ -253,7 +235,6 @@ class Trainer:
     async def step(self, stop: asyncio.Event | None = None) -> StepRecord | None:
         """One training step (module docstring); None when ``stop`` abandoned it."""
         stop = stop or asyncio.Event()
-        cfg = self.cfg
         started = time.monotonic()
         version = self.state.version
 
@@ -261,27 +242,12 @@ class Trainer:
         sessions = await self._claim_batch(stop)
         if sessions is None:
             return None
-        self._claimed = []  # this step owns them now
         wait_s = time.monotonic() - started
 
         # 2-3. Trajectories -> samples with returns and group-relative advantages, less what
-        #    cannot be trained (``_trainable``). A session whose records cannot be trained is
-        #    dropped with its reason (never a failed step, which would release the claim and
-        #    fail again on the next claim). Groups that ``refill`` screened out while the
-        #    batch filled count in this step's metrics (their rewards are part of the curve).
-        batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
-        samples, removed, _ = self._trainable(batch, version)
-        trained_ids = list(dict.fromkeys(s.session_id for s in samples))
-        trained = set(trained_ids)
-        dropped_ids = [s.id for s in sessions if s.id not in trained]
-        await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
-        screened, self._screened = self._screened, Screened()
-        dropped_ids += [s.id for s, _ in screened.sessions]
-        metrics = BatchMetrics.of(
-            screened.sessions + batch, samples, version, removed + screened.samples
-        )
-        kinds = {s.id: s.kind for s in sessions}
-        metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
+        #    cannot be trained (``trainable_samples``); the sessions left without one are
+        #    dropped.
+        samples, metrics, trained_ids, dropped_ids = await self._samples_of(sessions, version)
         if not samples:
             times = StepTimes(wait=wait_s, total=time.monotonic() - started)
             return self._log_step(metrics, dropped_ids, None, None, times)
@@ -303,33 +269,10 @@ class Trainer:
 
         # 6. The new weights become version v + 1 on every inference backend.
         new_version = version + 1
-        t = time.monotonic()
-        path = await self._compute(
-            export_weights, cfg.output_dir, new_version, self.backend.export_hf, self.adapter
-        )
-        export_s = time.monotonic() - t
-        write_pending(self.home, PendingStep(self.state.trainer_id, new_version, trained_ids))
-        if self.adapter is None:
-            push = await self.sink.push(version=new_version, path=path)
-        else:
-            push = await self.sink.push(version=new_version, path=path, adapter=self.adapter)
-        push_s = time.monotonic() - t - export_s
-        self._weights_ahead = False
+        push, export_s, push_s = await self._export_and_push(new_version, trained_ids)
 
         # 7. The sessions are consumed by v + 1; checkpoint; log.
-        await self.store.mark_sessions(
-            session_ids=trained_ids, status=SessionStatus.TRAINED, trained_version=new_version
-        )
-        clear_pending(self.home)
-        self.state = dataclasses.replace(self.state, version=new_version, step=self.state.step + 1)
-        prune_weights(
-            cfg.output_dir,
-            keep=cfg.keep_versions,
-            served_version=new_version,
-            adapter=self.adapter,
-        )
-        if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
-            await self.checkpoint()
+        await self._consume(trained_ids, new_version)
         times = StepTimes(
             wait=wait_s,
             prox=prox_s,
@@ -393,115 +336,86 @@ class Trainer:
 
         ``batch_size`` counts sessions in whole groups: the last group claimed
         may carry the batch past it, and no group is ever split across batches.
+        The claims returned are the step's own (none are held after).
         """
         while True:
             await self.top_up()
             if self.batch_ready:
-                return list(self._claimed)
+                return self.claims.take()
             if await stopped_within(stop, self.cfg.loop.poll_interval_s):
                 return None
 
     @property
     def batch_ready(self) -> bool:
         """Whether the claims held make a full batch (``batch_size`` sessions)."""
-        return len(self._claimed) >= self.cfg.batch_size
+        return self.claims.ready
 
     async def top_up(self) -> None:
         """One claim poll toward a full batch (claims are kept until a step takes them)."""
-        size = self.cfg.batch_size
-        kinds = [SessionKind(k) for k in self.cfg.loop.session_kinds]
-        quota = production_quota(size, self.cfg.production_share)
-        claimed = self._claimed
-        if len(claimed) >= size:
-            return
-        if quota is None or SessionKind.PRODUCTION not in kinds:
-            claimed += await self._claim(size - len(claimed), kinds)
+        await self.claims.top_up(self.state.version)
+
+    async def _samples_of(
+        self, sessions: list[SessionRecord], version: int
+    ) -> tuple[list[Sample], BatchMetrics, list[str], list[str]]:
+        """Steps 2-3: the samples of ``sessions`` that train at ``version``, the batch's metrics,
+        the ids of the sessions trained and of those dropped (marked DROPPED here).
+
+        A session whose records cannot be trained is dropped with its reason (never a
+        failed step, which would release the claim and fail again on the next claim).
+        Groups that ``refill`` screened out while the batch filled count in this step's
+        metrics (their rewards are part of the curve).
+        """
+        batch: Batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
+        samples, removed, _ = trainable_samples(batch, version, self.cfg, self._vocab_size)
+        trained_ids = list(dict.fromkeys(s.session_id for s in samples))
+        trained = set(trained_ids)
+        dropped_ids = [s.id for s in sessions if s.id not in trained]
+        await self.store.mark_sessions(session_ids=dropped_ids, status=SessionStatus.DROPPED)
+        screened = self.claims.take_screened()
+        dropped_ids += [s.id for s, _ in screened.sessions]
+        metrics = BatchMetrics.of(
+            screened.sessions + batch, samples, version, removed + screened.samples
+        )
+        kinds = {s.id: s.kind for s in sessions}
+        metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
+        return samples, metrics, trained_ids, dropped_ids
+
+    async def _export_and_push(
+        self, new_version: int, trained_ids: list[str]
+    ) -> tuple[PushResult, float, float]:
+        """Step 6: export the weights as ``new_version`` and push them (the pending step
+        written first); the push's result, and the export and push seconds."""
+        t = time.monotonic()
+        path = await self._compute(
+            export_weights, self.cfg.output_dir, new_version, self.backend.export_hf, self.adapter
+        )
+        export_s = time.monotonic() - t
+        write_pending(self.home, PendingStep(self.state.trainer_id, new_version, trained_ids))
+        if self.adapter is None:
+            push = await self.sink.push(version=new_version, path=path)
         else:
-            # Production sessions up to their share, then rollout sessions fill the batch.
-            held = sum(s.kind is SessionKind.PRODUCTION for s in claimed)
-            room = min(quota - held, size - len(claimed))
-            claimed += await self._claim(room, [SessionKind.PRODUCTION])
-            others = [k for k in kinds if k is not SessionKind.PRODUCTION]
-            claimed += await self._claim(size - len(claimed), others)
+            push = await self.sink.push(version=new_version, path=path, adapter=self.adapter)
+        push_s = time.monotonic() - t - export_s
+        self._weights_ahead = False
+        return push, export_s, push_s
 
-    async def _claim(self, limit: int, kinds: Sequence[SessionKind]) -> list[SessionRecord]:
-        if limit <= 0 or not kinds:
-            return []
-        claimed = await self.store.claim_groups(
-            min_sessions=limit, trainer_id=self.state.trainer_id, kinds=kinds, adapter=self.adapter
-        )
-        if self.cfg.advantage.zero_signal == "refill" and claimed:
-            claimed = await self._screen(claimed)
-        return claimed
-
-    async def _screen(self, claimed: list[SessionRecord]) -> list[SessionRecord]:
-        """``zero_signal = "refill"``: the claimed groups that have something to train.
-
-        A group that cannot train whole at this version (its returns tie, or a
-        session of it has no sample left that is fresh enough, short enough and
-        valid) is marked DROPPED now, whole: training the rest of a group
-        would bias its advantages (at ``max_staleness = 0`` the sessions that
-        straddle a push are the long, multi-turn ones, mostly failures, so
-        keeping the rest would train on failures alone). Dropping also
-        returns its sessions' places under the proxy's staleness admission,
-        so the rollout fills the batch with fresh groups in their place and
-        every step trains ``batch_size`` sessions that carry signal (DAPO's
-        dynamic sampling). Sessions without a group are kept: their
-        advantages depend on the whole batch (``advantage.ungrouped``).
-        """
-        version = self.state.version
-        kept: list[SessionRecord] = []
-        dropped: list[tuple[SessionRecord, list[CompletionRecord]]] = []
-        groups: dict[str, list[SessionRecord]] = {}
-        for session in claimed:
-            if session.group_id is None:
-                kept.append(session)
-            else:
-                groups.setdefault(session.group_id, []).append(session)
-        for members in groups.values():
-            batch = [(s, await self.store.list_completions(session_id=s.id)) for s in members]
-            samples, removed, fresh = self._trainable(batch, version)
-            if samples and fresh >= {s.id for s in members}:
-                kept += members
-            else:
-                dropped += batch
-                self._screened.samples += len(samples) + removed
-        if dropped:
-            await self.store.mark_sessions(
-                session_ids=[s.id for s, _ in dropped], status=SessionStatus.DROPPED
-            )
-            self._screened.sessions += dropped
-            logger.info(
-                "refill: dropped %d claimed sessions with nothing to train (tied or stale groups)",
-                len(dropped),
-            )
-        return kept
-
-    def _trainable(
-        self, batch: list[tuple[SessionRecord, list[CompletionRecord]]], version: int
-    ) -> tuple[list[Sample], int, set[str]]:
-        """Samples of ``batch`` that train at ``version``, how many were removed, and fresh sessions.
-
-        Removed: sessions whose records cannot be trained (logged with why),
-        samples too stale (``max_staleness``), longer than a micro-batch, or
-        without signal (``advantage.zero_signal``). Fresh: the sessions with a
-        sample left before the signal filter (valid, fresh and short enough).
-        """
+    async def _consume(self, trained_ids: list[str], new_version: int) -> None:
+        """Step 7: the sessions are TRAINED into ``new_version``, the pending step cleared, the
+        state advanced, old versions pruned, and a checkpoint written when one is due."""
         cfg = self.cfg
-        samples = build_samples(without_invalid(batch, self._vocab_size), cfg.advantage)
-        kinds = {s.id: s.kind for s, _ in batch}
-        samples, stale = filter_stale_by_kind(
-            samples,
-            kinds,
-            version,
-            max_staleness=cfg.max_staleness,
-            production_max_staleness=cfg.production_max_staleness,
-            rule=cfg.stale_rule,
+        await self.store.mark_sessions(
+            session_ids=trained_ids, status=SessionStatus.TRAINED, trained_version=new_version
         )
-        samples, too_long = drop_too_long(samples, cfg.batching.max_tokens_per_mb)
-        fresh = {s.session_id for s in samples}
-        samples, no_signal = zero_signal_filter(samples, cfg.advantage.zero_signal)
-        return samples, stale + too_long + no_signal, fresh
+        clear_pending(self.home)
+        self.state = dataclasses.replace(self.state, version=new_version, step=self.state.step + 1)
+        prune_weights(
+            cfg.output_dir,
+            keep=cfg.keep_versions,
+            served_version=new_version,
+            adapter=self.adapter,
+        )
+        if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
+            await self.checkpoint()
 
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
         """Samples carrying proximal logprobs (recomputed, or the behaviour ones).
