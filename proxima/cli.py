@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     from proxima.proxy.config import ENV_PREFIX, Settings, flag_name, flags_of
     from proxima.proxy.embedded.startup import start_engines
     from proxima.proxy.rendering.context_length import ContextLengthMismatch, check_context_length
-    from proxima.proxy.serving import bind_socket
+    from proxima.proxy.serving import bind_socket, proxy_config
 
     try:
         settings = Settings.load(flags_of(args), args.config)
@@ -74,13 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"proxima: serving {settings.model_name} on http://{settings.host}:{bound_port}/v1",
         flush=True,
     )
-    # log_config=None: uvicorn keeps the structured handler configured above.
-    # Keep-alive above the 5 s idle expiry of httpx/OpenAI SDK pools: otherwise a client may
-    # reuse a connection the server is closing and see a connection error under load.
-    config = uvicorn.Config(
-        app, log_config=None, access_log=False, timeout_graceful_shutdown=30, timeout_keep_alive=75
-    )
-    uvicorn.Server(config).run(sockets=[sock])
+    # The structured log handler configured above stays; idle and header deadlines.
+    uvicorn.Server(proxy_config(app, settings)).run(sockets=[sock])
     return 0
 
 

@@ -159,6 +159,20 @@ class Settings(BaseSettings):
     health_check_interval: float = Field(
         5.0, gt=0, description="Seconds between backend health probes."
     )
+    http_header_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds a client has, from a request head's first byte, to send the "
+        "whole head (request line and headers); a slower one (slowloris) is answered 408 "
+        "and disconnected.",
+    )
+    http_idle_timeout: int = Field(
+        75,
+        ge=1,
+        description="Seconds a connection may stay silent outside a request (from its "
+        "opening, or from its last response) before it is closed. Keep it above the idle "
+        "expiry of the clients' connection pools (5 s for httpx and the OpenAI SDK).",
+    )
     engines: int = Field(
         1,
         ge=1,
