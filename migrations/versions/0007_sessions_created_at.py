@@ -1,11 +1,12 @@
-"""An index on ``sessions (created_at, id)``: the inspector's session list, newest first.
+"""Indexes on ``sessions (created_at, id)`` and ``(reward, id)``: the inspector's session list.
 
 The trajectory inspector (``/ui/sessions``, ``proxy/inspector/``) lists sessions
 newest first, a page at a time, by keyset: ``WHERE (created_at, id) < (:t, :id)
 ORDER BY created_at DESC, id DESC LIMIT n``. Without an index every page sorted the
 whole table (100k sessions: a scan and a sort per page); with it a page reads ``n``
 index entries. Filters by creation time and by policy version (a version is a range
-of creation times: from its push to the next one) use the same range.
+of creation times: from its push to the next one) use the same range. Ordered by reward
+(highest first), a page reads ``(reward, id)`` the same way.
 
 Revision ID: 0007
 Revises: 0006
@@ -26,7 +27,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.create_index("ix_sessions_created_at_id", "sessions", ["created_at", "id"])
+    op.create_index("ix_sessions_reward_id", "sessions", ["reward", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_sessions_reward_id", table_name="sessions")
     op.drop_index("ix_sessions_created_at_id", table_name="sessions")

@@ -3,7 +3,7 @@
 ``line_chart`` takes series of ``(x, y)`` points and returns one ``<svg>`` element: axes with
 their extreme values, one polyline per series, a dot per point whose ``<title>`` (the browser's
 own tooltip) gives its values, vertical marks (``marks``: a policy version's push), and a
-legend. Every text is escaped; the result is ``Markup`` for the templates.
+legend. Marks outside the points' range are left out. Every text is escaped; the result is ``Markup`` for the templates.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Chart:
     y_label: str = ""
     x_time: bool = False  # x is seconds since the epoch: ticks read as UTC times
     y_range: tuple[float, float] | None = None  # fixed (e.g. 0..1 for a success rate)
-    marks: Sequence[tuple[float, str]] = field(default_factory=tuple)  # (x, label)
+    marks: Sequence[tuple[float, str]] = field(default_factory=tuple)  # (x, label), in range
 
 
 def _fmt(value: float) -> str:
@@ -63,7 +63,7 @@ def line_chart(chart: Chart, *, width: int = 560, height: int = 200) -> Markup:
     title = escape(chart.title)
     if not points:
         return Markup(f'<p class="empty">{title}: no data yet.</p>')
-    x0, x1 = _span([p[0] for p in points] + [m[0] for m in chart.marks])
+    x0, x1 = _span([p[0] for p in points])
     y0, y1 = chart.y_range or _span([p[1] for p in points])
     plot_w = width - _PAD_LEFT - _PAD_RIGHT
     plot_h = height - _PAD_TOP - _PAD_BOTTOM
@@ -82,6 +82,8 @@ def line_chart(chart: Chart, *, width: int = 560, height: int = 200) -> Markup:
         'fill="#fafafa" stroke="#ccc"/>',
     ]
     for x, label in chart.marks:
+        if not x0 <= x <= x1:
+            continue  # a mark outside the points' range: not drawn
         px = sx(x)
         parts.append(
             f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{_PAD_TOP}" y2="{_PAD_TOP + plot_h}" '

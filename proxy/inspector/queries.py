@@ -212,22 +212,34 @@ def of_adapter(adapter: str | None) -> ColumnElement[bool] | None:
     """The condition of the ``adapter`` filter (None: no condition)."""
     if adapter is None:
         return None
-    return SessionRow.adapter.is_(None) if adapter == BASE else SessionRow.adapter == adapter
+    if adapter == BASE:
+        # Not ``adapter IS NULL``: most sessions are the base's, and SQLite, which keeps no
+        # statistics, would read them all through ix_sessions_adapter_status and sort them,
+        # where walking the time index in order and skipping the adapters' stops at a page.
+        return func.coalesce(SessionRow.adapter, "") == ""
+    return SessionRow.adapter == adapter
 
 
 def opened_version() -> ColumnElement[Any]:
-    """The version of its policy that was newest when the session opened (0: none pushed)."""
+    """The version of its policy that was newest when the session opened (0: none pushed).
+
+    The newest version pushed at or before the session: read down the version key from the
+    top, which stops at the first match (versions are pushed in order)."""
     base = (
-        select(func.max(PolicyVersionRow.version))
+        select(PolicyVersionRow.version)
         .where(PolicyVersionRow.created_at <= SessionRow.created_at)
+        .order_by(PolicyVersionRow.version.desc())
+        .limit(1)
         .scalar_subquery()
     )
     adapter = (
-        select(func.max(AdapterVersionRow.version))
+        select(AdapterVersionRow.version)
         .where(
             AdapterVersionRow.adapter == SessionRow.adapter,
             AdapterVersionRow.created_at <= SessionRow.created_at,
         )
+        .order_by(AdapterVersionRow.version.desc())
+        .limit(1)
         .scalar_subquery()
     )
     return func.coalesce(case((SessionRow.adapter.is_(None), base), else_=adapter), 0)
@@ -305,36 +317,46 @@ class SessionPage:
 
 
 def page_statement(f: SessionFilter) -> Select[Any]:
-    """The one statement of a page of ``f``."""
+    """The one statement of a page of ``f``.
+
+    Its inner query picks the page (filters, cursor, order, ``LIMIT``) from the indexed
+    columns alone; the outer one adds, for those rows only, their run, turns and version (the
+    database would otherwise work out those subqueries for every row it sorts)."""
+    by_reward = f.sort in ("reward", "reward_asc")
+    key = SessionRow.reward if by_reward else SessionRow.created_at
+    descending = f.sort in ("new", "reward")
+    inner = select(SessionRow.id, key.label("k")).where(*conditions(f))
+    if f.after is not None:
+        row, mark = tuple_(key, SessionRow.id), tuple_(literal(f.after.value, key.type), f.after.id)
+        inner = inner.where(row < mark if descending else row > mark)
+    order = (key.desc(), SessionRow.id.desc()) if descending else (key.asc(), SessionRow.id.asc())
+    page = inner.order_by(*order).limit(f.limit + 1).subquery("page")
     turns = (
         select(func.count())
         .select_from(CompletionRow)
         .where(CompletionRow.session_id == SessionRow.id)
         .scalar_subquery()
     )
-    by_reward = f.sort in ("reward", "reward_asc")
-    key = SessionRow.reward if by_reward else SessionRow.created_at
-    descending = f.sort in ("new", "reward")
-    query = select(
-        SessionRow.id,
-        SessionRow.kind,
-        SessionRow.status,
-        SessionRow.group_id,
-        SessionRow.data_id,
-        run_of().label("run"),
-        SessionRow.adapter,
-        SessionRow.reward,
-        SessionRow.created_at,
-        SessionRow.finished_at,
-        SessionRow.trained_version,
-        opened_version().label("opened_version"),
-        turns.label("turns"),
-    ).where(*conditions(f))
-    if f.after is not None:
-        row, mark = tuple_(key, SessionRow.id), tuple_(literal(f.after.value, key.type), f.after.id)
-        query = query.where(row < mark if descending else row > mark)
-    order = (key.desc(), SessionRow.id.desc()) if descending else (key.asc(), SessionRow.id.asc())
-    return query.order_by(*order).limit(f.limit + 1)
+    outer = (page.c.k.desc(), page.c.id.desc()) if descending else (page.c.k.asc(), page.c.id.asc())
+    return (
+        select(
+            SessionRow.id,
+            SessionRow.kind,
+            SessionRow.status,
+            SessionRow.group_id,
+            SessionRow.data_id,
+            run_of().label("run"),
+            SessionRow.adapter,
+            SessionRow.reward,
+            SessionRow.created_at,
+            SessionRow.finished_at,
+            SessionRow.trained_version,
+            opened_version().label("opened_version"),
+            turns.label("turns"),
+        )
+        .join(page, page.c.id == SessionRow.id)
+        .order_by(*outer)
+    )
 
 
 async def list_sessions(engine: AsyncEngine, f: SessionFilter) -> SessionPage:

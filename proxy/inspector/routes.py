@@ -27,7 +27,7 @@ from proxima.proxy.inspector.queries import (
     list_sessions,
     parse_filter,
 )
-from proxima.proxy.inspector.run_view import RunFigures, Scope, run_figures
+from proxima.proxy.inspector.run_view import RECENT, RunFigures, Scope, run_figures
 from proxima.proxy.inspector.session_view import build_turns
 from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.state import AppState, state_of
@@ -185,10 +185,8 @@ async def session_page(request: Request, session_id: str) -> Response:
 
 
 def _charts(figures: RunFigures) -> dict[str, Any]:
+    """The run page's charts; dashed lines mark the newest pushes."""
     marks = [(t.timestamp(), f"version {v} pushed") for v, t, _ in figures.versions]
-    if figures.reward_by_time:
-        lo, hi = figures.reward_by_time[0][0], figures.reward_by_time[-1][0]
-        marks = [m for m in marks if lo <= m[0] <= hi]
     by_version = [
         Series(
             "reward of sessions trained into v", [(v, m) for v, m, _ in figures.reward_by_version]
@@ -196,6 +194,7 @@ def _charts(figures: RunFigures) -> dict[str, Any]:
     ]
     for i, (name, scores) in enumerate(sorted(figures.evals.items()), 1):
         by_version.append(Series(f"held-out: {name}", scores, PALETTE[i % len(PALETTE)]))
+    recent = f"newest {RECENT} sessions"
     return {
         "reward_time": line_chart(
             Chart("Mean reward over time", [Series("mean reward", [(t, m) for t, m, _ in figures.reward_by_time])],
@@ -206,17 +205,21 @@ def _charts(figures: RunFigures) -> dict[str, Any]:
                   y_label="reward / score")
         ),
         "staleness": line_chart(
-            Chart("Staleness of trained tokens", [
+            Chart(f"Staleness of trained tokens ({recent})", [
                 Series("mean", [(v, m) for v, m, _, _ in figures.staleness]),
                 Series("max", [(v, float(x)) for v, _, x, _ in figures.staleness], PALETTE[1]),
             ], x_label="version the step made", y_label="versions behind")
         ),
+        "opened": line_chart(
+            Chart("Sessions opened", [Series("sessions / min", figures.opened_by_time, PALETTE[3])],
+                  x_label="time (UTC)", y_label="per minute", x_time=True, marks=marks)
+        ),
         "throughput": line_chart(
-            Chart("Throughput", [Series("completions / min", [(t, c) for t, c, _ in figures.throughput])],
+            Chart(f"Completions ({recent})", [Series("completions / min", [(t, c) for t, c, _ in figures.throughput])],
                   x_label="time (UTC)", y_label="per minute", x_time=True, marks=marks)
         ),
         "tokens": line_chart(
-            Chart("Generated tokens", [Series("tokens / min", [(t, k) for t, _, k in figures.throughput], PALETTE[2])],
+            Chart(f"Generated tokens ({recent})", [Series("tokens / min", [(t, k) for t, _, k in figures.throughput], PALETTE[2])],
                   x_label="time (UTC)", y_label="per minute", x_time=True, marks=marks)
         ),
     }  # fmt: skip

@@ -1,17 +1,21 @@
-"""The run page's figures, read from the store by a few aggregate statements.
+"""The run page's figures, read from the store in one pass over the sessions and a few small reads.
 
 A *run* is one rollout pass (``metadata.rollout``, see ``queries.py``); without one the page
-covers every session of the policy. Every figure is one ``GROUP BY`` over the sessions (or
-their completions), never a row per session brought back:
+covers every session of the policy. What it costs:
 
-- sessions by status, with their time span;
-- the mean reward over time (``BUCKETS`` buckets of creation time) and by the version the
-  sessions were trained into (one point per training step);
-- held-out scores by version (``version_evals``: what ``proxima eval`` recorded);
-- the policy's pushed versions, and the staleness of the tokens each step trained on: a trained
-  token of version ``u`` in a step that made version ``v`` was ``v - 1 - u`` versions old (read
-  from the completions of the newest ``STALENESS_VERSIONS`` steps only);
-- throughput: completions and generated tokens per minute over time.
+- the time span: the first and last session of the scope, read from ``ix_sessions_created_at_id``
+  (two index walks that stop at the first match);
+- one ``GROUP BY`` pass over the scope's sessions, by status, time bucket (``BUCKETS`` of the
+  span), the version trained into and the run: sessions by status, the mean reward over time and
+  by the version the sessions were trained into (one point per training step), sessions opened
+  per minute, and the runs of the store (on the page without a run). It brings back one row per
+  group (a few thousand at most), never one per session;
+- staleness, from the completions of the newest ``RECENT`` trained sessions: a trained token of
+  version ``u`` in the step that made version ``v`` was ``v - 1 - u`` versions old;
+- throughput in completions and generated tokens per minute, from the completions of the newest
+  ``RECENT`` sessions (a scan of every completion would read every token array in the store);
+- the policy's pushed versions and held-out scores (``version_evals``: what ``proxima eval``
+  recorded), tables of one row per push.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from sqlalchemy import ColumnElement, Float, Integer, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 BUCKETS = 40
-STALENESS_VERSIONS = 10
+RECENT = 1000
+RECENT_BUCKETS = 20
 RUNS_SHOWN = 20
+VERSIONS_SHOWN = 30
 
 
 def epoch(column: Any, dialect: str) -> ColumnElement[Any]:
@@ -77,6 +83,7 @@ class RunFigures:
     last: datetime | None = None
     mean_reward: float | None = None
     reward_by_time: list[tuple[float, float, int]] = field(default_factory=list)  # (t, mean, n)
+    opened_by_time: list[tuple[float, float]] = field(default_factory=list)  # (t, per minute)
     reward_by_version: list[tuple[int, float, int]] = field(default_factory=list)  # (v, mean, n)
     evals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # name -> (v, score)
     versions: list[tuple[int, datetime, str | None]] = field(default_factory=list)  # newest first
@@ -99,81 +106,98 @@ class RunFigures:
         return {v: (m, x) for v, m, x, _ in self.staleness}
 
 
-async def _statuses(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
-    query = (
-        select(
-            SessionRow.status,
-            func.count(),
-            func.min(SessionRow.created_at),
-            func.max(SessionRow.created_at),
-            func.sum(SessionRow.reward),
-            func.count(SessionRow.reward),
-        )
-        .where(*scope.sessions())
-        .group_by(SessionRow.status)
-    )
-    rewarded, total = 0, 0.0
-    for status, n, first, last, reward_sum, n_rewarded in await conn.execute(query):
-        out.statuses[status] = n
-        out.first = first if out.first is None else min(out.first, first)
-        out.last = last if out.last is None else max(out.last, last)
-        rewarded += n_rewarded
-        total += reward_sum or 0.0
-    out.mean_reward = total / rewarded if rewarded else None
+async def _span(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
+    first = select(SessionRow.created_at).where(*scope.sessions())
+    out.first = (await conn.execute(first.order_by(SessionRow.created_at).limit(1))).scalar()
+    out.last = (await conn.execute(first.order_by(SessionRow.created_at.desc()).limit(1))).scalar()
 
 
-async def _over_time(
-    conn: AsyncConnection, scope: Scope, out: RunFigures, dialect: str
-) -> tuple[float, float] | None:
-    """Reward and throughput over time; returns the buckets' (t0, width)."""
-    if out.first is None or out.last is None:
-        return None
+class _Sums:
+    """Sessions, rewarded sessions and their reward sum, added up group by group."""
+
+    __slots__ = ("n", "rewarded", "reward")
+
+    def __init__(self) -> None:
+        self.n, self.rewarded, self.reward = 0, 0, 0.0
+
+    def add(self, n: int, rewarded: int, reward: float | None) -> None:
+        self.n += n
+        self.rewarded += rewarded
+        self.reward += reward or 0.0
+
+    @property
+    def mean(self) -> float | None:
+        return self.reward / self.rewarded if self.rewarded else None
+
+
+async def _pass(conn: AsyncConnection, scope: Scope, out: RunFigures, dialect: str) -> None:
+    """The one pass over the scope's sessions (see the module docs)."""
+    assert out.first is not None and out.last is not None
     t0 = out.first.timestamp()
     # A hair wider than span / BUCKETS: the newest session falls in the last bucket, not past it.
     width = max(1.0, (out.last.timestamp() - t0) / BUCKETS * 1.0001)
     b = bucket(SessionRow.created_at, dialect, t0, width).label("b")
-    rewards = (
-        select(b, func.avg(SessionRow.reward), func.count())
-        .where(*scope.sessions(), SessionRow.reward.is_not(None))
-        .group_by(b)
-    )
-    for index, mean, n in await conn.execute(rewards):
-        out.reward_by_time.append((t0 + (index + 0.5) * width, float(mean), n))
-    cb = bucket(CompletionRow.created_at, dialect, t0, width).label("b")
-    tokens = func.sum(func.length(CompletionRow.output_ids)) / 4
-    done = select(cb, func.count(), tokens).where(CompletionRow.created_at >= out.first)
-    if scope.run is not None:
-        done = done.join(SessionRow, SessionRow.id == CompletionRow.session_id).where(
-            *scope.sessions()
-        )
-    else:
-        policy = scope.policy
-        done = done.where(
-            CompletionRow.adapter.is_(None) if policy is None else CompletionRow.adapter == policy
-        )
+    run = run_of().label("run")
+    keys: list[Any] = [SessionRow.status, b, SessionRow.trained_version]
+    if scope.run is None:
+        keys.append(run)
+    query = select(
+        *keys,
+        func.count(),
+        func.count(SessionRow.reward),
+        func.sum(SessionRow.reward),
+        func.min(SessionRow.created_at),
+        func.max(SessionRow.created_at),
+    ).where(*scope.sessions())
+    statuses: dict[str, int] = defaultdict(int)
+    total = _Sums()
+    by_time: dict[int, _Sums] = defaultdict(_Sums)
+    by_version: dict[int, _Sums] = defaultdict(_Sums)
+    runs: dict[str | None, dict[str, Any]] = {}
+    for row in await conn.execute(query.group_by(*keys)):
+        status, index, trained = row[0], row[1], row[2]
+        name = row[3] if scope.run is None else scope.run
+        n, rewarded, reward, first, last = row[-5:]
+        statuses[status] += n
+        total.add(n, rewarded, reward)
+        by_time[index].add(n, rewarded, reward)
+        if trained is not None:
+            by_version[trained].add(n, rewarded, reward)
+        entry = runs.setdefault(name, {"run": name, "sums": _Sums(), "first": first, "last": last})
+        entry["sums"].add(n, rewarded, reward)
+        entry["first"], entry["last"] = min(entry["first"], first), max(entry["last"], last)
+    out.statuses = dict(statuses)
+    out.mean_reward = total.mean
     minutes = width / 60.0
-    for index, n, n_tokens in await conn.execute(done.group_by(cb)):
-        if index is not None and 0 <= index < BUCKETS:
-            t = t0 + (index + 0.5) * width
-            out.throughput.append((t, n / minutes, float(n_tokens or 0) / minutes))
-    return t0, width
+    for index in sorted(by_time):
+        s, t = by_time[index], t0 + (index + 0.5) * width
+        out.opened_by_time.append((t, s.n / minutes))
+        if s.mean is not None:
+            out.reward_by_time.append((t, s.mean, s.rewarded))
+    out.reward_by_version = [
+        (int(v), s.mean, s.rewarded) for v, s in sorted(by_version.items()) if s.mean is not None
+    ]
+    newest = sorted(runs.values(), key=lambda r: r["last"], reverse=True)[:RUNS_SHOWN]
+    out.runs = [
+        {
+            "run": r["run"],
+            "sessions": r["sums"].n,
+            "first": r["first"],
+            "last": r["last"],
+            "reward": r["sums"].mean,
+        }  # fmt: skip
+        for r in newest
+    ]
 
 
-async def _by_version(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
-    v = SessionRow.trained_version
-    query = (
-        select(v, func.avg(SessionRow.reward), func.count())
-        .where(*scope.sessions(), v.is_not(None), SessionRow.reward.is_not(None))
-        .group_by(v)
-        .order_by(v)
-    )
-    out.reward_by_version = [(int(a), float(m), n) for a, m, n in await conn.execute(query)]
+async def _registry(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
+    """The policy's pushed versions and held-out scores."""
     table: Any = PolicyVersionRow if scope.policy is None else AdapterVersionRow
     versions = select(table.version, table.created_at, table.path)
     if scope.policy is not None:
         versions = versions.where(AdapterVersionRow.adapter == scope.policy)
-    rows = await conn.execute(versions.order_by(table.version.desc()).limit(30))
-    out.versions = [(int(a), t, p) for a, t, p in rows]
+    rows = await conn.execute(versions.order_by(table.version.desc()).limit(VERSIONS_SHOWN))
+    out.versions = [(int(v), t, p) for v, t, p in rows]
     e = VersionEvalRow
     mine = e.adapter.is_(None) if scope.policy is None else e.adapter == scope.policy
     evals = select(e.name, e.version, e.score).where(mine).order_by(e.version, e.created_at)
@@ -184,14 +208,22 @@ async def _by_version(conn: AsyncConnection, scope: Scope, out: RunFigures) -> N
         out.evals.setdefault(name, []).append((version, score))
 
 
+def _recent(scope: Scope, *extra: ColumnElement[bool]) -> Any:
+    """The ids of the scope's newest ``RECENT`` sessions (meeting ``extra``), by the time index."""
+    return (
+        select(SessionRow.id)
+        .where(*scope.sessions(), *extra)
+        .order_by(SessionRow.created_at.desc())
+        .limit(RECENT)
+    )
+
+
 async def _staleness(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
-    trained = [v for v, _, _ in out.reward_by_version][-STALENESS_VERSIONS:]
-    if not trained:
-        return
+    trained = _recent(scope, SessionRow.trained_version.is_not(None)).subquery()
     query = (
         select(SessionRow.trained_version, CompletionRow.output_versions)
+        .join(trained, trained.c.id == SessionRow.id)
         .join(CompletionRow, CompletionRow.session_id == SessionRow.id)
-        .where(*scope.sessions(), SessionRow.trained_version >= trained[0])
     )
     ages: dict[int, list[np.ndarray[Any, Any]]] = defaultdict(list)
     for version, packed in await conn.execute(query):
@@ -202,33 +234,37 @@ async def _staleness(conn: AsyncConnection, scope: Scope, out: RunFigures) -> No
         out.staleness.append((version, float(a.mean()), int(a.max()), int(a.size)))
 
 
-async def _runs(conn: AsyncConnection, out: RunFigures) -> None:
-    run = run_of().label("run")
-    query = (
-        select(
-            run,
-            func.count(),
-            func.min(SessionRow.created_at),
-            func.max(SessionRow.created_at),
-            func.avg(SessionRow.reward),
-        )
-        .group_by(run)
-        .order_by(func.max(SessionRow.created_at).desc())
-        .limit(RUNS_SHOWN)
+async def _throughput(conn: AsyncConnection, scope: Scope, out: RunFigures) -> None:
+    recent = _recent(scope).subquery()
+    query = select(CompletionRow.created_at, func.length(CompletionRow.output_ids)).join(
+        recent, recent.c.id == CompletionRow.session_id
     )
-    for name, n, first, last, reward in await conn.execute(query):
-        out.runs.append(
-            {"run": name, "sessions": n, "first": first, "last": last, "reward": reward}
-        )
+    rows = (await conn.execute(query)).all()
+    if len(rows) < 2:
+        return
+    times = np.array([t.timestamp() for t, _ in rows])
+    tokens = np.array([n or 0 for _, n in rows], dtype=float) / 4  # int32 ids: 4 bytes each
+    t0, t1 = float(times.min()), float(times.max())
+    width = max(1.0, (t1 - t0) / RECENT_BUCKETS * 1.0001)
+    index = ((times - t0) // width).astype(int)
+    counts = np.bincount(index, minlength=RECENT_BUCKETS)
+    sums = np.bincount(index, weights=tokens, minlength=RECENT_BUCKETS)
+    minutes = width / 60.0
+    out.throughput = [
+        (t0 + (k + 0.5) * width, float(counts[k] / minutes), float(sums[k] / minutes))
+        for k in range(len(counts))
+        if counts[k]
+    ]
 
 
 async def run_figures(engine: AsyncEngine, scope: Scope) -> RunFigures:
     """Every figure of the run page (see the module docs)."""
     out = RunFigures()
     async with engine.connect() as conn:
-        await _statuses(conn, scope, out)
-        await _over_time(conn, scope, out, engine.dialect.name)
-        await _by_version(conn, scope, out)
-        await _staleness(conn, scope, out)
-        await _runs(conn, out)
+        await _span(conn, scope, out)
+        if out.first is not None:
+            await _pass(conn, scope, out, engine.dialect.name)
+            await _staleness(conn, scope, out)
+            await _throughput(conn, scope, out)
+        await _registry(conn, scope, out)
     return out

@@ -103,6 +103,7 @@ class SessionRow(Base):
         Index("ix_sessions_group_id", "group_id"),
         Index("ix_sessions_adapter_status", "adapter", "status"),
         Index("ix_sessions_created_at_id", "created_at", "id"),  # the inspector's list (0007)
+        Index("ix_sessions_reward_id", "reward", "id"),  # ... ordered by reward (0007)
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
