@@ -31,23 +31,15 @@ cope with each:
   greedy request beyond the chosen token, and the chosen token's own logprob
   at the positions listed in ``null_logprob_at``;
 - ``num_paused_requests`` is a list of ``dp_size`` counts when ``dp_size > 1``;
-- LoRA (``enable_lora``, SGLang's ``--enable-lora``): ``/load_lora_adapter``
-  reads the peft directory's ``adapter_config.json`` and refuses a name already
-  loaded, a rank over ``max_lora_rank`` or a DoRA adapter with SGLang's
-  messages; ``/unload_lora_adapter`` unregisters the name at once, then waits
-  until the requests running with it finish (``LoRARegistry.wait_for_unload``);
-  a ``/generate`` naming an adapter never loaded is refused before any token,
-  and one unloaded earlier is loaded again from its old path
-  (``TokenizerManager._resolve_lora_path``). Each adapter draws other tokens
-  than the base (the seed includes ``lora_path``).
+- LoRA (``enable_lora``, SGLang's ``--enable-lora``): SGLang's adapter registry,
+  its refusals and its waits (``proxima.proxy.testing.fake_lora``). Each adapter
+  draws other tokens than the base (the seed includes ``lora_path``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import time
 import uuid
@@ -58,12 +50,10 @@ from fastapi import FastAPI
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
     GenerateRequest,
-    LoadLoRAAdapterBody,
-    LoRAUpdateResponse,
     SamplingParams,
-    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
 )
+from proxima.proxy.testing.fake_lora import FakeLoRA
 from proxima.proxy.testing.sglang_routes import (
     Chunk,
     RequestRefused,
@@ -181,50 +171,18 @@ class FakeBackend:
     async def run(self, request: GenerateRequest, *, stream: bool = False) -> AsyncIterator[Chunk]:
         """The chunks SGLang would send for ``request`` (cumulative unless incremental)."""
         rid = request.rid or uuid.uuid4().hex
-        incremental = stream and self.incremental
-        prompt_len = len(request.input_ids or [])
+        out = _Output(self, rid, request, incremental=stream and self.incremental)
         params = request.sampling_params
         rng = self._rng(request)
-        ids: list[int] = []
-        lps: list[list[Any]] = []
-        tops: list[list[list[Any]]] = []
-        sent = 0
         self.requests += 1
-
-        def chunk(finish: dict[str, Any] | None, *, abort_echo: bool = False) -> Chunk:
-            start = sent if incremental and not abort_echo else 0
-            out_ids = ids[start:]
-            if abort_echo and incremental:
-                out_ids = ids[-1:]  # TokenizerManager._handle_abort_req
-            meta: dict[str, Any] = {
-                "id": rid,
-                "finish_reason": finish,
-                "prompt_tokens": prompt_len,
-                "completion_tokens": len(ids),
-                "cached_tokens": 0,
-                "weight_version": self.weight_version,
-            }
-            if request.return_logprob:
-                meta["output_token_logprobs"] = lps[start:]
-                if request.top_logprobs_num:
-                    meta["output_top_logprobs"] = tops[start:]
-            text = self.text_of(ids[start:]) if self.text_of else ""
-            return {"text": text, "output_ids": out_ids, "meta_info": meta}
-
         lora_id = None
         try:
-            if self.max_input_tokens is not None and prompt_len >= self.max_input_tokens:
-                yield chunk(self._finish("too_long", 0, request))
+            if self.max_input_tokens is not None and out.prompt_len >= self.max_input_tokens:
+                yield out.chunk(self._finish("too_long", 0, request))
                 return
             await self.gate.wait()  # TokenizerManager holds new requests while paused
             if request.lora_path:
-                if self.lora is None:
-                    raise RequestRefused(
-                        f"LoRA adapter '{request.lora_path}' was requested, but LoRA is not "
-                        "enabled. Please launch the server with --enable-lora flag and preload "
-                        "adapters using --lora-paths or /load_lora_adapter endpoint."
-                    )
-                lora_id = await self.lora.acquire(request.lora_path)
+                lora_id = await self._acquire_lora(request.lora_path)
             self.running.add(rid)  # only now does the scheduler know it
             finish = None
             while finish is None:
@@ -232,39 +190,17 @@ class FakeBackend:
                     # A retracted request sits in the waiting queue: SGLang answers its
                     # abort from the tokenizer side (the echo path).
                     echo = rid in self.retracted
-                    yield chunk(self._finish("abort", len(ids), request), abort_echo=echo)
+                    yield out.chunk(self._finish("abort", len(out.ids), request), abort_echo=echo)
                     return
                 if rid in self.retracted:
                     await asyncio.sleep(0.005)
                     continue
-                step = min(self.chunk_tokens, params.max_new_tokens - len(ids))
-                for _ in range(step):
-                    position = prompt_len + len(ids)
-                    token = (
-                        self.script[position % len(self.script)]
-                        if self.script
-                        else rng.randrange(self.vocab_size)
-                    )
-                    lp, top = self._logprob_entry(rng, token, len(ids), request)
-                    ids.append(token)
-                    lps.append(lp)
-                    tops.append(top)
-                    self.generated_tokens += 1
-                    if token == self.eos_id and not params.ignore_eos:
-                        finish = self._finish("stop", len(ids), request)
-                        break
-                    if (stop := self._matched_stop(ids, params)) is not None:
-                        finish = {"type": "stop", "matched": stop}
-                        break
-                    if prompt_len + len(ids) in self.abort_at:
-                        self.abort_at.discard(prompt_len + len(ids))  # once per position
-                        self.aborted.add(rid)
-                        break
+                step, finish = self._decode_step(out, rng)
                 self.last_receive = time.monotonic()
-                if finish is None and len(ids) >= params.max_new_tokens:
-                    finish = self._finish("length", len(ids), request)
-                yield chunk(finish)
-                sent = len(ids)
+                if finish is None and len(out.ids) >= params.max_new_tokens:
+                    finish = self._finish("length", len(out.ids), request)
+                yield out.chunk(finish)
+                out.sent = len(out.ids)
                 if finish is None:
                     await asyncio.sleep(step / self.tokens_per_s if self.tokens_per_s > 0 else 0)
         finally:
@@ -273,6 +209,48 @@ class FakeBackend:
             self.retracted.discard(rid)
             if lora_id is not None and self.lora is not None:
                 self.lora.release(lora_id)
+
+    async def _acquire_lora(self, name: str) -> str:
+        """The id of the adapter copy a request naming ``name`` runs with (SGLang's refusal
+        when LoRA is not enabled)."""
+        if self.lora is None:
+            raise RequestRefused(
+                f"LoRA adapter '{name}' was requested, but LoRA is not "
+                "enabled. Please launch the server with --enable-lora flag and preload "
+                "adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        return await self.lora.acquire(name)
+
+    def _decode_step(self, out: _Output, rng: random.Random) -> tuple[int, dict[str, Any] | None]:
+        """Draw up to ``chunk_tokens`` tokens into ``out``: how many it tried, and the finish
+        reached (eos, a stop string), if any. A position in ``abort_at`` aborts the request."""
+        request = out.request
+        params = request.sampling_params
+        finish = None
+        step = min(self.chunk_tokens, params.max_new_tokens - len(out.ids))
+        for _ in range(step):
+            position = out.prompt_len + len(out.ids)
+            token = (
+                self.script[position % len(self.script)]
+                if self.script
+                else rng.randrange(self.vocab_size)
+            )
+            lp, top = self._logprob_entry(rng, token, len(out.ids), request)
+            out.ids.append(token)
+            out.lps.append(lp)
+            out.tops.append(top)
+            self.generated_tokens += 1
+            if token == self.eos_id and not params.ignore_eos:
+                finish = self._finish("stop", len(out.ids), request)
+                break
+            if (stop := self._matched_stop(out.ids, params)) is not None:
+                finish = {"type": "stop", "matched": stop}
+                break
+            if out.prompt_len + len(out.ids) in self.abort_at:
+                self.abort_at.discard(out.prompt_len + len(out.ids))  # once per position
+                self.aborted.add(out.rid)
+                break
+        return step, finish
 
     def _matched_stop(self, ids: list[int], params: SamplingParams) -> str | None:
         """SGLang's check: stop strings are looked for in this request's output only."""
@@ -315,117 +293,42 @@ class FakeBackend:
         }
 
 
-class FakeLoRA:
-    """SGLang's adapter registry: names, paths, and the requests using each loaded copy.
+class _Output:
+    """What one request has generated so far, and the chunks SGLang sends of it."""
 
-    Each load gets a fresh id (``LoRARef.lora_id``) and its own count of running
-    requests, so an unload waits only for the requests of the copy it removes.
-    """
+    def __init__(
+        self, fake: FakeBackend, rid: str, request: GenerateRequest, *, incremental: bool
+    ) -> None:
+        self.fake = fake
+        self.rid = rid
+        self.request = request
+        self.incremental = incremental
+        self.prompt_len = len(request.input_ids or [])
+        self.ids: list[int] = []
+        self.lps: list[list[Any]] = []
+        self.tops: list[list[list[Any]]] = []
+        self.sent = 0  # tokens already sent (an incremental chunk carries the ones after)
 
-    def __init__(self, *, max_lora_rank: int | None = None):
-        self.max_lora_rank = max_lora_rank
-        self.registry: dict[str, tuple[str, str]] = {}  # name -> (lora_id, path), in load order
-        self.ever_loaded: dict[str, str] = {}  # name -> path (TokenizerManager.lora_ref_cache)
-        self.users: dict[str, int] = {}  # lora_id -> running requests
-        self.loads = 0
-        self._lock = asyncio.Lock()  # lora_update_lock
-        self._released = asyncio.Condition()
-
-    def loaded(self) -> dict[str, str]:
-        return {name: path for name, (_, path) in self.registry.items()}
-
-    def _result(self, success: bool, error: str = "") -> LoRAUpdateResponse:
-        return LoRAUpdateResponse(
-            success=success, error_message=error, loaded_adapters=self.loaded()
-        )
-
-    def _check_adapter(self, name: str, path: str) -> None:
-        """``LoRAConfig`` and ``LoRAManager.validate_new_adapter``'s checks, their messages."""
-        if not os.path.isdir(path):
-            # SGLang takes a path that is not a directory for a Hugging Face repo id
-            # (snapshot_download); an absolute path fails huggingface_hub's validation.
-            raise ValueError(
-                "Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
-                f"'{path}'. Use `repo_type` argument if needed."
-            )
-        with open(os.path.join(path, "adapter_config.json")) as f:  # FileNotFoundError's text
-            config = json.load(f)
-        rank = config["r"]
-        _ = (config["lora_alpha"], config["target_modules"])  # a KeyError as SGLang's
-        if config.get("use_dora", False):
-            raise ValueError(
-                f"Failed to load {name} because LoRA serving currently doesn't support DoRA "
-                "adapters"
-            )
-        if name in self.registry:
-            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
-        if self.max_lora_rank is not None and rank > self.max_lora_rank:
-            raise ValueError(
-                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA "
-                "memory pool configuration. Please ensure that the LoRA adapter's rank is within "
-                "the configured `--max-lora-rank` and that the target modules are included in "
-                "`--lora-target-modules`."
-            )
-
-    async def load(self, body: LoadLoRAAdapterBody) -> LoRAUpdateResponse:
-        async with self._lock:
-            return self._load_locked(body.lora_name, body.lora_path)
-
-    def _load_locked(self, name: str, path: str) -> LoRAUpdateResponse:
-        try:
-            self._check_adapter(name, path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return self._result(False, str(exc))
-        lora_id = uuid.uuid4().hex
-        self.registry[name] = (lora_id, path)
-        self.ever_loaded[name] = path
-        self.users[lora_id] = 0
-        self.loads += 1
-        return self._result(True)
-
-    async def unload(self, body: UnloadLoRAAdapterBody) -> LoRAUpdateResponse:
-        async with self._lock:
-            entry = self.registry.pop(body.lora_name, None)
-            if entry is None:
-                keys = list(self.registry)
-                return LoRAUpdateResponse(
-                    success=False,
-                    error_message=f"LoRA with name {body.lora_name} does not exist. "
-                    f"Loaded LoRAs: odict_keys({keys})",
-                )
-            lora_id = entry[0]
-            async with self._released:  # the requests already running with it finish first
-                await self._released.wait_for(lambda: self.users[lora_id] == 0)
-            del self.users[lora_id]
-            return self._result(True)
-
-    async def acquire(self, name: str) -> str:
-        """The id of the copy a new request of ``name`` runs with (counted until released)."""
-        if name not in self.registry:
-            if name not in self.ever_loaded:
-                raise RequestRefused(
-                    f"Got LoRA adapter that has never been loaded: {name}\n"
-                    f"All loaded adapters: dict_keys({list(self.ever_loaded)})."
-                )
-            async with self._lock:  # reload the evicted adapter, after any unload in progress
-                if name not in self.registry:
-                    result = self._load_locked(name, self.ever_loaded[name])
-                    if not result.success:
-                        raise RequestRefused(
-                            f"Failed to implicitly load LoRA adapter {name}: {result.error_message}"
-                        )
-        lora_id = self.registry[name][0]
-        self.users[lora_id] += 1
-        return lora_id
-
-    def release(self, lora_id: str) -> None:
-        self.users[lora_id] -= 1
-
-        async def notify() -> None:
-            async with self._released:
-                self._released.notify_all()
-
-        asyncio.get_running_loop().create_task(notify())
+    def chunk(self, finish: dict[str, Any] | None, *, abort_echo: bool = False) -> Chunk:
+        start = self.sent if self.incremental and not abort_echo else 0
+        out_ids = self.ids[start:]
+        if abort_echo and self.incremental:
+            out_ids = self.ids[-1:]  # TokenizerManager._handle_abort_req
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": finish,
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": 0,
+            "weight_version": self.fake.weight_version,
+        }
+        if self.request.return_logprob:
+            meta["output_token_logprobs"] = self.lps[start:]
+            if self.request.top_logprobs_num:
+                meta["output_top_logprobs"] = self.tops[start:]
+        text_of = self.fake.text_of
+        text = text_of(self.ids[start:]) if text_of else ""
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
 
 async def health_probe(fake: FakeBackend) -> int:
