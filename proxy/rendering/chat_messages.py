@@ -5,7 +5,8 @@ form, used both for rendering (``proxima.proxy.rendering.chat_template``) and fo
 the turns of a session (``messages_equivalent``). Bad input is an ``InvalidMessages`` (a
 400 naming the offending field).
 
-Canonical message::
+Canonical message (typed as ``CanonicalMessage``,
+``proxima.proxy.rendering.canonical_message``)::
 
     {"role": "system" | "user" | "assistant" | "tool",
      "content": str,                          # "" for None; text parts joined
@@ -28,11 +29,20 @@ import json
 from typing import Any
 
 from proxima.proxy import errors
+from proxima.proxy.rendering.canonical_message import CanonicalMessage, CanonicalToolCall, Role
 from proxima.proxy.rendering.unicode import InvalidString, check_unicode
 
-Message = dict[str, Any]
+Message = CanonicalMessage
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# The canonical role of each: ``developer`` messages are system prompts.
+_CANONICAL_ROLE: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 # Text parts of a list ``content`` are joined like this (as vLLM does).
 _PART_SEPARATOR = "\n"
 
@@ -64,14 +74,13 @@ def normalize_message(message: Any, index: int = 0) -> Message:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidMessages(f"{where} must be an object.", param=where)
-    role = message.get("role")
-    if role not in _ROLES:
+    given = message.get("role")
+    role = _CANONICAL_ROLE.get(given) if isinstance(given, str) else None
+    if role is None:
         raise InvalidMessages(
-            f"Invalid role {role!r} in {where}; expected one of: {', '.join(_ROLES)}.",
+            f"Invalid role {given!r} in {where}; expected one of: {', '.join(_ROLES)}.",
             param=f"{where}.role",
         )
-    if role == "developer":
-        role = "system"
     if "content" not in message and role != "assistant":
         raise InvalidMessages(f"{where} ({role}) is missing 'content'.", param=f"{where}.content")
     out: Message = {"role": role, "content": _text_content(message.get("content"), where)}
@@ -145,7 +154,7 @@ def _text_content(content: Any, where: str) -> str:
     return _PART_SEPARATOR.join(texts)
 
 
-def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+def _tool_calls(tool_calls: Any, where: str) -> list[CanonicalToolCall]:
     if tool_calls is None:
         return []
     if not isinstance(tool_calls, list):
@@ -153,7 +162,7 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     return [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(tool_calls)]
 
 
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
+def _tool_call(call: Any, where: str) -> CanonicalToolCall:
     if not isinstance(call, dict):
         raise InvalidMessages(f"{where} must be an object.", param=where)
     if call.get("type", "function") != "function":

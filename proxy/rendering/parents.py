@@ -86,7 +86,9 @@ def find_parent(
     history: Sequence[CompletionRecord],
 ) -> Candidate | None:
     """The completion the new messages extend (longest prefix, then most recent)."""
-    candidates: list[tuple[int, int, CompletionRecord, list[Message], Message]] = []
+    # The records' messages as stored (JSON): normalized below before they are compared.
+    candidates: list[tuple[int, int, CompletionRecord, list[dict[str, Any]], dict[str, Any]]]
+    candidates = []
     for position, record in enumerate(history):
         stored_request, stored_reply = record.request_messages, record.response_message
         if not stored_request or stored_reply is None:

@@ -15,6 +15,11 @@ surface's translation module turns its request into a ``CanonicalRequest``:
 The reply side is API-neutral too: ``assistant_message`` is the canonical
 assistant message that is recorded (and that the next turn's messages are
 compared with), whatever API the client speaks.
+
+Both are typed: ``CanonicalMessage`` and ``AssistantReply`` (defined beside the renderer
+that reads them, ``proxima.proxy.rendering.canonical_message``, and exported here). What
+stays ``Any`` is JSON the service passes through as the client sent it: OpenAI ``tools``,
+``response_format``, template variables, a text prompt before ``prepare`` checks it.
 """
 
 from __future__ import annotations
@@ -22,15 +27,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxima.proxy.rendering.canonical_message import (
+    AssistantReply,
+    CanonicalFunction,
+    CanonicalMessage,
+    CanonicalToolCall,
+    Role,
+)
 from proxima.proxy.rendering.sampling import Sampling
 from proxima.proxy.tools import ParsedOutput, ToolChoice
+
+__all__ = [
+    "AssistantReply",
+    "CanonicalFunction",
+    "CanonicalMessage",
+    "CanonicalRequest",
+    "CanonicalToolCall",
+    "ChatInput",
+    "Role",
+    "TextInput",
+    "assistant_message",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class ChatInput:
     """A conversation: canonical messages, tools and the resolved tool choice."""
 
-    messages: list[dict[str, Any]]
+    messages: list[CanonicalMessage]
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
     response_format: dict[str, Any] | None = None
@@ -72,9 +96,9 @@ class CanonicalRequest:
     as OpenAI's); False, the server's ``default_max_tokens`` (capped by the context)."""
 
 
-def assistant_message(parsed: ParsedOutput) -> dict[str, Any]:
+def assistant_message(parsed: ParsedOutput) -> AssistantReply:
     """The canonical (OpenAI-shaped) assistant message for a parsed reply."""
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    message: AssistantReply = {"role": "assistant", "content": parsed.content}
     if parsed.tool_calls:
         message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
     if parsed.reasoning is not None:

@@ -44,7 +44,7 @@ from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.rendering.reasoning import ReasoningParser
 from proxima.proxy.rendering.sampling import ReasoningBudget, Sampling
 from proxima.proxy.rendering.structured import Grammar, ReasoningFirst, checked_output_grammar
-from proxima.proxy.service.canonical import CanonicalRequest, ChatInput
+from proxima.proxy.service.canonical import CanonicalMessage, CanonicalRequest, ChatInput
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.tools import ToolCallParser, ToolChoice, parser_for_choice
 from proxima.proxy.tools.fallback import template_renders_tools
@@ -75,7 +75,7 @@ class Prepared:
     )
     session: SessionRecord | None
     logprobs: bool = False
-    messages: list[dict[str, Any]] | None = None
+    messages: list[CanonicalMessage] | None = None
     tools: list[dict[str, Any]] | None = None
     parser: ToolCallParser | None = None
     tool_choice: ToolChoice | None = None

@@ -17,6 +17,7 @@ from typing import Any
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.caches import HistoryCache
 from proxima.proxy.metrics import Metrics
+from proxima.proxy.rendering.canonical_message import as_json, as_json_list
 from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.driver import ChoiceRun
@@ -76,9 +77,9 @@ class ChoiceRecorder:
             output_versions=r.versions,
             finish_reason=finish.finish_reason,
             created_at=_now(),
-            request_messages=prep.messages,
+            request_messages=None if prep.messages is None else as_json_list(prep.messages),
             request_tools=prep.tools,
-            response_message=assistant_message(finish.parsed)
+            response_message=as_json(assistant_message(finish.parsed))
             if finish.parsed is not None
             else None,
             response_text=finish.text,

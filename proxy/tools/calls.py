@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from proxima.proxy.rendering.canonical_message import CanonicalToolCall
 from proxima.proxy.rendering.unicode import is_valid_unicode
 
 HERMES_START = "<tool_call>"
@@ -39,7 +40,7 @@ class ToolCall:
     name: str
     arguments: str
 
-    def to_openai(self) -> dict[str, Any]:
+    def to_openai(self) -> CanonicalToolCall:
         """The call as an element of an assistant message's ``tool_calls``."""
         return {
             "id": self.id,

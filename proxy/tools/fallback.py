@@ -22,7 +22,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-Message = dict[str, Any]
+from proxima.proxy.rendering.canonical_message import CanonicalMessage as Message
 
 _PROBE_NAME = "proxima_probe_tool_renders"
 _PROBE = {
@@ -68,7 +68,7 @@ def with_tools_in_system(
     leads the conversation.
     """
     section = FALLBACKS[fallback](tools)
-    out = [dict(m) for m in messages]
+    out = [m.copy() for m in messages]
     if out and out[0].get("role") == "system":
         text = out[0].get("content") or ""
         out[0]["content"] = f"{text}\n\n{section}" if text else section
