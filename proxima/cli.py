@@ -75,7 +75,12 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     # The structured log handler configured above stays; idle and header deadlines.
-    uvicorn.Server(proxy_config(app, settings)).run(sockets=[sock])
+    config = proxy_config(
+        app,
+        header_timeout=settings.http_header_timeout,
+        idle_timeout=settings.http_idle_timeout,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -28,15 +28,12 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-if TYPE_CHECKING:
-    from proxima.proxy.config import Settings
 
 HEADER_TIMEOUT_S = 20.0
 """Default: seconds from a request head's first byte until it must be complete."""
@@ -161,14 +158,14 @@ def server_config(
     )
 
 
-def proxy_config(app: Any, settings: Settings) -> uvicorn.Config:
+def proxy_config(app: Any, *, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
     """``proxima serve``'s uvicorn configuration: the deadlines of ``--http-header-timeout``
     and ``--http-idle-timeout``; no uvicorn log config (the structured handler stays) and
     no uvicorn access log (the proxy writes its own)."""
     return server_config(
         app,
-        header_timeout=settings.http_header_timeout,
-        idle_timeout=settings.http_idle_timeout,
+        header_timeout=header_timeout,
+        idle_timeout=idle_timeout,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=30,

@@ -124,10 +124,16 @@ def _layer_of(module: str, layers: list[list[str]]) -> int | None:
     best: tuple[int, int] | None = None  # (length of the matching prefix, layer)
     for level, prefixes in enumerate(layers):
         for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), level)
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), level)
     return None if best is None else best[1]
+
+
+def _above(target: str, module: str, layers: list[list[str]]) -> bool:
+    """Whether ``target`` sits in a layer above ``module``'s (a lower index)."""
+    t, m = _layer_of(target, layers), _layer_of(module, layers)
+    return t is not None and m is not None and t < m
 
 
 def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_layers() -> None:
@@ -141,7 +147,8 @@ def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_layers() -> 
         f"{m} (layer {_layer_of(m, layers)}) imports {t} (layer {_layer_of(t, layers)})"
         for m in proxy_modules
         for t in sorted(edges[m])
-        if t.startswith("proxima.proxy") and _layer_of(t, layers)  # type: ignore[operator]
+        if t.startswith("proxima.proxy")
+        and _layer_of(t, layers)  # type: ignore[operator]
         < _layer_of(m, layers)  # type: ignore[operator]
     ]
     assert upward == [], "\n".join(upward)

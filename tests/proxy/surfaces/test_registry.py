@@ -46,7 +46,11 @@ def test_envelope_is_the_paths_surfaces() -> None:
 
 def test_the_core_imports_no_surface() -> None:
     core = [*(PROXY / "service").glob("*.py"), *(PROXY / "store").glob("*.py")]
-    core += [*(PROXY / "backends").glob("*.py"), PROXY / "service" / "generation.py", PROXY / "rendering" / "sampling.py"]
+    core += [
+        *(PROXY / "backends").glob("*.py"),
+        PROXY / "service" / "generation.py",
+        PROXY / "rendering" / "sampling.py",
+    ]
     for path in core:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
