@@ -1,9 +1,10 @@
 """Line charts as inline SVG, drawn on the server (no script, no library).
 
 ``line_chart`` takes series of ``(x, y)`` points and returns one ``<svg>`` element: axes with
-their extreme values, one polyline per series, a dot per point whose ``<title>`` (the browser's
-own tooltip) gives its values, vertical marks (``marks``: a policy version's push), and a
-legend. Marks outside the points' range are left out. Every text is escaped; the result is ``Markup`` for the templates.
+their extreme values, one polyline per series, a dot per point (up to ``MAX_DOTS`` a series)
+whose ``<title>`` (the browser's own tooltip) gives its values, vertical marks (``marks``: a
+policy version's push; those outside the points' range are left out), and a legend. Every text
+is escaped; the result is ``Markup`` for the templates.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import UTC, datetime
 
 from markupsafe import Markup, escape
 
+MAX_DOTS = 150
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
 _PAD_LEFT, _PAD_RIGHT, _PAD_TOP, _PAD_BOTTOM = 48, 12, 12, 34
 
@@ -130,6 +132,8 @@ def _series(
     color = escape(s.color)
     coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
     out = [f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}"/>']
+    if len(pts) > MAX_DOTS:  # a dot (and its tooltip) per point would outweigh the page
+        return "".join(out)
     for x, y in pts:
         tip = escape(f"{s.label}: {show_x(x)} -> {_fmt(y)}")
         out.append(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proxima.proxy.inspector.charts import Chart, Series, line_chart
+from proxima.proxy.inspector.charts import MAX_DOTS, Chart, Series, line_chart
 from proxima.proxy.inspector.session_view import build_turns, output_html, token_texts
 from proxima.proxy.store.records import CompletionRecord
 from transformers import AutoTokenizer
@@ -109,6 +109,8 @@ def test_charts_escape_and_say_when_empty() -> None:
     svg = str(line_chart(Chart("<r>", [Series("a<script>", [(0, 1), (1, 2), (2, 0)])])))
     assert svg.startswith("<svg") and "<script>" not in svg and "a&lt;script&gt;" in svg
     assert svg.count("<circle") == 3 and "<polyline" in svg
+    many = str(line_chart(Chart("m", [Series("m", [(k, k % 7) for k in range(MAX_DOTS + 1)])])))
+    assert "<polyline" in many and "<circle" not in many
     empty = str(line_chart(Chart("Reward", [Series("r", [])])))
     assert "no data yet" in empty and "<svg" not in empty
     timed = str(
