@@ -247,7 +247,26 @@ def _add_production(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _trainer(args: argparse.Namespace) -> int:
     from proxima.trainer.cli import run
 
+    trainer_db_from_env(args)
     return run(args)
+
+
+def trainer_db_from_env(args: argparse.Namespace) -> None:
+    """``proxima trainer``'s store: ``--db``, else the config file's ``connection.db_url``,
+    else ``PROXIMA_DB``, so that a URL holding a password need not be on a command line
+    (where ``ps`` shows it to every user of the host)."""
+    url = os.environ.get("PROXIMA_DB")
+    if args.db is not None or not url:
+        return
+    if args.config is not None:
+        from proxima.trainer.config import load_config
+
+        try:
+            if load_config(args.config).connection.db_url:
+                return
+        except (ValueError, OSError):
+            return  # the trainer reports the file's error
+    args.db = url
 
 
 def _add_trainer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

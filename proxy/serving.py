@@ -158,7 +158,7 @@ def server_config(
     )
 
 
-def proxy_config(app: Any, *, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
+def proxy_config(app: Any, *, header_timeout: float, idle_timeout: int) -> uvicorn.Config:
     """``proxima serve``'s uvicorn configuration: the deadlines of ``--http-header-timeout``
     and ``--http-idle-timeout``; no uvicorn log config (the structured handler stays) and
     no uvicorn access log (the proxy writes its own)."""

@@ -19,9 +19,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from proxima.proxy.config import ENV_PREFIX, Settings
 from proxima.trainer.config import load_config
 
-from proxima.cli import build_parser
+from proxima.cli import build_parser, trainer_db_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"postgres", "sglang", "proxy", "lb", "trainer"}
@@ -130,7 +131,11 @@ def test_healthchecks(services: dict[str, Any]) -> None:
         assert check.get("retries", 0) >= 3, name
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
     assert "http://127.0.0.1:30000/health" in " ".join(services["sglang"]["healthcheck"]["test"])
-    assert "http://127.0.0.1:8000/health" in " ".join(services["proxy"]["healthcheck"]["test"])
+    # The proxy is healthy when ready (its store and a backend answer): the load balancer and
+    # the trainer start after that.
+    assert "http://127.0.0.1:8000/health/ready" in " ".join(
+        services["proxy"]["healthcheck"]["test"]
+    )
 
 
 def test_volumes_declared_and_weights_shared(
@@ -195,11 +200,15 @@ def test_proxy_wiring(services: dict[str, Any]) -> None:
     assert url.hostname == "sglang" and str(url.port) == _flag(
         _command(services["sglang"]), "--port"
     )
-    db = urlsplit(args.db)
+    # The store's URL comes from the environment (PROXIMA_DB: the `db` setting), not --db.
+    assert args.db is None and "db" in Settings.model_fields
+    db = urlsplit(services["proxy"]["environment"][ENV_PREFIX + "DB"])
     assert db.scheme.startswith("postgresql") and db.hostname == "postgres" and db.port == 5432
     assert db.path == "/" + services["postgres"]["environment"]["POSTGRES_DB"]
     assert db.username == services["postgres"]["environment"]["POSTGRES_USER"]
     assert db.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    # No default password: the operator must set one (Compose refuses to start otherwise).
+    assert db.password == "<POSTGRES_PASSWORD>"
     # Replicas: no host port and no container name, either of which stops `--scale proxy=N`.
     proxy = services["proxy"]
     assert "ports" not in proxy and "container_name" not in proxy
@@ -208,11 +217,72 @@ def test_proxy_wiring(services: dict[str, Any]) -> None:
     published = services["lb"]["ports"][0].rsplit(":", 1)[1]
     lb = _haproxy_config()
     assert lb["bind"] == f":{published}"
-    assert lb["server"] == f"proxy:{args.port}" and lb["health"] == "/health"
+    # The balancer routes to ready replicas only.
+    assert lb["server"] == f"proxy:{args.port}" and lb["health"] == "/health/ready"
     env = proxy["environment"]
     # The admin token is required, never a default baked into the file.
     assert env["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
     assert env["PROXIMA_PUBLIC_BASE_URL"] == f"http://localhost:{published}/v1"
+    # Agents reach the proxy: /metrics and /health's details need the admin token.
+    assert env[ENV_PREFIX + "PRIVATE_OBSERVABILITY"] == "true"
+
+
+def test_no_default_password_and_no_secret_on_a_command_line(services: dict[str, Any]) -> None:
+    """``ps`` shows command lines to every user of the host: the database URL and the admin
+    token reach the processes through the environment, and both must be set."""
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == "<POSTGRES_PASSWORD>"
+    for name, service in services.items():
+        if "command" not in service:
+            continue
+        argv = _command(service)
+        assert not {"--db", "--admin-token"} & set(argv), name
+        assert not any("postgresql://" in arg or "<" in arg for arg in argv), (name, argv)
+    for name in ("proxy", "trainer"):
+        env = services[name]["environment"]
+        assert env[ENV_PREFIX + "DB"] == services["proxy"]["environment"][ENV_PREFIX + "DB"]
+        assert env["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
+
+
+def test_resource_limits_and_unprivileged_containers(services: dict[str, Any]) -> None:
+    for name in ("proxy", "trainer", "postgres", "lb"):
+        limits = services[name]["deploy"]["resources"]["limits"]
+        assert _bytes(limits["memory"]) >= 2**30, name
+    for name in ("proxy", "postgres", "lb"):
+        assert float(services[name]["deploy"]["resources"]["limits"]["cpus"]) >= 1, name
+    for name in ("proxy", "trainer"):  # our image: its own unprivileged user, nothing more
+        service = services[name]
+        assert service.get("user") in (None, "10001", "10001:10001"), name
+        assert service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+
+
+def _bytes(size: str) -> int:
+    """A Compose byte value (``512M``, ``8G``)."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    unit = size[-1].lower()
+    return int(float(size[:-1]) * units[unit]) if unit in units else int(size)
+
+
+def test_the_trainer_takes_the_store_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``proxima trainer``: --db, else the config file's ``db_url``, else PROXIMA_DB."""
+    monkeypatch.setenv(ENV_PREFIX + "DB", "postgresql://from-env/db")
+    bare = _parse_proxima(["proxima", "trainer", "--proxy", "http://lb:8000"])
+    trainer_db_from_env(bare)
+    assert bare.db == "postgresql://from-env/db"
+    flag = _parse_proxima(["proxima", "trainer", "--db", "sqlite:///flag.db"])
+    trainer_db_from_env(flag)
+    assert flag.db == "sqlite:///flag.db"
+    config = tmp_path / "trainer.toml"
+    config.write_text('[connection]\ndb_url = "sqlite:///file.db"\n')
+    from_file = _parse_proxima(["proxima", "trainer", "--config", str(config)])
+    trainer_db_from_env(from_file)
+    assert from_file.db is None  # the trainer reads the file's
+    monkeypatch.delenv(ENV_PREFIX + "DB")
+    unset = _parse_proxima(["proxima", "trainer"])
+    trainer_db_from_env(unset)
+    assert unset.db is None
 
 
 def _haproxy_config() -> dict[str, str]:
@@ -255,7 +325,7 @@ def test_trainer_wiring(services: dict[str, Any]) -> None:
     url = urlsplit(args.proxy)
     # Through the load balancer: a weight push through any replica reaches them all.
     assert url.hostname == "lb" and f":{url.port}" == _haproxy_config()["bind"]
-    assert args.db == proxy_args.db
+    assert args.db is None  # PROXIMA_DB, the proxy's (test_no_default_password_...)
     assert services["trainer"]["environment"]["PROXIMA_ADMIN_TOKEN"] == "<PROXIMA_ADMIN_TOKEN>"
     # The mounted config file is a valid trainer config that leaves the staleness rule's
     # settings to the proxy, which declares both (the trainer reads them from it at start).
@@ -278,6 +348,15 @@ def test_dockerfile() -> None:
     # Tensor-parallel training (torchrun + megatron-core), LoRA adapters (peft) and Ray agent
     # workers run from the image.
     assert steps[project_at].startswith('RUN pip install ".[megatron,ray,trainer]"')
+    # Not root: a numeric USER (Kubernetes' runAsNonRoot can check it) after the installs,
+    # created with that uid, owning what it writes.
+    users = [s.split()[1] for s in steps if s.startswith("USER ")]
+    assert users, "the image must not run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and uid != "0"
+    assert steps.index(f"USER {users[-1]}") > project_at
+    text = "\n".join(steps)
+    assert f"--uid {uid}" in text and "chown proxima:proxima /weights /data" in text
     copied = {s.split()[1] for s in steps if s.startswith("COPY")}
     for package in (
         "proxima",

@@ -22,9 +22,12 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from fastapi.routing import APIRoute
+from proxima.proxy.api import health
+from proxima.proxy.config import ENV_PREFIX, Settings
 from proxima.trainer.config import load_config
 
-from proxima.cli import build_parser
+from proxima.cli import build_parser, trainer_db_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -218,28 +221,104 @@ def test_proxy_replicas_talk_to_every_sglang_server_and_one_store() -> None:
     expected = [f"http://sglang-{i}.sglang:{port}" for i in range(sglang["spec"]["replicas"])]
     assert args.backend == expected
     assert _one("Deployment", "proxima-proxy")["spec"]["replicas"] >= 2
-    db = urlsplit(args.db)
+    # The store's URL (its password in it) is the environment's, which `proxima serve` reads
+    # as the `db` setting: never on the command line.
+    env = _env(_container("proxima-proxy"))
+    assert args.db is None and "db" in Settings.model_fields
+    db = urlsplit(env[ENV_PREFIX + "DB"])
     assert db.scheme.startswith("postgresql") and db.hostname == "postgres" and db.port == 5432
     postgres_env = _env(_container("postgres"))
     assert (
         db.path == "/" + postgres_env["POSTGRES_DB"]
         and db.username == postgres_env["POSTGRES_USER"]
     )
-    env = _env(_container("proxima-proxy"))
     assert env["PROXIMA_ADMIN_TOKEN"] == SECRET["admin-token"]
     service = _one("Service", "proxima")
     assert (
         env["PROXIMA_PUBLIC_BASE_URL"] == f"http://proxima:{service['spec']['ports'][0]['port']}/v1"
     )
-    probe = _container("proxima-proxy")["readinessProbe"]["httpGet"]
-    assert probe["path"] == "/health"
+    # Agents and sandboxes reach the Service: /metrics and /health's details need the token.
+    assert env[ENV_PREFIX + "PRIVATE_OBSERVABILITY"] == "true"
 
 
-def test_trainer_wiring_volumes_and_config(tmp_path: Path) -> None:
+def test_proxy_liveness_is_the_process_and_readiness_the_store_and_backends() -> None:
+    """A Postgres or SGLang outage takes replicas out of the Service, never restarts them."""
+    proxy = _container("proxima-proxy")
+    routes = {route.path for route in health.router.routes if isinstance(route, APIRoute)}
+    assert {"/health/live", "/health/ready"} <= routes
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert proxy["startupProbe"]["httpGet"]["path"] == "/health/live"
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    for probe in ("livenessProbe", "startupProbe", "readinessProbe"):
+        assert proxy[probe]["httpGet"]["port"] == "http", probe
+    # Started, a proxy that stops answering is restarted within a minute, not at once.
+    live = proxy["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30
+
+
+def test_no_secret_on_a_command_line() -> None:
+    """Command lines are readable by every process on a node (``ps``): the database URL and
+    the admin token reach the processes through the environment (from the Secret)."""
+    secrets = set(SECRET.values())
+    for owner, container in _containers():
+        argv = _argv(container)
+        assert not {"--db", "--admin-token"} & set(argv), owner
+        for arg in argv:
+            assert not any(secret in arg for secret in secrets), (owner, arg)
+    for name in ("proxima-proxy", "proxima-trainer"):
+        assert _env(_container(name))[ENV_PREFIX + "DB"] == SECRET["database-url"], name
+
+
+def _dockerfile_user() -> int:
+    """The uid of docker/Dockerfile's last USER (numeric: runAsNonRoot checks it)."""
+    lines = (ROOT / "docker" / "Dockerfile").read_text().splitlines()
+    (user, *_) = [ln.split()[1] for ln in lines if ln.startswith("USER ")][-1:]
+    return int(user.split(":")[0])
+
+
+def test_proxima_pods_run_unprivileged_with_cpu_and_memory_limits() -> None:
+    uid = _dockerfile_user()
+    assert uid != 0
+    proxima_pods = [
+        (owner, template)
+        for owner, template in _pod_templates()
+        if any(c["image"].startswith("proxima:") for c in template["spec"]["containers"])
+    ]
+    assert {owner for owner, _ in proxima_pods} >= {"proxima-proxy", "proxima-trainer"}
+    for owner, template in proxima_pods:
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == uid, owner
+        assert pod["fsGroup"] == uid, owner  # volumes it writes (/weights) are its group's
+        assert pod["seccompProfile"]["type"] == "RuntimeDefault", owner
+        for container in template["spec"]["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, owner
+            assert context["capabilities"]["drop"] == ["ALL"], owner
+            limits = container["resources"]["limits"]
+            assert {"cpu", "memory"} <= set(limits), owner
+            requests = container["resources"].get("requests", {})
+            for key in ("cpu", "memory"):  # a request above its limit is refused
+                if key in requests:
+                    assert _quantity(requests[key]) <= _quantity(limits[key]), (owner, key)
+    postgres = _container("postgres")["resources"]["limits"]
+    assert {"cpu", "memory"} <= set(postgres)
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes quantity (``2``, ``500m``, ``8Gi``) as a number."""
+    text = str(value)
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def test_trainer_wiring_volumes_and_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = _container("proxima-trainer")
     args = _parse_proxima(_argv(trainer))
     proxy_args = _parse_proxima(_argv(_container("proxima-proxy")))
-    assert args.command == "trainer" and args.db == proxy_args.db
+    assert args.command == "trainer" and args.db is None
     url = urlsplit(args.proxy)
     assert url.hostname == "proxima" and url.port == proxy_args.port
     assert _env(trainer)["PROXIMA_ADMIN_TOKEN"] == SECRET["admin-token"]
@@ -282,6 +361,12 @@ def test_trainer_wiring_volumes_and_config(tmp_path: Path) -> None:
     assert str(args.config) == f"{mount_dir}/{name}"
     (tmp_path / name).write_text(config_map["data"][name])
     config = load_config(tmp_path / name)
+    # No --db, none in the config: `proxima trainer` takes PROXIMA_DB, the proxy's store.
+    assert config.connection.db_url is None
+    monkeypatch.setenv(ENV_PREFIX + "DB", _env(trainer)[ENV_PREFIX + "DB"])
+    args.config = tmp_path / name
+    trainer_db_from_env(args)
+    assert args.db == _env(_container("proxima-proxy"))[ENV_PREFIX + "DB"]
     assert config.device.startswith("cuda")
     assert not {"batch_size", "max_staleness"} & config.model_fields_set
     for owner in ("sglang", "proxima-trainer"):

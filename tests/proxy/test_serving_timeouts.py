@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 import uvicorn
-from proxima.proxy.config import Settings
+from proxima.proxy.config import Settings, flags_of
 from proxima.proxy.serving import ThreadedServer, proxy_config
 from starlette.types import Receive, Scope, Send
+
+from proxima.cli import build_parser
 
 HEADER_S = 0.5
 IDLE_S = 1
@@ -135,13 +137,16 @@ def test_requests_in_time_are_served_however_long_they_run(server: tuple[str, in
         assert answer == b"" and IDLE_S * 0.8 <= seconds < IDLE_S + 2
 
 
-def test_proxima_serve_takes_the_deadlines_from_its_settings(tiny_model_dir: Path) -> None:
-    settings = Settings.load(
-        {"model": tiny_model_dir, "http_header_timeout": 2.5, "http_idle_timeout": 9}
+def test_proxima_serve_takes_the_deadlines_from_its_flags(tiny_model_dir: Path) -> None:
+    argv = ["serve", "--model", str(tiny_model_dir)]
+    args = build_parser().parse_args([*argv, "--http-header-timeout", "2.5"])
+    settings = Settings.load(flags_of(args) | {"http_idle_timeout": 9})
+    assert (settings.http_header_timeout, settings.http_idle_timeout) == (2.5, 9)
+    config: uvicorn.Config = proxy_config(
+        _app, header_timeout=settings.http_header_timeout, idle_timeout=settings.http_idle_timeout
     )
-    config: uvicorn.Config = proxy_config(_app, settings)
     config.load()
     protocol: Any = config.http_protocol_class
     assert protocol.header_timeout == 2.5 and config.timeout_keep_alive == 9
-    defaults = proxy_config(_app, Settings(model=tiny_model_dir))
-    assert defaults.timeout_keep_alive == 75
+    defaults = Settings.load(flags_of(build_parser().parse_args(argv)))
+    assert (defaults.http_header_timeout, defaults.http_idle_timeout) == (20.0, 75)
