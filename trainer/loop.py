@@ -190,7 +190,9 @@ class Trainer:
         if leader is not None:
             backend = BroadcastingBackend(backend, leader)
         state = TrainerState(trainer_id=trainer_id, version=plan.version, step=plan.step)
-        log = TrainLog(output_dir, console=console, total_steps=cfg.loop.max_steps)
+        log = TrainLog(
+            output_dir, console=console, total_steps=cfg.loop.max_steps, tracking=cfg.tracking
+        )
         log.event(
             "start",
             trainer_id=trainer_id,
@@ -366,6 +368,7 @@ class Trainer:
         metrics (their rewards are part of the curve).
         """
         batch: Batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
+        self.log.note_batch(batch)  # the trackers' rollout table of this step
         samples, removed, _ = trainable_samples(batch, version, self.cfg, self._vocab_size)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
         trained = set(trained_ids)

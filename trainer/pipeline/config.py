@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from proxima.trainer.config import ADAPTER_NAME, TrainerConfig, load_raw_config
+from proxima.trainer.tracking import TrackingConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -145,6 +146,11 @@ class TrainRunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Agent runs.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="PPO trainer.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="Experiment trackers (TensorBoard, MLflow, W&B): every step's metrics, the "
+        "sessions each step trained on, and the evaluations (proxima.trainer.pipeline.tracking).",
+    )
     steps: int = Field(
         10, ge=1, description="PPO steps to train (with rollout.tenants: per adapter)."
     )
@@ -154,6 +160,11 @@ class TrainRunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainRunConfig:
+        if self.trainer.tracking.backends:
+            raise ValueError(
+                "[trainer.tracking] is the standalone trainer's; proxima train logs its steps "
+                "and evaluations itself: move the section to [tracking]"
+            )
         # Every adapter the trainer trains needs a tenant whose rollouts open its sessions
         # (the trainer would wait forever for them), and every tenant's adapter a trainer.
         tenants = [t.adapter for t in self.rollout.tenants]

@@ -41,7 +41,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from proxima.trainer.pipeline.config import (
     ModelSection,
     TrainRunConfig,
 )
+from proxima.trainer.pipeline.tracking import RunTrackers, discard, start_trackers
 from proxima.trainer.rollout.agents import resolve_agent
 from proxima.trainer.rollout.controller import RolloutController
 
@@ -428,7 +429,7 @@ async def _follow_training(
     controllers: list[RolloutController],
     policies: list[Policy],
     before: dict[str | None, Accuracy],
-    on_step: Callable[[Policy, dict[str, Any]], None],
+    on_step: Callable[[Policy, dict[str, Any]], Awaitable[None]],
     resumed: dict[str | None, int],
 ) -> dict[str | None, list[dict[str, Any]]]:
     """Until the trainer exits: a progress bar per step and a fresh reward curve per policy
@@ -439,7 +440,7 @@ async def _follow_training(
         for policy in policies:
             records = read_log(policy.log_path(cfg))
             for record in records[seen[policy.adapter] :]:
-                on_step(policy, record)
+                await on_step(policy, record)
             if len(records) > seen[policy.adapter]:
                 seen[policy.adapter] = len(records)
                 accuracy = before[policy.adapter]
@@ -489,6 +490,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
     run = _Run(cfg, model_dir, lora=bool(cfg.rollout.tenants))
     trainer_proc: subprocess.Popen[bytes] | None = None
     controllers: list[RolloutController] = []
+    trackers: RunTrackers | None = None
+    # Imported and opened on a thread while the proxy starts (seconds); refused at once if
+    # one is not installed.
+    opening = start_trackers(cfg, [p.adapter for p in policies])
 
     async def evaluate_all() -> dict[str | None, Accuracy]:
         scores = await asyncio.gather(
@@ -506,6 +511,11 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         before = await evaluate_all()
         for policy in policies:
             print(_accuracy_line(cfg, policy, before[policy.adapter]), flush=True)
+        if opening is not None:
+            logs = {p.adapter: p.log_path(cfg) for p in policies}
+            trackers = await RunTrackers.ready(opening, logs, run.db)
+            for policy in policies:
+                trackers.evaluation(policy.adapter, before[policy.adapter])
         train_started = time.monotonic()
 
         trainer_cfg = cfg.trainer.model_copy(
@@ -540,7 +550,9 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             dynamic_ncols=True,
         )
 
-        def on_step(policy: Policy, record: dict[str, Any]) -> None:
+        async def on_step(policy: Policy, record: dict[str, Any]) -> None:
+            if trackers is not None:
+                await trackers.step(policy.adapter, record)
             lag = record.get("staleness") or {}
             postfix = {} if policy.adapter is None else {"adapter": policy.adapter}
             bar.set_postfix(
@@ -565,6 +577,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         records = await _follow_training(
             cfg, trainer_proc, controllers, policies, before, on_step, resumed
         )
+        if trackers is not None:  # the steps logged after the last look at the logs
+            for policy in policies:
+                for record in records[policy.adapter][trackers.counts[policy.adapter] :]:
+                    await trackers.step(policy.adapter, record)
         train_s = time.monotonic() - train_started
         bar.close()
         reports = [await r for r in rollouts]
@@ -575,6 +591,9 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
 
         after_started = time.monotonic()
         after = await evaluate_all()
+        if trackers is not None:
+            for policy in policies:
+                trackers.evaluation(policy.adapter, after[policy.adapter])
         eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
         results = {}
         for policy, report in zip(policies, reports, strict=True):
@@ -643,6 +662,10 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
                 trainer_proc.wait(120)
             except subprocess.TimeoutExpired:
                 trainer_proc.kill()
+        if trackers is not None:
+            await trackers.close()
+        elif opening is not None:
+            await discard(opening)
         run.stop()
 
 
