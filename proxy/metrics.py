@@ -21,6 +21,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # Registered in this order, which is the order ``/metrics`` lists them in.
+        self._add_http(r)
+        self._add_generation(r)
+        self._add_serving(r)
+        self._add_deployments(r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _add_http(self, r: CollectorRegistry) -> None:
+        """HTTP requests by route template: counts and latencies."""
         self.requests = Counter(
             "proxima_requests", "HTTP requests", ["route", "method", "status"], registry=r
         )
@@ -31,6 +40,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_generation(self, r: CollectorRegistry) -> None:
+        """Tokens, recorded completions, their tokens' staleness, interrupted generations."""
         self.tokens = Counter("proxima_tokens", "Tokens processed", ["direction"], registry=r)
         self.completions = Counter(
             "proxima_completions_recorded",
@@ -49,6 +61,9 @@ class Metrics:
             "Generations resumed after an abort or a lost backend",
             registry=r,
         )
+
+    def _add_serving(self, r: CollectorRegistry) -> None:
+        """What is served: weight updates, the policy version, the backends, the sessions."""
         self.weight_updates = Histogram(
             "proxima_weight_update_seconds",
             "Duration of weight updates",
@@ -65,8 +80,10 @@ class Metrics:
         self.sessions = Gauge(
             "proxima_sessions", "Sessions by kind and status", ["kind", "status"], registry=r
         )
-        # Per deployment (training, production, canary) and the version it served: the
-        # canary's error rate and latency sit next to the stable version's.
+
+    def _add_deployments(self, r: CollectorRegistry) -> None:
+        """Per deployment (training, production, canary) and the version it served: the
+        canary's error rate and latency sit next to the stable version's."""
         self.deployment_requests = Counter(
             "proxima_deployment_requests",
             "Generation requests by deployment, version and outcome (ok, error, cancelled)",
@@ -101,7 +118,6 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, looked up once per label values: prometheus_client
