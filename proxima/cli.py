@@ -291,6 +291,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from proxima.trainer.pipeline.config import load_run_config
     from proxima.trainer.pipeline.train import eval_only, train
+    from proxima.trainer.tracking import TrackingUnavailable
 
     try:
         cfg = load_run_config(args.config)
@@ -317,6 +318,9 @@ def _train(args: argparse.Namespace) -> int:
         cfg.steps = args.steps
     try:
         asyncio.run(train(cfg, progress=not args.no_progress))
+    except TrackingUnavailable as exc:
+        print(f"proxima train: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(
             "proxima train: stopped; the same command resumes the run from what the trainer "
@@ -429,6 +433,8 @@ def _add_db_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``proxima keys create|list|revoke``: production API keys."""
+    _add_export(sub)
+
     p = sub.add_parser("keys", help="production API keys")
     ksub = p.add_subparsers(dest="keys_command", required=True)
     q = ksub.add_parser("create")
@@ -447,6 +453,95 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q.add_argument("key_id")
     _add_db(q)
     p.set_defaults(func=_keys)
+
+
+_EXPORT_FILTERS = ("run", "group", "adapter", "status", "kind", "reward_min", "reward_max",
+                   "version", "since", "until")  # fmt: skip
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from proxima.proxy.inspector.queries import FilterError, parse_filter
+    from proxima.trainer.config import load_config
+    from proxima.trainer.export import ExportUnavailable, export
+
+    params = {n: str(getattr(args, n)) for n in _EXPORT_FILTERS if getattr(args, n) is not None}
+    try:
+        selected = parse_filter(params)
+    except FilterError as exc:
+        print(f"proxima export: --{exc.field.replace('_', '-')}: {exc.message}", file=sys.stderr)
+        return 2
+    advantage = None
+    if args.trainer_config is not None:
+        try:
+            advantage = load_config(args.trainer_config).advantage
+        except (ValidationError, ValueError, OSError) as exc:
+            print(f"proxima export: --trainer-config: {exc}", file=sys.stderr)
+            return 2
+    try:
+        done = asyncio.run(
+            export(
+                args.db,
+                selected,
+                args.output,
+                fmt=args.format,
+                advantage=advantage,
+                page_size=args.page_size,
+            )
+        )
+    except (ExportUnavailable, OSError) as exc:
+        print(f"proxima export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {done.sessions} sessions ({done.completions} completions) to {done.path}")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "export",
+        help="sessions of the store to Parquet or a Hugging Face dataset, a row per completion",
+        description="Writes the sessions the filters select (all by default), oldest first, one "
+        "row per completion: token ids, logprobs, versions, loss mask, messages, tools, rewards, "
+        "returns and advantages (docs/reference.md, 'Export').",
+    )
+    _add_db(p)
+    p.add_argument(
+        "--output", "-o", type=Path, required=True, help="file (parquet) or new directory (hf)"
+    )
+    p.add_argument(
+        "--format",
+        choices=["parquet", "hf"],
+        default="parquet",
+        help="parquet: one file (datasets.load_dataset('parquet', data_files=FILE) reads it); "
+        "hf: a datasets dataset directory (datasets.load_from_disk; needs datasets)",
+    )
+    p.add_argument(
+        "--run", help="the rollout pass (a session's metadata.rollout; groups end in @RUN)"
+    )
+    p.add_argument("--group", help="one group_id")
+    p.add_argument("--adapter", help="a LoRA adapter's sessions (':base': the base model's)")
+    p.add_argument("--status", help="open, finished, failed, claimed, trained or dropped")
+    p.add_argument("--kind", help="train or production")
+    p.add_argument("--reward-min", type=float, help="session reward at least this")
+    p.add_argument("--reward-max", type=float, help="session reward at most this")
+    p.add_argument(
+        "--version",
+        type=int,
+        help="sessions opened while V was their policy's newest version (the inspector's filter)",
+    )
+    p.add_argument("--since", help="opened at or after this time (ISO 8601; UTC unless given)")
+    p.add_argument("--until", help="opened before this time")
+    p.add_argument(
+        "--trainer-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the trainer's config: its [advantage] section computes the advantages "
+        "(default: the trainer's defaults)",
+    )
+    p.add_argument("--page-size", type=int, default=500, help="sessions read and written at a time")
+    p.set_defaults(func=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
