@@ -36,6 +36,7 @@ from proxima.trainer.algorithm_config import (
     StrictSection,
 )
 from proxima.trainer.tracking import TrackingConfig
+from proxima.trainer.weights_config import WeightsConfig
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 __all__ = [
@@ -246,6 +247,10 @@ class TrainerConfig(StrictSection):
         default_factory=TrackingConfig,
         description="Experiment trackers (TensorBoard, MLflow, W&B) that get every step's "
         "metrics and sample rollouts (proxima.trainer.tracking).",
+    )
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig,
+        description="How full-weight versions reach the backends (disk or broadcast).",
     )
     batch_size: int = Field(
         8,

@@ -22,7 +22,21 @@ from proxima.trainer.torchrun import (
     init_ranks,
     torchrun_world_size,
 )
+from proxima.trainer.weight_broadcast import BroadcastWeightSink
 from proxima.trainer.weights import ProxyWeightSink, WeightSink
+
+
+def weight_sink(cfg: TrainerConfig, proxy_url: str, admin_token: str | None) -> WeightSink:
+    """The sink ``[trainer.weights] transport`` names: the proxy loads the export from disk,
+    or the trainer broadcasts the weights over a process group (adapters go by disk)."""
+    if cfg.weights.transport == "broadcast":
+        return BroadcastWeightSink(
+            proxy_url,
+            admin_token=admin_token,
+            settings=cfg.weights,
+            timeout_s=cfg.loop.push_timeout_s,
+        )
+    return ProxyWeightSink(proxy_url, admin_token=admin_token, timeout_s=cfg.loop.push_timeout_s)
 
 
 async def run_trainer(
@@ -65,9 +79,7 @@ async def run_trainer(
         if sink is None:
             assert conn.proxy_url is not None
             token = conn.admin_token.get_secret_value() if conn.admin_token else None
-            sink = ProxyWeightSink(
-                conn.proxy_url, admin_token=token, timeout_s=cfg.loop.push_timeout_s
-            )
+            sink = weight_sink(cfg, conn.proxy_url, token)
         try:
             if cfg.adapters:  # LoRA adapters on a frozen base (torch backend, one process)
                 adapters = await AdapterTrainers.start(cfg, store=store, sink=sink, console=console)

@@ -218,6 +218,7 @@ class PushResult:
     path: str
     proxy_seconds: float  # the proxy's own time to interrupt, load everywhere and resume
     http_seconds: float  # wall time of the request(s), as the trainer saw it
+    transport: Literal["disk", "broadcast"] = "disk"  # how the weights reached the backends
 
 
 class WeightSink(Protocol):
@@ -295,7 +296,7 @@ class ProxyWeightSink:
             if resp.status_code == 200:
                 answer = resp.json()
                 if adapter is None:  # replicas report the base's version on /health
-                    await self._confirm(version, pushed_to=url)
+                    await self.confirm(version, pushed_to=url)
                 return PushResult(
                     version=version,
                     path=str(path),
@@ -316,7 +317,7 @@ class ProxyWeightSink:
             )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _confirm(self, version: int, *, pushed_to: str) -> None:
+    async def confirm(self, version: int, *, pushed_to: str) -> None:
         """Wait until every other listed replica serves ``version`` (they follow the store)."""
         waiting = [u for u in self.proxy_urls if u != pushed_to]
         deadline = time.monotonic() + self.confirm_s

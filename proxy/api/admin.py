@@ -9,12 +9,15 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from proxima.proxy.api.deps import AdminDep, ObserverDep, PoolDep, SettingsDep, StateDep, StoreDep
 from proxima.proxy.api.schemas import WeightsRequest
+from proxima.proxy.api.weight_groups import push_by_broadcast
+from proxima.proxy.api.weight_groups import router as weight_groups_router
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
 from proxima.proxy.errors import BadRequest, Conflict
 from proxima.proxy.policies.adapters import screen_adapter_dir
 from proxima.proxy.store.records import SessionKind
 
 router = APIRouter(tags=["admin"])
+router.include_router(weight_groups_router)  # /admin/weights/group: broadcast pushes
 
 
 @router.post("/admin/weights")
@@ -26,6 +29,11 @@ async def update_weights(
     With ``adapter``: ``path`` is a LoRA adapter (a peft directory), ``version``
     that adapter's next version; it is loaded beside the others and only that
     adapter's generations are interrupted (``BackendPool.update_adapter``).
+
+    With ``broadcast``: the trainer sends the full weights over its open weight-update
+    group while every backend receives them (``proxima.proxy.api.weight_groups``);
+    ``path`` is recorded (and loaded by a backend that rejoins later). Generation is
+    interrupted, and the version recorded, exactly as for a disk push.
 
     The check that ``version`` is newer, the load and the record in the store
     are one critical section: of two concurrent pushes the second sees the
@@ -47,7 +55,11 @@ async def update_weights(
                 code="version_not_newer",
             )
         try:
-            if adapter is None:
+            if body.broadcast is not None:
+                update = await push_by_broadcast(
+                    pool, version=body.version, path=body.path, broadcast=body.broadcast
+                )
+            elif adapter is None:
                 update = await pool.update_weights(version=body.version, path=body.path)
             else:
                 update = await pool.update_adapter(
@@ -56,6 +68,8 @@ async def update_weights(
         except BackendUnavailable:
             raise  # no backend to load into: a 503, not the path's fault
         except BackendError as exc:
+            if body.broadcast is not None:
+                raise  # the group or a backend failed, not the path: a 503 with why
             raise BadRequest(
                 f"Loading {'weights' if adapter is None else 'the adapter'} from {body.path} "
                 f"failed: {exc}",
@@ -69,6 +83,7 @@ async def update_weights(
         "seconds": update.seconds,
         "backends": update.backends,
         "adapter": adapter,
+        "transport": "disk" if body.broadcast is None else "broadcast",
     }
 
 

@@ -30,6 +30,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -168,19 +169,85 @@ class FinishRequest(StrictBody):
     status: Literal["finished", "failed"] = "finished"
 
 
+MAX_GROUP_TIMEOUT_S = 3600.0
+"""Longest a weight-update group's rendezvous, or one bucket of a broadcast push, may wait."""
+
+
+class BroadcastBucket(StrictBody):
+    """One bucket of a broadcast push: the tensors the trainer broadcasts, in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(min_length=1)
+    shapes: list[list[int]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> BroadcastBucket:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have one length")
+        if any(d < 0 for shape in self.shapes for d in shape):
+            raise ValueError("shapes must not have negative dimensions")
+        return self
+
+
+class BroadcastPush(StrictBody):
+    """How a broadcast push's weights travel: over the open group ``group_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_name: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    buckets: list[BroadcastBucket] = Field(min_length=1)
+    load_format: Literal["flattened_bucket"] | None = "flattened_bucket"
+    timeout_s: float = Field(60.0, gt=0.0, le=MAX_GROUP_TIMEOUT_S)
+
+
+class WeightGroupRequest(StrictBody):
+    """``POST /admin/weights/group``: open a weight-update group; the trainer is rank 0."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_name: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    backend: Literal["gloo", "nccl"] = "nccl"
+    world_size: int = Field(ge=2, le=2**20)
+    timeout_s: float = Field(60.0, gt=0.0, le=MAX_GROUP_TIMEOUT_S)
+
+    @field_validator("group_name", "master_address")
+    @classmethod
+    def _no_nul(cls, v: str, info: ValidationInfo) -> str:
+        check_identifier(v, str(info.field_name))
+        return v
+
+
 class WeightsRequest(StrictBody):
     model_config = ConfigDict(extra="forbid")
 
     # Per-token versions are stored as int32.
     version: int = Field(ge=0, le=2**31 - 1)
+    # The version's HF directory: loaded by every backend (a disk push), or, with
+    # ``broadcast``, recorded and loaded only by a backend that rejoins later.
     path: str = Field(min_length=1)
     # A LoRA adapter's version (a peft directory at ``path``); absent: the full weights.
     adapter: str | None = None
+    # The full weights sent by the trainer over its weight-update group (not read from disk).
+    broadcast: BroadcastPush | None = None
 
     @field_validator("adapter")
     @classmethod
     def _adapter(cls, v: str | None) -> str | None:
         return check_adapter(v)
+
+    @model_validator(mode="after")
+    def _broadcast_is_for_full_weights(self) -> WeightsRequest:
+        if self.broadcast is not None and self.adapter is not None:
+            raise InvalidString(
+                "An adapter is pushed from its peft directory; 'broadcast' is for the full "
+                "weights only.",
+                param="broadcast",
+            )
+        return self
 
     @field_validator("path")
     @classmethod

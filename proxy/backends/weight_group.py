@@ -54,6 +54,10 @@ from proxima.proxy.errors import Conflict
 logger = logging.getLogger(__name__)
 
 _PROBE_S = 10.0  # how long a member may take to answer /server_info before a push
+# A relayed call waits this much longer than the group's own timeout, so the backend's
+# verdict (its receive failed or timed out) arrives before the proxy gives up on it.
+_RELAY_MARGIN_S = 10.0
+_RESTORE_S = 120.0  # how long reloading a member after a failed push may take
 
 
 class WeightGroupStale(Conflict):
@@ -169,7 +173,9 @@ class WeightGroups:
                 group_name=name,
                 backend=backend,
             )
-            await member.backend.client.init_weights_update_group(body, timeout_s=timeout_s + 5)
+            await member.backend.client.init_weights_update_group(
+                body, timeout_s=timeout_s + _RELAY_MARGIN_S
+            )
 
         results = await asyncio.gather(*(join(m) for m in members), return_exceptions=True)
         errors = {m.backend: r for m, r in zip(members, results, strict=True) if r is not None}
@@ -289,26 +295,43 @@ class WeightGroups:
     async def _restore(self, failed: dict[Backend, BaseException]) -> None:
         """Reload members a failed push may have left half updated, at the pool's current
         version, from disk; one that cannot is taken out with ``must_reload`` set."""
-        state = self._state
-        for backend, error in failed.items():
+        for backend in failed:
             backend.must_reload = True
-            if isinstance(error, BackendConnectionError):
-                state.mark_failed(backend, error)  # out; ``rejoin`` reloads it when it answers
-        await asyncio.gather(*(_reload(state, b) for b in failed if b.version is not None))
+        await asyncio.gather(*(_reload(self._state, b) for b in failed))
 
 
 async def _reload(state: PoolState, backend: Backend) -> None:
+    """Load the pool's current version on a member a failed push may have half updated; a
+    member that does not answer is taken out as failed, one that cannot load it is taken out
+    to reload later (``must_reload`` stays set either way)."""
     try:
-        path = state.weights_path or (await backend.client.model_info()).model_path
-        await backend.client.update_weights_from_disk(
-            model_path=path, weight_version=str(state.version)
+        info = await backend.client.model_info()
+        path = state.weights_path or info.model_path
+        await asyncio.wait_for(
+            backend.client.update_weights_from_disk(
+                model_path=path, weight_version=str(state.version)
+            ),
+            _RESTORE_S,
         )
-    except BackendError as exc:
-        state.mark_must_reload(backend, f"could not be restored to v{state.version}: {exc}")
+    except BackendConnectionError as exc:
+        state.mark_failed(backend, exc)  # ``rejoin`` reloads it when it answers again
+        return
+    except (BackendError, TimeoutError) as exc:
+        state.mark_must_reload(backend, f"could not be restored to v{state.version}: {exc!r}")
         return
     backend.must_reload = False
     backend.version = state.version
     logger.info("backend %s restored to v%s from disk", backend.url, state.version)
+
+
+async def _begin(backend: Backend) -> None:
+    try:
+        await backend.client.begin_weight_update()
+    except BackendOperationFailed as exc:
+        if "already open" not in str(exc):
+            raise
+        await backend.client.end_weight_update()  # a session an earlier push left open
+        await backend.client.begin_weight_update()
 
 
 async def _relay(
@@ -318,45 +341,45 @@ async def _relay(
     load_format: str | None,
     timeout_s: float,
 ) -> dict[Backend, BaseException]:
-    """Send every bucket to every member in order; the members that failed, with why."""
-    failed: dict[Backend, BaseException] = {}
+    """Send every bucket to every member in order; the members that failed, with why.
+
+    The push stops at the first failure (a member that died, refused a bucket, or timed
+    out): the trainer's broadcast of that bucket failed with it and it sends no more, so the
+    other members would only wait out their receive timeout for the next one. Every member
+    is then failed; each session that began is ended.
+    """
     members = [m.backend for m in group.members]
-
-    async def begin(backend: Backend) -> None:
-        try:
-            await backend.client.begin_weight_update()
-        except BackendOperationFailed as exc:
-            if "already open" not in str(exc):
-                raise
-            await backend.client.end_weight_update()  # a session an earlier push left open
-            await backend.client.begin_weight_update()
-
-    begun = await asyncio.gather(*(begin(b) for b in members), return_exceptions=True)
-    failed.update({b: r for b, r in zip(members, begun, strict=True) if r is not None})
+    begun = await asyncio.gather(*(_begin(b) for b in members), return_exceptions=True)
+    failed: dict[Backend, BaseException] = {
+        b: r for b, r in zip(members, begun, strict=True) if isinstance(r, BaseException)
+    }
     for index, bucket in enumerate(buckets):
+        if failed:
+            stopped = BackendOperationFailed(
+                f"the push stopped at bucket {index + 1} of {len(buckets)}: {_first_error(failed)}"
+            )
+            failed.update({b: stopped for b in members if b not in failed})
+            break
         last = index == len(buckets) - 1
         body = UpdateWeightsFromDistributedBody(
             names=bucket.names,
             dtypes=bucket.dtypes,
             shapes=bucket.shapes,
             group_name=group.name,
-            flush_cache=last,
+            flush_cache=last,  # the swap: the engine stages the buckets before it
             weight_version=str(version) if last else None,
             load_format=load_format,
         )
-        alive = [b for b in members if b not in failed]
-        if not alive:
-            break
+        relay_s = timeout_s + _RELAY_MARGIN_S
         results = await asyncio.gather(
-            *(b.client.update_weights_from_distributed(body, timeout_s=timeout_s) for b in alive),
+            *(b.client.update_weights_from_distributed(body, timeout_s=relay_s) for b in members),
             return_exceptions=True,
         )
         failed.update(
-            {b: r for b, r in zip(alive, results, strict=True) if isinstance(r, BaseException)}
+            {b: r for b, r in zip(members, results, strict=True) if isinstance(r, BaseException)}
         )
-    await asyncio.gather(
-        *(b.client.end_weight_update() for b in members if b not in failed), return_exceptions=True
-    )
+    began = [b for b, r in zip(members, begun, strict=True) if not isinstance(r, BaseException)]
+    await asyncio.gather(*(b.client.end_weight_update() for b in began), return_exceptions=True)
     return failed
 
 

@@ -1,7 +1,8 @@
 """The engine's HTTP server: SGLang's native API over :class:`~proxy.embedded.engine.Engine`.
 
 The lifespan loads the model (off the event loop) and starts the worker
-thread; routes receive the engine through :data:`EngineDep`.
+thread; routes receive the engine through :data:`EngineDep`, and the weight-update groups
+of a broadcast push (``proxima.proxy.embedded.weight_groups``) through :data:`GroupsDep`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from proxima.proxy.backends.protocol import (
     AbortRequestBody,
+    BeginWeightUpdateBody,
+    DestroyWeightsUpdateGroupBody,
+    EndWeightUpdateBody,
     GenerateRequest,
+    InitWeightsUpdateGroupBody,
     LoadLoRAAdapterBody,
     LoRAUpdateResponse,
     ModelCard,
@@ -32,6 +37,8 @@ from proxima.proxy.backends.protocol import (
     StatusResponse,
     UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
+    UpdateWeightsFromDistributedBody,
+    WeightSyncResponse,
 )
 from proxima.proxy.embedded.engine import (
     Engine,
@@ -41,6 +48,7 @@ from proxima.proxy.embedded.engine import (
 )
 from proxima.proxy.embedded.parent_watch import exit_with_parent
 from proxima.proxy.embedded.payloads import generate_payload
+from proxima.proxy.embedded.weight_groups import WeightGroups
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,15 @@ def get_engine(request: Request) -> Engine:
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
+
+
+def get_weight_groups(request: Request) -> WeightGroups:
+    """The engine's weight-update groups the lifespan built."""
+    groups: WeightGroups = request.app.state.weight_groups
+    return groups
+
+
+GroupsDep = Annotated[WeightGroups, Depends(get_weight_groups)]
 
 router = APIRouter(tags=["engine"])
 
@@ -158,6 +175,49 @@ async def update_weights_from_disk(
     return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
 
 
+def _sync_reply(result: WeightSyncResponse) -> JSONResponse:
+    return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(
+    body: InitWeightsUpdateGroupBody, groups: GroupsDep
+) -> JSONResponse:
+    """Join the trainer's process group as rank ``rank_offset``; answers once all ranks
+    joined, 400 with ``success: false`` when the rendezvous failed or timed out."""
+    return _sync_reply(await groups.init_group(body))
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(
+    body: DestroyWeightsUpdateGroupBody, groups: GroupsDep
+) -> JSONResponse:
+    """Leave a weight-update group (400 for a group this engine is not in)."""
+    return _sync_reply(await groups.destroy_group(body.group_name))
+
+
+@router.post("/begin_weight_update")
+async def begin_weight_update(_: BeginWeightUpdateBody, groups: GroupsDep) -> JSONResponse:
+    """Open the session the bucket updates run in (400 if one is open)."""
+    return _sync_reply(await groups.begin())
+
+
+@router.post("/end_weight_update")
+async def end_weight_update(_: EndWeightUpdateBody, groups: GroupsDep) -> JSONResponse:
+    """Close the session (400 if none is open)."""
+    return _sync_reply(await groups.end())
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(
+    body: UpdateWeightsFromDistributedBody, groups: GroupsDep
+) -> JSONResponse:
+    """Receive one bucket by broadcast from rank 0 into the staging area; the bucket that
+    carries ``weight_version`` swaps every staged tensor in. 400 with ``success: false``
+    when the receive or the checks failed (the old weights stay)."""
+    return _sync_reply(await groups.update(body))
+
+
 def _lora_reply(result: LoRAUpdateResponse) -> JSONResponse:
     return JSONResponse(result.wire(), status_code=200 if result.success else 400)
 
@@ -227,11 +287,17 @@ async def model_info(engine: EngineDep) -> ModelInfo:
     )
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
-async def get_server_info(engine: EngineDep) -> dict[str, Any]:
-    """A minimal server description and load."""
+async def server_info(engine: EngineDep) -> dict[str, Any]:
+    """A minimal server description and load (``/get_server_info``: SGLang's deprecated
+    alias). One worker: SGLang's ``tp_size``, ``dp_size`` and ``pp_size`` are 1, so the
+    engine takes one rank of a weight-update group."""
     return {
         "version": "proxima-engine",
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
         "model_path": engine.model_path,
         "tokenizer_path": engine.model_path,
         "context_length": engine.context_length,
@@ -291,9 +357,11 @@ def create_engine_app(
         )
         engine.start()
         app.state.engine = engine
+        app.state.weight_groups = WeightGroups(engine.model, engine.apply_weights)
         try:
             yield
         finally:
+            await app.state.weight_groups.close()
             await engine.stop()
 
     app = FastAPI(title="Proxima engine (SGLang native API)", lifespan=lifespan)

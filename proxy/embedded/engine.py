@@ -352,6 +352,15 @@ class Engine:
         self._worker.send(command)
         await asyncio.wrap_future(command.done)
 
+    async def apply_weights(
+        self, state_dict: dict[str, torch.Tensor], weight_version: str | None
+    ) -> None:
+        """Copy checked tensors into the model between two steps and, unless None, set the
+        version it reports (a broadcast push's swap, ``proxima.proxy.embedded.weight_groups``)."""
+        command = cmd.UpdateWeights(state_dict, weight_version, abort_all=False)
+        self._worker.send(command)
+        await asyncio.wrap_future(command.done)
+
     async def update_weights_from_disk(
         self,
         model_path: str,

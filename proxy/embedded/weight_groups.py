@@ -9,12 +9,13 @@ session; ``/destroy_weights_update_group`` releases a group.
 
 Unlike SGLang, which loads every bucket as it arrives (a trainer that dies mid-push leaves
 its model half updated, which is why the proxy reloads such a backend), the engine
-receives into a staging area and swaps the model's weights only when a bucket carrying
-``weight_version`` (the push's last) arrived, in one step of its worker, together with
-the version it reports. A receive that fails (the trainer died, the group timed out)
-discards the staging area: the engine keeps serving, and reporting, the old weights. A
-session closed without a versioned bucket applies what it staged (SGLang's semantics for
-an update that names no version).
+receives into a staging area and swaps the model's weights only at the bucket that
+finishes an update, in one step of its worker, together with the version it reports. A
+bucket finishes the update when it carries ``weight_version`` or ``flush_cache`` (SGLang's
+default; a push in several buckets sets it on the last one only, as the proxy does). A
+receive that fails (the trainer died, the group timed out) discards the staging area, and
+so does ``/end_weight_update`` for an update that never finished: the engine keeps serving,
+and reporting, the old weights.
 
 Every bucket is checked before it is staged, as a directory is before a disk load: each
 tensor names a parameter or buffer of the model with its shape, and holds finite values.
@@ -149,20 +150,21 @@ class WeightGroups:
             return _ok("Success")
 
     async def end(self) -> WeightSyncResponse:
-        """Close the session; tensors staged by buckets that named no version apply now."""
+        """Close the session; tensors of an update that never finished are discarded."""
         async with self._lock:
             if self._staged is None:
                 return _failed("no weight-update session is open; call begin_weight_update() first")
             staged, self._staged = self._staged, None
             if staged:
-                try:
-                    await self._apply(staged, None)
-                except (RuntimeError, ValueError) as exc:
-                    return _failed(f"Failed to apply staged weights: {exc}")
+                logger.warning(
+                    "weight update: %d staged tensors of an unfinished update discarded",
+                    len(staged),
+                )
             return _ok("Success")
 
     async def update(self, body: UpdateWeightsFromDistributedBody) -> WeightSyncResponse:
-        """Receive one bucket into the staging area; with ``weight_version``, swap it all in."""
+        """Receive one bucket into the staging area; the bucket that finishes the update
+        (``weight_version`` or ``flush_cache`` set) swaps every staged tensor in."""
         async with self._lock:
             if self._staged is None:
                 return _failed(
@@ -188,17 +190,17 @@ class WeightGroups:
                 self._staged = {}
                 return _failed(f"Failed to update parameter online: {problem}")
             self._staged.update(received)
-            if body.weight_version is None:
-                return _ok("Succeeded to update parameter online.")
+            if body.weight_version is None and not body.flush_cache:
+                return _ok("Succeeded to update parameter online.")  # staged
             staged, self._staged = self._staged, {}
             try:
                 await self._apply(staged, body.weight_version)
             except (RuntimeError, ValueError) as exc:
                 return _failed(f"Failed to apply received weights: {exc}")
-            return _ok(
-                "Succeeded to update parameter online. "
-                f"Weight version updated to {body.weight_version}."
-            )
+            message = "Succeeded to update parameter online."
+            if body.weight_version is not None:
+                message += f" Weight version updated to {body.weight_version}."
+            return _ok(message)
 
     def _check(self, received: list[tuple[str, torch.Tensor]]) -> str | None:
         """Why a received bucket cannot replace the model's tensors, or None."""

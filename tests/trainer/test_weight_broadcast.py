@@ -1,0 +1,160 @@
+"""The trainer's side of a broadcast push: buckets, configuration, and which path a push takes.
+
+Buckets are planned from a real export (every tensor once, in name order, each bucket
+aligned for SGLang's flattened layout). The sink's choices are checked against a stand-in
+proxy that records the calls it gets and answers as the real one does when no backend
+answers (503 on ``GET /admin/weights/group``): an adapter goes from disk without touching
+the group routes, a failed broadcast raises when ``fallback_to_disk`` is off and is pushed
+from disk when it is on. The broadcast itself runs end to end in
+``tests/proxy/test_weight_broadcast_live.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from proxima.proxy.embedded.process_group import flat_offsets
+from proxima.proxy.serving import ThreadedServer
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.run import weight_sink
+from proxima.trainer.weight_broadcast import (
+    BroadcastWeightSink,
+    bucket_body,
+    plan_buckets,
+    read_specs,
+)
+from proxima.trainer.weights import ProxyWeightSink, WeightPushError
+from proxima.trainer.weights_config import WeightsConfig
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+
+def test_buckets_cover_every_tensor_once_aligned_and_bounded(tmp_path: Path) -> None:
+    tensors = {
+        "a.weight": torch.zeros(300, 10),  # 12000 bytes
+        "b.bias": torch.zeros(3, dtype=torch.bfloat16),  # 6 bytes: a 2-byte dtype first...
+        "c.ids": torch.zeros(5, dtype=torch.int64),  # ...then an 8-byte one, in name order
+        "d.weight": torch.zeros(10, 10),
+        "e.scale": torch.zeros(1, dtype=torch.float16),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    specs, files = read_specs(tmp_path)
+    assert [s.name for s in specs] == sorted(tensors)
+    assert {s.name: (s.dtype, s.shape) for s in specs}["b.bias"] == ("bfloat16", (3,))
+    assert set(files.values()) == {tmp_path / "model.safetensors"}
+
+    buckets = plan_buckets(specs, bucket_bytes=500)
+    names = [s.name for bucket in buckets for s in bucket]
+    assert sorted(names) == sorted(tensors) and len(names) == len(tensors)
+    for bucket in buckets:
+        flat_offsets(bucket)  # aligned (raises otherwise)
+        size = sum(s.nbytes for s in bucket)
+        assert size <= 500 or len(bucket) == 1, bucket  # a bigger tensor goes alone
+    assert [s.name for s in buckets[0]] == ["a.weight"]
+    body = bucket_body(buckets[-1])
+    assert len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])
+    one = plan_buckets(specs, bucket_bytes=10**9)
+    assert len(one) == 1 and [s.dtype for s in one[0]][:2] == ["int64", "float32"]
+
+
+def test_config_section_and_the_sink_it_selects() -> None:
+    cfg = TrainerConfig.model_validate(
+        {"weights": {"transport": "broadcast", "bucket_mb": 64, "backend": "gloo"}}
+    )
+    assert cfg.weights.bucket_mb == 64 and cfg.weights.fallback_to_disk
+    assert isinstance(weight_sink(cfg, "http://127.0.0.1:1", None), BroadcastWeightSink)
+    assert isinstance(weight_sink(TrainerConfig(), "http://127.0.0.1:1", None), ProxyWeightSink)
+    for bad in ({"transport": "rdma"}, {"bucket_mb": 0}, {"timeout_s": 0}, {"buckets": 3}):
+        with pytest.raises(ValidationError):
+            TrainerConfig.model_validate({"weights": bad})
+
+
+class StandInProxy:
+    """The proxy's admin routes as a proxy with no answering backend answers them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        app = FastAPI()
+
+        @app.api_route("/admin/weights/group", methods=["GET", "POST", "DELETE"])
+        async def group(request: Request) -> JSONResponse:
+            self.calls.append((request.method, request.url.path, None))
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "No backend answers: no weight-update group can form.",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status_code=503,
+            )
+
+        @app.post("/admin/weights")
+        async def push(request: Request) -> JSONResponse:
+            body = await request.json()
+            self.calls.append(("POST", "/admin/weights", body))
+            return JSONResponse({"version": body["version"], "seconds": 0.01, "backends": []})
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"version": 0}
+
+        self.app = app
+
+
+@pytest.fixture
+def stand_in() -> Iterator[tuple[StandInProxy, str]]:
+    proxy = StandInProxy()
+    with ThreadedServer(proxy.app) as server:
+        yield proxy, server.url
+
+
+def _sink(url: str, **settings: Any) -> BroadcastWeightSink:
+    config = WeightsConfig.model_validate({"transport": "broadcast", **settings})
+    return BroadcastWeightSink(url, admin_token=None, settings=config, timeout_s=10)
+
+
+async def _push(sink: BroadcastWeightSink, **kwargs: Any) -> Any:
+    try:
+        return await sink.push(**kwargs)
+    finally:
+        await sink.aclose()
+
+
+def test_an_adapter_goes_from_disk(stand_in: tuple[StandInProxy, str], tmp_path: Path) -> None:
+    proxy, url = stand_in
+    result = asyncio.run(_push(_sink(url), version=2, path=tmp_path, adapter="tenant-a"))
+    assert result.transport == "disk"
+    assert proxy.calls == [
+        ("POST", "/admin/weights", {"version": 2, "path": str(tmp_path), "adapter": "tenant-a"})
+    ]
+
+
+def test_a_failed_broadcast_raises_without_fallback(
+    stand_in: tuple[StandInProxy, str], tiny_model_dir: Path
+) -> None:
+    proxy, url = stand_in
+    with pytest.raises(WeightPushError, match="broadcast push of version 1 failed.*No backend"):
+        asyncio.run(_push(_sink(url, fallback_to_disk=False), version=1, path=tiny_model_dir))
+    assert [(m, p) for m, p, _ in proxy.calls] == [("GET", "/admin/weights/group")]
+
+
+def test_a_failed_broadcast_is_pushed_from_disk_with_fallback(
+    stand_in: tuple[StandInProxy, str], tiny_model_dir: Path
+) -> None:
+    proxy, url = stand_in
+    result = asyncio.run(_push(_sink(url), version=1, path=tiny_model_dir))
+    assert result.transport == "disk"
+    assert proxy.calls == [
+        ("GET", "/admin/weights/group", None),
+        ("POST", "/admin/weights", {"version": 1, "path": str(tiny_model_dir)}),
+    ]

@@ -1,0 +1,396 @@
+"""Broadcast pushes: the trainer sends a version's full weights to every backend itself.
+
+:class:`BroadcastWeightSink` is the ``WeightSink`` of ``[trainer.weights] transport =
+"broadcast"`` (``proxima.trainer.weights_config``). The version is exported to disk first,
+as for a disk push (the recovery rule of ``proxima.trainer.weights`` reads it, and so does a
+backend that restarts), and its tensors are read back from that export, so what is
+broadcast is byte for byte what was exported, whatever the training backend.
+
+A push, with the proxy (``proxima.proxy.api.weight_groups``):
+
+1. Unless a group is open: ``GET /admin/weights/group`` (members, world size), then join a
+   new process group as rank 0 (hosting its rendezvous on ``master_address`` and a free
+   port) while ``POST /admin/weights/group`` has every backend join it.
+2. Plan buckets (``bucket_mb`` each, tensors in the export's name order, ordered within a
+   bucket so every flattened offset is aligned) and, while ``POST /admin/weights {version,
+   path, broadcast}`` has the proxy pause generation and relay each bucket to every backend,
+   broadcast them in the same order (``proxima.proxy.embedded.process_group``).
+
+A 409 ``weight_group_stale`` (a backend came, went or restarted since the group opened:
+nothing was paused) opens a new group and pushes again, once. Any other failure (the
+group cannot form, a backend died mid-push, the proxy went away) forgets the group and,
+with ``fallback_to_disk``, pushes the same version from disk (``ProxyWeightSink``, whose
+409 handling also settles a broadcast push whose answer was lost); otherwise it raises
+``WeightPushError``. A LoRA adapter's push always goes from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import torch.distributed as dist
+from proxima.proxy.embedded.process_group import (
+    FLATTENED_BUCKET,
+    TensorSpec,
+    aligned_order,
+    destroy_process_group,
+    init_custom_process_group,
+    send_bucket,
+)
+from proxima.proxy.serving import free_port
+from proxima.trainer.weights import ProxyWeightSink, PushResult, WeightPushError
+from proxima.trainer.weights_config import WeightsConfig
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+class BroadcastFailed(RuntimeError):
+    """A broadcast push did not land (the message says where it failed)."""
+
+
+class GroupStale(BroadcastFailed):
+    """The proxy's group is not the one the trainer holds (nothing was paused)."""
+
+
+# --------------------------------------------------------------------------- tensors and buckets
+
+
+def read_specs(path: Path) -> tuple[list[TensorSpec], dict[str, Path]]:
+    """Every tensor of an HF export (name order) and the safetensors file holding each."""
+    specs: list[TensorSpec] = []
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                piece = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise BroadcastFailed(f"{name}: dtype {piece.get_dtype()} cannot be broadcast")
+                specs.append(TensorSpec(name, dtype, tuple(piece.get_shape())))
+                files[name] = file
+    if not specs:
+        raise BroadcastFailed(f"no *.safetensors tensors in {path}")
+    specs.sort(key=lambda s: s.name)
+    return specs, files
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive tensors up to ``bucket_bytes`` a bucket (a larger tensor alone), each
+    bucket ordered so its flattened offsets are aligned."""
+    buckets: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if current and size + spec.nbytes > bucket_bytes:
+            buckets.append(aligned_order(current))
+            current, size = [], 0
+        current.append(spec)
+        size += spec.nbytes
+    if current:
+        buckets.append(aligned_order(current))
+    return buckets
+
+
+def bucket_body(bucket: Sequence[TensorSpec]) -> dict[str, Any]:
+    """A bucket as ``POST /admin/weights`` lists it."""
+    return {
+        "names": [s.name for s in bucket],
+        "dtypes": [s.dtype for s in bucket],
+        "shapes": [list(s.shape) for s in bucket],
+    }
+
+
+def local_address(proxy_url: str) -> str:
+    """This host's address on the route to the proxy (where backends near it reach us)."""
+    host = urlsplit(proxy_url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent; the kernel picks the interface
+        return str(s.getsockname()[0])
+
+
+def _refusal(resp: httpx.Response) -> tuple[str | None, str]:
+    """An error answer's code and ``"<status> <code>: <message>"`` (the proxy's envelope)."""
+    try:
+        error = resp.json()["error"]
+        code, message = error.get("code"), str(error.get("message"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        code, message = None, resp.text[:500]
+    return code, f"{resp.status_code} {code or ''}: {message}"
+
+
+# --------------------------------------------------------------------------- the trainer's group
+
+
+@dataclass
+class TrainerGroup:
+    """The trainer's end of one weight-update group (it is rank 0)."""
+
+    name: str
+    world_size: int
+    group: dist.ProcessGroup
+    device: str
+
+    def send(
+        self,
+        specs: list[list[TensorSpec]],
+        files: dict[str, Path],
+        load_format: str | None,
+        after_bucket: Callable[[int], None] | None = None,
+    ) -> None:
+        """Broadcast every bucket in order (blocking; in a thread). Reads each bucket's
+        tensors from the export just before sending it. A failed broadcast (a receiver
+        died) destroys the group at once, so the receivers still waiting in it fail now
+        rather than at their timeout."""
+        try:
+            for index, bucket in enumerate(specs):
+                tensors = []
+                for spec in bucket:
+                    with safe_open(str(files[spec.name]), framework="pt", device="cpu") as f:
+                        tensors.append(f.get_tensor(spec.name).to(self.device))
+                send_bucket(self.group, tensors, load_format)
+                if after_bucket is not None:
+                    after_bucket(index)
+        except Exception:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        with contextlib.suppress(Exception):  # a broken group may not close cleanly
+            destroy_process_group(self.group)
+
+
+async def _forget(group: TrainerGroup, sending: asyncio.Future[None] | None) -> None:
+    """Destroy ``group`` once its sender thread (if any) has given up."""
+    if sending is not None:
+        with contextlib.suppress(Exception):
+            await sending
+    await asyncio.to_thread(group.destroy)
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+class BroadcastWeightSink:
+    """Full weights by broadcast over a process group, adapters (and fallbacks) from disk.
+
+    ``proxy_url`` is one proxy (the first of a comma-separated list: the group lives in the
+    replica that opened it). ``after_bucket(i)`` is called after bucket ``i`` was sent.
+    """
+
+    def __init__(
+        self,
+        proxy_url: str,
+        *,
+        admin_token: str | None,
+        settings: WeightsConfig,
+        timeout_s: float = 600.0,
+        after_bucket: Callable[[int], None] | None = None,
+    ) -> None:
+        self.disk = ProxyWeightSink(proxy_url, admin_token=admin_token, timeout_s=timeout_s)
+        self.url = self.disk.proxy_url
+        self.settings = settings
+        self.after_bucket = after_bucket
+        self.device = "cuda" if settings.backend == "nccl" else "cpu"
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
+        )
+        self._group: TrainerGroup | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
+        """Push ``version``: by broadcast (full weights), else from disk (see the module)."""
+        if adapter is not None:
+            return await self.disk.push(version=version, path=path, adapter=adapter)
+        try:
+            try:
+                return await self._push_once(version, path)
+            except GroupStale as exc:
+                logger.info("weight-update group stale (%s): opening a new one", exc)
+                return await self._push_once(version, path)
+        except BroadcastFailed as exc:
+            if not self.settings.fallback_to_disk:
+                raise WeightPushError(f"broadcast push of version {version} failed: {exc}") from exc
+            logger.warning(
+                "broadcast push of version %s failed (%s); pushing from disk", version, exc
+            )
+            return await self.disk.push(version=version, path=path)
+
+    async def _push_once(self, version: int, path: Path) -> PushResult:
+        started = time.monotonic()
+        group = self._group or await self._open_group()
+        specs, files = read_specs(path)
+        buckets = plan_buckets(specs, int(self.settings.bucket_mb * 2**20))
+        body = {
+            "version": version,
+            "path": str(path),
+            "broadcast": {
+                "group_name": group.name,
+                "buckets": [bucket_body(b) for b in buckets],
+                "load_format": FLATTENED_BUCKET,
+                "timeout_s": self.settings.timeout_s,
+            },
+        }
+        sending = asyncio.ensure_future(
+            asyncio.to_thread(group.send, buckets, files, FLATTENED_BUCKET, self.after_bucket)
+        )
+        try:
+            resp = await self._post("/admin/weights", body)
+        except BroadcastFailed:
+            self._drop(group, sending)
+            raise
+        if resp.status_code != 200:
+            self._drop(group, sending)
+            code, message = _refusal(resp)
+            message = f"POST /admin/weights answered {message}"
+            if code == "version_not_newer":
+                return await self._already_served(version, path, started, message)
+            raise GroupStale(message) if code == "weight_group_stale" else BroadcastFailed(message)
+        try:
+            await asyncio.wait_for(asyncio.shield(sending), self.settings.timeout_s)
+        except Exception as exc:  # it landed on the backends that answered; the group broke
+            logger.warning("version %s landed, but the weight-update group broke: %r", version, exc)
+            self._drop(group, sending)
+        await self.disk.confirm(version, pushed_to=self.url)
+        answer = resp.json()
+        return PushResult(
+            version=version,
+            path=str(path),
+            proxy_seconds=float(answer.get("seconds", 0.0)),
+            http_seconds=time.monotonic() - started,
+            transport="broadcast",
+        )
+
+    async def _already_served(
+        self, version: int, path: Path, started: float, refusal: str
+    ) -> PushResult:
+        """A 409 ``version_not_newer``: success if the proxy serves ``version`` (an earlier
+        attempt landed and its answer was lost), else another trainer pushes here."""
+        served = await self.disk.served_version(self.url)
+        if served != version:
+            raise WeightPushError(
+                f"the proxy refused version {version}: it serves version {served}; is another "
+                f"trainer pushing to this proxy? ({refusal})"
+            )
+        return PushResult(version, str(path), 0.0, time.monotonic() - started, "broadcast")
+
+    async def _open_group(self) -> TrainerGroup:
+        """Join a new group as rank 0 while the proxy has every backend join it."""
+        resp = await self._get("/admin/weights/group")
+        world_size = int(resp.json()["world_size"])
+        address = self.settings.master_address or local_address(self.url)
+        port = self.settings.master_port or free_port("0.0.0.0")  # the store listens on all
+        name = f"proxima-{uuid.uuid4().hex[:12]}"
+        joining = asyncio.ensure_future(
+            asyncio.to_thread(
+                init_custom_process_group,
+                backend=self.settings.backend,
+                master_address=address,
+                master_port=port,
+                world_size=world_size,
+                rank=0,
+                group_name=name,
+                timeout_s=self.settings.timeout_s,
+            )
+        )
+        body = {
+            "group_name": name,
+            "master_address": address,
+            "master_port": port,
+            "backend": self.settings.backend,
+            "world_size": world_size,
+            "timeout_s": self.settings.timeout_s,
+        }
+        try:
+            opened = await self._post("/admin/weights/group", body)
+        except BroadcastFailed:
+            self._abandon(joining)
+            raise
+        if opened.status_code != 200:
+            self._abandon(joining)
+            raise BroadcastFailed(
+                f"the weight-update group could not form: POST /admin/weights/group answered "
+                f"{_refusal(opened)[1]}"
+            )
+        try:
+            pg = await asyncio.wait_for(joining, self.settings.timeout_s + 5)
+        except Exception as exc:
+            raise BroadcastFailed(f"joining the weight-update group failed: {exc!r}") from exc
+        self._group = TrainerGroup(name, world_size, pg, self.device)
+        logger.info("weight-update group %s open: world size %d", name, world_size)
+        return self._group
+
+    def _drop(self, group: TrainerGroup, sending: asyncio.Future[None] | None) -> None:
+        """Forget ``group``; destroy it once its sender thread has given up."""
+        if self._group is group:
+            self._group = None
+        self._track(_forget(group, sending))
+
+    def _abandon(self, joining: asyncio.Future[dist.ProcessGroup]) -> None:
+        """A join the proxy gave up on: it times out; destroy it if it ever completes."""
+
+        async def settle() -> None:
+            with contextlib.suppress(Exception):
+                pg = await joining
+                await asyncio.to_thread(destroy_process_group, pg)
+
+        self._track(settle())
+
+    def _track(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _get(self, route: str) -> httpx.Response:
+        try:
+            resp = await self._client.get(self.url + route)
+        except httpx.HTTPError as exc:
+            raise BroadcastFailed(f"GET {route} failed: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise BroadcastFailed(f"GET {route} answered {_refusal(resp)[1]}")
+        return resp
+
+    async def _post(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self._client.post(self.url + route, json=body)
+        except httpx.HTTPError as exc:
+            raise BroadcastFailed(f"POST {route} failed: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        """Close the group (here and on the backends) and the HTTP clients."""
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._client.delete(self.url + "/admin/weights/group", timeout=30.0)
+            await asyncio.to_thread(group.destroy)
+        for task in list(self._background):
+            task.cancel()
+        await self._client.aclose()
+        await self.disk.aclose()

@@ -1,0 +1,54 @@
+"""``[trainer.weights]``: how a new version's full weights reach the inference backends.
+
+``transport = "disk"`` (the default): the trainer exports the version (HF safetensors) and
+the proxy has every backend load that directory (``/update_weights_from_disk``); backends
+must see the trainer's file system. ``transport = "broadcast"``: the trainer still exports
+the version (its recovery and a restarted backend read it), then sends the weights itself,
+rank 0 of a torch process group with every backend's workers (``gloo`` on CPU, ``nccl``
+between GPUs), while the proxy pauses generation and records the version exactly as for a
+disk push (``proxima.trainer.weight_broadcast``). ``fallback_to_disk``: a broadcast push
+that fails (the group cannot form, a member died mid-push) is made from disk instead.
+LoRA adapters always go by disk (a peft directory is a few megabytes). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from proxima.trainer.algorithm_config import StrictSection
+from pydantic import Field
+
+
+class WeightsConfig(StrictSection):
+    """How full-weight versions travel to the backends (``[trainer.weights]``)."""
+
+    transport: Literal["disk", "broadcast"] = Field(
+        "disk",
+        description="disk: backends load the exported directory; broadcast: the trainer "
+        "sends the weights over a torch process group with every backend.",
+    )
+    fallback_to_disk: bool = Field(
+        True, description="Push from disk when a broadcast push fails (else the step fails)."
+    )
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="torch.distributed backend of the group: gloo (CPU) or nccl (GPU)."
+    )
+    master_address: str | None = Field(
+        None,
+        description="Address the backends reach the trainer at (it hosts the rendezvous); "
+        "default: this host's address on the route to the proxy.",
+    )
+    master_port: int = Field(
+        0, ge=0, le=65535, description="Port of the rendezvous; 0 picks a free one per group."
+    )
+    bucket_mb: float = Field(
+        512.0,
+        gt=0.0,
+        description="Tensors broadcast per call, in MiB (each backend holds one bucket extra).",
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=3600.0,
+        description="How long forming the group, or one bucket, may take before it fails.",
+    )
