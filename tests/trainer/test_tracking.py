@@ -271,3 +271,43 @@ def test_the_trainers_log_sends_its_steps(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(2, 0.5), (3, 0.75)]
     assert [(e.step, e.value) for e in events.Scalars("pushed")] == [(2, 1.0), (3, 0.0)]
     assert [t.step for t in events.Tensors("rollouts")] == [2]
+
+
+async def test_proxima_trains_trackers_read_a_steps_sessions(tmp_path: Path) -> None:
+    """``proxima train``'s trackers: a pushed step's record, with the sessions trained into
+    its version read back from the store, and evaluations at the last step's place."""
+    from proxima.proxy.store import Store, ensure_schema
+    from proxima.trainer.pipeline.config import TrainRunConfig
+    from proxima.trainer.pipeline.tracking import RunTrackers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.proxy.store.factories import key_hash
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    await ensure_schema(url)
+    store = await Store.open(url)
+    opened = await store.create_session(api_key_hash=key_hash(), group_id="g")
+    await store.record_completions(completions=[completion(opened.id, response_text="4")])
+    await store.set_session_reward(session_id=opened.id, reward=1.0)
+    await store.finish_session(session_id=opened.id)
+    await store.claim_groups(min_sessions=1, trainer_id="t")
+    await store.mark_sessions(
+        session_ids=[opened.id], status=SessionStatus.TRAINED, trained_version=1
+    )
+    await store.close()
+    cfg = TrainRunConfig(
+        output_dir=tmp_path, tracking=TrackingConfig(backends=["tensorboard"], run_name="r")
+    )
+    trackers = await RunTrackers.open(cfg, {None: tmp_path / "train_log.jsonl"}, url)
+    assert trackers is not None
+    trackers.evaluation(None, (0.25, None))
+    await trackers.step(None, step_records()[0])  # version 1, pushed
+    trackers.evaluation(None, (0.5, 0.75))
+    await trackers.close()
+    events = EventAccumulator(str(tmp_path / "tracking" / "tensorboard" / "r"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(0, 0.25), (1, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25)]
+    (table,) = events.Tensors("rollouts")
+    assert opened.id in table.tensor_proto.string_val[0].decode()
+    assert "config" in events.Tags()["tensors"]

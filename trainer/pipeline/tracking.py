@@ -82,6 +82,15 @@ class RunTrackers:
         self.store: Store | None = None  # opened when a rollout table first reads it
 
     @classmethod
+    async def open(
+        cls, cfg: TrainRunConfig, logs: Mapping[str | None, Path], db: str
+    ) -> RunTrackers | None:
+        """:func:`start_trackers` and :meth:`ready` in one (None without backends): for a
+        caller with nothing to overlap the opening with."""
+        opening = start_trackers(cfg, list(logs))
+        return None if opening is None else await cls.ready(opening, logs, db)
+
+    @classmethod
     async def ready(cls, opening: Opening, logs: Mapping[str | None, Path], db: str) -> RunTrackers:
         """The trackers ``opening`` opened, for the policies whose step logs are ``logs``;
         ``db``: the run's store (the rollout tables read it)."""
