@@ -8,6 +8,7 @@ is a 400 page that names it, an unknown session a 404 page: never a 500, never J
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,22 @@ _MAX_FORM = 4096
 
 
 def _page(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    """A page, with headers that keep it out of caches and frames and let it load nothing but
+    its own inline style and its one inline script (by nonce)."""
     started = request.scope.get("proxima_ui_started", time.perf_counter())
     context.setdefault("elapsed_ms", (time.perf_counter() - started) * 1000)
-    html = TEMPLATES.get_template(name).render(path=request.url.path, **context)
-    return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
+    nonce = secrets.token_urlsafe(16)
+    html = TEMPLATES.get_template(name).render(path=request.url.path, nonce=nonce, **context)
+    headers = {
+        "Cache-Control": "no-store",
+        "Content-Security-Policy": (
+            f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; "
+            "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+        ),
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+    }
+    return HTMLResponse(html, status_code=status, headers=headers)
 
 
 def _error(request: Request, status: int, message: str) -> HTMLResponse:

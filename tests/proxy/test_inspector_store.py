@@ -119,6 +119,12 @@ async def test_only_the_admin_token_opens_the_pages(
     cookies = {"cookie": f"{COOKIE}={cookie_value(TOKEN)}"}
     opened = await client.get("/ui/sessions?status=open", headers=cookies)
     assert opened.status_code == 200 and '<table id="sessions">' in opened.text
+    # Nothing but the page's own inline style and its one script (by nonce) may run or load.
+    policy = opened.headers["content-security-policy"]
+    nonce = re.search(r"'nonce-([^']+)'", policy)
+    assert nonce and f'<script nonce="{nonce.group(1)}">' in opened.text
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
+    assert opened.headers["cache-control"] == "no-store"
 
     # The form: back to ``next`` when it is an inspector page, else to the sessions.
     good = await client.post("/ui/login", content=f"token={TOKEN}&next=%2Fui%2Frun")
