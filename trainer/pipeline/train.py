@@ -27,400 +27,210 @@ line printed with the tenant's name, and ``final/<adapter>`` per tenant.
 Config (TOML/JSON/YAML) sections: ``model``, ``proxy``, ``data``,
 ``rollout``, ``eval``, ``trainer`` (a ``TrainerConfig``), plus ``steps`` and
 ``output_dir``. See ``agents_examples/demo.toml``.
+
+This module is the two commands; their parts live beside it in ``proxima.trainer.pipeline``:
+``policies`` (the model, the items, a policy per tenant and its rollout controller),
+``processes`` (the proxy and the trainer a run starts), ``evaluation`` (held-out accuracy)
+and ``plots`` (the step logs and reward curves). The names other code imports from here
+(``run_policies``, ``rollout_controller``, ``curve_points``, ``plot_rewards``...) still are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
-import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from proxima.proxy.policies.adapters import check_adapter
-from proxima.proxy.server_process import ProxyProcess
-from proxima.trainer.log import LOG_FILE, policy_home
-from proxima.trainer.pipeline.config import (
-    DataSection,
-    EvalSection,
-    ModelSection,
-    TrainRunConfig,
+from proxima.trainer.pipeline.config import TrainRunConfig
+from proxima.trainer.pipeline.evaluation import Accuracy, accuracy_line, evaluate, scored_items
+from proxima.trainer.pipeline.plots import curve_points, plot_rewards, read_log
+from proxima.trainer.pipeline.policies import (
+    Items,
+    Policy,
+    load_items,
+    resolve_model_dir,
+    rollout_controller,
+    rollout_fields,
+    run_policies,
+    train_items,
 )
+from proxima.trainer.pipeline.processes import RunProxy, start_trainer, stop_trainer
 from proxima.trainer.pipeline.tracking import RunTrackers, discard, start_trackers
-from proxima.trainer.rollout.agents import resolve_agent
-from proxima.trainer.rollout.controller import RolloutController
+from proxima.trainer.rollout.controller import RolloutController, RolloutReport
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "Accuracy",
+    "Items",
+    "Policy",
+    "RunProxy",
+    "curve_points",
+    "eval_only",
+    "evaluate",
+    "load_items",
+    "plot_rewards",
+    "read_log",
+    "resolve_model_dir",
+    "rollout_controller",
+    "run_policies",
+    "train",
+]
 
-
-# ----------------------------------------------------------------------------- parts
-
-
-def resolve_model_dir(section: ModelSection) -> Path:
-    if section.path == "smollm2":
-        from proxima.trainer.pipeline.demo_model import prepare_smollm2
-
-        return prepare_smollm2(section.cache_dir)
-    path = Path(section.path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"model.path {path}: no config.json there; give an HF model directory")
-    return path
-
-
-@dataclass(frozen=True, slots=True)
-class Items:
-    """A run's items: train, held-out, and held-out in unseen phrasings (may be empty)."""
-
-    train: list[dict[str, Any]]
-    test: list[dict[str, Any]]
-    unseen: list[dict[str, Any]]
+Records = dict[str | None, list[dict[str, Any]]]  # each policy's step records (None: the base)
 
 
-def load_items(data: DataSection) -> Items:
-    if data.source == "arithmetic":
-        from proxima.agents_examples.datasets import arithmetic_splits
+async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run the whole job; returns the summary (accuracies, steps, paths).
 
-        splits = arithmetic_splits(
-            difficulty=data.difficulty,
-            n_train=data.train_items,
-            n_test=data.test_items,
-            seed=data.seed,
-            n_unseen=data.unseen_items,
-        )
-        return Items(splits["train"], splits["test"], splits.get("unseen", []))
-    from proxima.agents_examples.datasets import read_jsonl
-
-    train = list(read_jsonl(Path(data.source)))
-    test = list(read_jsonl(data.test_file)) if data.test_file else []
-    unseen = list(read_jsonl(data.unseen_file)) if data.unseen_file else []
-    return Items(train, test, unseen)
-
-
-async def evaluate(
-    agent: str,
-    items: list[dict[str, Any]],
-    *,
-    base_url: str,
-    api_key: str,
-    model: str,
-    section: EvalSection,
-    fields: dict[str, Any],
-) -> float:
-    """Mean reward of ``agent`` on ``items``, served unrecorded (admin key: no session)."""
-    fn = resolve_agent(agent)
-    chosen = items[: section.items] if section.items else items
-    slots = asyncio.Semaphore(section.max_concurrency)
-
-    async def one(item: dict[str, Any]) -> float:
-        data = {
-            **item,
-            **fields,
-            "base_url": base_url,
-            "api_key": api_key,
-            "model": model,
-            "temperature": section.temperature,
-        }
-        async with slots:
-            result = fn(data)
-            if asyncio.iscoroutine(result):
-                result = await result
-        return float(result if not isinstance(result, dict) else result.get("final", 0.0))
-
-    rewards = await asyncio.gather(*(one(i) for i in chosen))
-    return sum(rewards) / max(1, len(rewards))
-
-
-async def _cycle(
-    items: list[dict[str, Any]], fields: dict[str, Any]
-) -> AsyncIterator[dict[str, Any]]:
-    """Train items forever (epochs), each epoch's items tagged so group ids stay unique."""
-    epoch = 0
-    while True:
-        for item in items:
-            yield {**item, **fields, "id": f"{item.get('id')}@{epoch}"}
-        epoch += 1
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a line being written
-        if record.get("event", "step") == "step":
-            records.append(record)
-    return records
-
-
-def curve_points(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list[int]]:
-    """x (1, 2, ... one per trainer step, in log order), the mean train reward of each step,
-    and the x of the steps that pushed no version (their ``step`` repeats the one before)."""
-    steps = list(range(1, len(records) + 1))
-    rewards = [float(r.get("reward_mean") or 0.0) for r in records]
-    idle = [x for x, r in zip(steps, records, strict=True) if not r.get("pushed", True)]
-    return steps, rewards, idle
-
-
-def plot_rewards(
-    records: list[dict[str, Any]],
-    path: Path,
-    *,
-    before: float | None = None,
-    after: float | None = None,
-    unseen_before: float | None = None,
-    unseen_after: float | None = None,
-) -> None:
-    """Reward curve (mean reward per step and its moving average) as a PNG, with held-out accuracy
-    (in the train phrasing and, when given, in unseen phrasings) before and after.
-
-    One point per trainer step, in order: a step whose batch had no signal trains
-    nothing and pushes no version (its record repeats the version), so the x axis
-    counts steps, not versions, and such steps are drawn as hollow markers.
+    With ``rollout.tenants`` every tenant's adapter is trained at once (one trainer,
+    round-robin, ``steps`` each), on its own agent's sessions; each is evaluated on its
+    own held-out items, and the summary holds one entry per tenant under ``tenants``.
     """
-    import matplotlib
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_dir(cfg.model)
+    policies = run_policies(cfg)
+    run = RunProxy(cfg, model_dir, lora=bool(cfg.rollout.tenants))
+    trainer_proc: subprocess.Popen[bytes] | None = None
+    controllers: list[RolloutController] = []
+    trackers: RunTrackers | None = None
+    # Imported and opened on a thread while the proxy starts (seconds); refused at once if
+    # one is not installed.
+    opening = start_trackers(cfg, [p.adapter for p in policies])
+    try:
+        started = time.monotonic()
+        run.start()
+        eval_started = time.monotonic()
+        before = await _evaluate_all(run, policies)
+        for policy in policies:
+            print(accuracy_line(cfg, policy, before[policy.adapter]), flush=True)
+        if opening is not None:
+            logs = {p.adapter: p.log_path(cfg) for p in policies}
+            trackers = await RunTrackers.ready(opening, logs, run.db)
+            for policy in policies:
+                trackers.evaluation(policy.adapter, before[policy.adapter])
+        train_started = time.monotonic()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, rewards, idle = curve_points(records)
-    window = 3
-    smooth = [
-        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-        for i in range(len(rewards))
-    ]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    (line,) = ax.plot(steps, rewards, marker="o", alpha=0.5, label="train reward (mean per step)")
-    if idle:
-        ax.plot(
-            idle,
-            [rewards[x - 1] for x in idle],
-            linestyle="none",
-            marker="o",
-            markerfacecolor="white",
-            color=line.get_color(),
-            label="step without signal (no update, no new version)",
-        )
-    ax.plot(steps, smooth, linewidth=2, label=f"moving average ({window} steps)")
-    for value, color, style, label in (
-        (before, "gray", "--", "held-out accuracy before"),
-        (after, "green", "--", "held-out accuracy after"),
-        (unseen_before, "gray", ":", "unseen phrasings before"),
-        (unseen_after, "purple", ":", "unseen phrasings after"),
-    ):
-        if value is not None:
-            ax.axhline(value, color=color, linestyle=style, label=f"{label} ({value:.0%})")
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-class _Run:
-    """The proxy this run uses: started here, or given by URL."""
-
-    def __init__(self, cfg: TrainRunConfig, model_dir: Path, *, lora: bool = False):
-        self.cfg = cfg
-        self.model_dir = model_dir
-        self.lora = lora  # the started proxy's engine serves LoRA adapters
-        self.token = cfg.proxy.admin_token or secrets.token_urlsafe(24)
-        out = cfg.output_dir
-        self.db = cfg.proxy.db or f"sqlite:///{(out / 'store.db').resolve()}"
-        self.proxy: ProxyProcess | None = None
-        self.url = cfg.proxy.url.rstrip("/") if cfg.proxy.url else ""
-        self.model_name = cfg.proxy.served_model_name or model_dir.resolve().name
-
-    def start(self) -> None:
-        if self.url:
-            return
-        t = self.cfg.trainer
-        args = [
-            "--max-staleness",
-            str(t.max_staleness),
-            "--train-batch-size",
-            str(t.batch_size),
-            "--served-model-name",
-            self.model_name,
-            "--engines",
-            str(self.cfg.proxy.engines),
+        # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
+        resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
+        trainer_proc = start_trainer(cfg, run)
+        controllers = [
+            rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
         ]
-        if self.lora:
-            args.append("--enable-lora")
-        kw: dict[str, Any] = {"port": self.cfg.proxy.port} if self.cfg.proxy.port else {}
-        self.proxy = ProxyProcess(
-            self.model_dir,
-            db_url=self.db,
-            admin_token=self.token,
-            extra_args=args,
-            log_path=(self.cfg.output_dir / "proxy.log").resolve(),
-            **kw,
-        )
-        self.proxy.start(timeout=600)
-        self.url = self.proxy.url
-
-    def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-
-    def policy_model(self, version: int | None = None, adapter: str | None = None) -> str:
-        """The model name that asks for a policy: ``<model>``, ``<model>:<adapter>``, and
-        with ``version`` that registered version of it (``...@v<version>``, admin token)."""
-        name = self.model_name if adapter is None else f"{self.model_name}:{adapter}"
-        return name if version is None else f"{name}@v{version}"
-
-    async def evaluate(
-        self,
-        items: list[dict[str, Any]],
-        version: int | None = None,
-        *,
-        adapter: str | None = None,
-        agent: str | None = None,
-        fields: dict[str, Any] | None = None,
-    ) -> float:
-        """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings).
-
-        With ``version``, the agents ask for ``<model>@v<version>``: the proxy serves
-        them from the deployment that serves that registered version. With
-        ``adapter``, the policy is that adapter (``<model>:<adapter>``). ``agent`` and
-        ``fields``: a tenant's own (default: the ``rollout`` section's).
-        """
-        return await evaluate(
-            agent or self.cfg.rollout.agent,
-            items,
-            base_url=self.url + "/v1",
-            api_key=self.token,
-            model=self.policy_model(version, adapter),
-            section=self.cfg.eval,
-            fields=dict(self.cfg.rollout.item_fields if fields is None else fields),
+        records, reports, train_s = await _run_training(
+            cfg,
+            trainer_proc,
+            controllers,
+            policies,
+            before,
+            resumed,
+            trackers,
+            progress,
+            train_started,
         )
 
-    async def evaluate_both(
-        self,
-        items: Items,
-        version: int | None = None,
-        *,
-        adapter: str | None = None,
-        agent: str | None = None,
-        fields: dict[str, Any] | None = None,
-    ) -> tuple[float, float | None]:
-        """Held-out accuracy on ``items.test`` and on ``items.unseen`` (None without any), side
-        by side (one engine batch serves both sets)."""
-        kw: dict[str, Any] = {"adapter": adapter, "agent": agent, "fields": fields}
-        if not items.unseen:
-            return await self.evaluate(items.test, version, **kw), None
-        test, unseen = await asyncio.gather(
-            self.evaluate(items.test, version, **kw), self.evaluate(items.unseen, version, **kw)
+        after_started = time.monotonic()
+        after = await _evaluate_all(run, policies)
+        if trackers is not None:
+            for policy in policies:
+                trackers.evaluation(policy.adapter, after[policy.adapter])
+        eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
+        results = {
+            p.adapter: _policy_result(
+                cfg, p, report, records[p.adapter], before[p.adapter], after[p.adapter]
+            )
+            for p, report in zip(policies, reports, strict=True)
+        }
+        new_steps = sum(len(r) for r in records.values()) - sum(resumed.values())
+        summary = _summary(cfg, results, new_steps, resumed, train_s, eval_s, started)
+        _print_outcome(cfg, policies, results, before, after, summary, new_steps, train_s)
+        return summary
+    finally:
+        for controller in controllers:
+            controller.stop()
+        if trainer_proc is not None:
+            stop_trainer(trainer_proc)
+        if trackers is not None:
+            await trackers.close()
+        elif opening is not None:
+            await discard(opening)
+        run.stop()
+
+
+async def _evaluate_all(run: RunProxy, policies: list[Policy]) -> dict[str | None, Accuracy]:
+    """Every policy's held-out accuracy, side by side."""
+    scores = await asyncio.gather(
+        *(
+            run.evaluate_both(p.items, adapter=p.adapter, agent=p.agent, fields=p.fields)
+            for p in policies
         )
-        return test, unseen
+    )
+    return {p.adapter: score for p, score in zip(policies, scores, strict=True)}
 
 
-def _scored(section: EvalSection, items: list[dict[str, Any]]) -> int:
-    return min(section.items, len(items)) if section.items else len(items)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What one run trains: the base model, or one tenant's LoRA adapter
-    (``[[rollout.tenants]]``), with the agent, items and item fields of its rollouts."""
-
-    adapter: str | None
-    agent: str
-    items: Items
-    fields: dict[str, Any]
-
-    @property
-    def prefix(self) -> str:
-        """What starts each of its printed lines: nothing for the base, ``"<adapter>: "``."""
-        return "" if self.adapter is None else f"{self.adapter}: "
-
-    def log_path(self, cfg: TrainRunConfig) -> Path:
-        """Its trainer's step log."""
-        return policy_home(cfg.output_dir / "trainer", self.adapter) / LOG_FILE
-
-    def curve_path(self, cfg: TrainRunConfig) -> Path:
-        name = "reward_curve.png" if self.adapter is None else f"reward_curve_{self.adapter}.png"
-        return cfg.output_dir / name
-
-
-def run_policies(cfg: TrainRunConfig) -> list[Policy]:
-    """The base (no tenants), or one policy per tenant with its own agent and items."""
-    r = cfg.rollout
-    if not r.tenants:
-        return [Policy(None, r.agent, load_items(cfg.data), dict(r.item_fields))]
-    return [
-        Policy(
-            t.adapter,
-            t.agent or r.agent,
-            load_items(t.data or cfg.data),
-            dict(r.item_fields if t.item_fields is None else t.item_fields),
-        )
-        for t in r.tenants
-    ]
-
-
-def rollout_controller(
+async def _run_training(
     cfg: TrainRunConfig,
-    url: str,
-    token: str,
-    model_name: str,
-    policy: Policy | None = None,
-) -> RolloutController:
-    """The controller of the run's training rollouts (of ``policy``: a tenant's), as its
-    ``rollout`` section says."""
-    r = cfg.rollout
-    return RolloutController(
-        url,
-        token,
-        r.agent if policy is None else policy.agent,
-        group_size=r.group_size,
-        max_concurrency=r.max_concurrency,
-        timeout_s=r.timeout_s,
-        model=model_name,
-        mode=r.mode,
-        ray_address=r.ray_address,
-        ray_options=r.ray_options,
-        adapter=None if policy is None else policy.adapter,
+    trainer: subprocess.Popen[bytes],
+    controllers: list[RolloutController],
+    policies: list[Policy],
+    before: dict[str | None, Accuracy],
+    resumed: dict[str | None, int],
+    trackers: RunTrackers | None,
+    progress: bool,
+    train_started: float,
+) -> tuple[Records, list[RolloutReport], float]:
+    """Every policy's rollouts and the trainer side by side until the trainer exits, a progress
+    bar counting the steps: each policy's step records, its rollout report, and the seconds
+    the training took since ``train_started`` (a ``time.monotonic()``). Raises when the
+    trainer failed."""
+    from tqdm import tqdm
+
+    resumed_steps = sum(resumed.values())
+    bar = tqdm(
+        initial=resumed_steps,
+        total=resumed_steps + cfg.steps * len(policies),
+        desc="PPO steps",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
     )
 
+    async def on_step(policy: Policy, record: dict[str, Any]) -> None:
+        if trackers is not None:
+            await trackers.step(policy.adapter, record)
+        lag = record.get("staleness") or {}
+        postfix = {} if policy.adapter is None else {"adapter": policy.adapter}
+        bar.set_postfix(
+            **postfix,
+            reward=f"{record.get('reward_mean') or 0:.2f}",
+            v=record.get("version"),
+            stale=max((int(k) for k in lag), default=0),
+            tok_s=f"{record.get('tokens_per_s') or 0:.0f}",
+        )
+        bar.update(1)
 
-def _trainer_command(cfg: TrainRunConfig, run: _Run, config_path: Path) -> list[str]:
-    return [
-        sys.executable,
-        *("-m", "proxima.cli", "--log-format", "text", "--log-level", "warning", "trainer"),
-        "--proxy",
-        run.url,
-        "--db",
-        run.db,
-        "--model",
-        str(run.model_dir),
-        "--config",
-        str(config_path),
-        "--output-dir",
-        str((cfg.output_dir / "trainer").resolve()),
-        "--max-steps",
-        str(cfg.steps),
-        "--no-progress",
+    rollouts = [
+        asyncio.create_task(c.run(train_items(p.items.train, rollout_fields(cfg, p))))
+        for c, p in zip(controllers, policies, strict=True)
     ]
-
-
-Accuracy = tuple[float, float | None]  # held-out, and in unseen phrasings (None: no such items)
+    records = await _follow_training(cfg, trainer, controllers, policies, before, on_step, resumed)
+    if trackers is not None:  # the steps logged after the last look at the logs
+        for policy in policies:
+            for record in records[policy.adapter][trackers.counts[policy.adapter] :]:
+                await trackers.step(policy.adapter, record)
+    train_s = time.monotonic() - train_started
+    bar.close()
+    reports = [await r for r in rollouts]
+    if trainer.returncode != 0:
+        raise RuntimeError(
+            f"the trainer exited with {trainer.returncode}; see {cfg.output_dir / 'trainer.log'}"
+        )
+    return records, reports, train_s
 
 
 async def _follow_training(
@@ -455,218 +265,99 @@ async def _follow_training(
     return {p.adapter: read_log(p.log_path(cfg)) for p in policies}
 
 
-def _accuracy_line(
-    cfg: TrainRunConfig, policy: Policy, before: Accuracy, after: Accuracy | None = None
-) -> str:
-    """``held-out accuracy before training: 23.0% (50 items); unseen phrasings: ...`` (before),
-    ``held-out accuracy: 23.0% -> 41.0%; unseen phrasings: 18.0% -> 30.0%`` (after)."""
-    items = policy.items
-    if after is None:
-        line = (
-            f"{policy.prefix}held-out accuracy before training: {before[0]:.1%} "
-            f"({_scored(cfg.eval, items.test)} items)"
+def _policy_result(
+    cfg: TrainRunConfig,
+    policy: Policy,
+    report: RolloutReport,
+    records: list[dict[str, Any]],
+    before: Accuracy,
+    after: Accuracy,
+) -> dict[str, Any]:
+    """One policy's part of the summary; its final model copied out and its reward curve
+    drawn with the accuracies before and after."""
+    final = _copy_final(cfg, policy.adapter)
+    if records:
+        plot_rewards(
+            records,
+            policy.curve_path(cfg),
+            before=before[0],
+            after=after[0],
+            unseen_before=before[1],
+            unseen_after=after[1],
         )
-        if before[1] is not None:
-            line += f"; unseen phrasings: {before[1]:.1%} ({_scored(cfg.eval, items.unseen)} items)"
-        return line
-    line = f"{policy.prefix}held-out accuracy: {before[0]:.1%} -> {after[0]:.1%}"
-    if before[1] is not None and after[1] is not None:
-        line += f"; unseen phrasings: {before[1]:.1%} -> {after[1]:.1%}"
-    return line
+    return {
+        "before": before[0],
+        "after": after[0],
+        "test_items": scored_items(cfg.eval, policy.items.test),
+        "unseen_before": before[1],
+        "unseen_after": after[1],
+        "unseen_items": scored_items(cfg.eval, policy.items.unseen),
+        "pushed_steps": sum(1 for r in records if r.get("pushed", True)),
+        "steps": len(records),
+        "final_model": str(final),
+        "rollouts": report.summary(),
+        "reward_curve": str(policy.curve_path(cfg)),
+    }
 
 
-async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run the whole job; returns the summary (accuracies, steps, paths).
+def _summary(
+    cfg: TrainRunConfig,
+    results: dict[str | None, dict[str, Any]],
+    new_steps: int,
+    resumed: dict[str | None, int],
+    train_s: float,
+    eval_s: float,
+    started: float,
+) -> dict[str, Any]:
+    """The run's summary, written to ``summary.json``: each policy's results (the base's at the
+    top level, tenants' under ``tenants``) and the timing of training, per step, evaluation
+    and the whole run (``started``: its ``time.monotonic()``)."""
+    resumed_steps = sum(resumed.values())
+    timing = {
+        "max_staleness": cfg.trainer.max_staleness,
+        "train_s": round(train_s, 1),
+        "seconds_per_step": round(train_s / max(1, new_steps), 1),
+        "resumed_steps": resumed_steps,
+        "eval_s": round(eval_s, 1),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    if cfg.rollout.tenants:
+        summary = {"tenants": results, "steps": new_steps + resumed_steps, **timing}
+    else:
+        summary = {**results[None], **timing}
+    (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
 
-    With ``rollout.tenants`` every tenant's adapter is trained at once (one trainer,
-    round-robin, ``steps`` each), on its own agent's sessions; each is evaluated on its
-    own held-out items, and the summary holds one entry per tenant under ``tenants``.
-    """
-    from tqdm import tqdm
 
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model_dir(cfg.model)
-    policies = run_policies(cfg)
-    run = _Run(cfg, model_dir, lora=bool(cfg.rollout.tenants))
-    trainer_proc: subprocess.Popen[bytes] | None = None
-    controllers: list[RolloutController] = []
-    trackers: RunTrackers | None = None
-    # Imported and opened on a thread while the proxy starts (seconds); refused at once if
-    # one is not installed.
-    opening = start_trackers(cfg, [p.adapter for p in policies])
-
-    async def evaluate_all() -> dict[str | None, Accuracy]:
-        scores = await asyncio.gather(
-            *(
-                run.evaluate_both(p.items, adapter=p.adapter, agent=p.agent, fields=p.fields)
-                for p in policies
-            )
-        )
-        return {p.adapter: score for p, score in zip(policies, scores, strict=True)}
-
-    try:
-        started = time.monotonic()
-        run.start()
-        eval_started = time.monotonic()
-        before = await evaluate_all()
-        for policy in policies:
-            print(_accuracy_line(cfg, policy, before[policy.adapter]), flush=True)
-        if opening is not None:
-            logs = {p.adapter: p.log_path(cfg) for p in policies}
-            trackers = await RunTrackers.ready(opening, logs, run.db)
-            for policy in policies:
-                trackers.evaluation(policy.adapter, before[policy.adapter])
-        train_started = time.monotonic()
-
-        trainer_cfg = cfg.trainer.model_copy(
-            update={"output_dir": (cfg.output_dir / "trainer").resolve()}
-        )
-        config_path = cfg.output_dir / "trainer_config.json"
-        # Only what the run config sets: batch_size and max_staleness left unset come from the proxy.
-        config_path.write_text(
-            trainer_cfg.model_dump_json(indent=2, exclude={"connection"}, exclude_unset=True)
-        )
-        # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
-        resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
-        resumed_steps = sum(resumed.values())
-        trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
-        trainer_proc = subprocess.Popen(
-            _trainer_command(cfg, run, config_path),
-            env=env,
-            stdout=trainer_log,
-            stderr=subprocess.STDOUT,
-        )
-
-        controllers = [
-            rollout_controller(cfg, run.url, run.token, run.model_name, p) for p in policies
-        ]
-        bar = tqdm(
-            initial=resumed_steps,
-            total=resumed_steps + cfg.steps * len(policies),
-            desc="PPO steps",
-            unit="step",
-            disable=not progress,
-            dynamic_ncols=True,
-        )
-
-        async def on_step(policy: Policy, record: dict[str, Any]) -> None:
-            if trackers is not None:
-                await trackers.step(policy.adapter, record)
-            lag = record.get("staleness") or {}
-            postfix = {} if policy.adapter is None else {"adapter": policy.adapter}
-            bar.set_postfix(
-                **postfix,
-                reward=f"{record.get('reward_mean') or 0:.2f}",
-                v=record.get("version"),
-                stale=max((int(k) for k in lag), default=0),
-                tok_s=f"{record.get('tokens_per_s') or 0:.0f}",
-            )
-            bar.update(1)
-
-        def fields_of(policy: Policy) -> dict[str, Any]:
-            fields = {**policy.fields, "temperature": cfg.rollout.temperature}
-            if cfg.rollout.seed is not None:
-                fields["seed"] = cfg.rollout.seed
-            return fields
-
-        rollouts = [
-            asyncio.create_task(c.run(_cycle(p.items.train, fields_of(p))))
-            for c, p in zip(controllers, policies, strict=True)
-        ]
-        records = await _follow_training(
-            cfg, trainer_proc, controllers, policies, before, on_step, resumed
-        )
-        if trackers is not None:  # the steps logged after the last look at the logs
-            for policy in policies:
-                for record in records[policy.adapter][trackers.counts[policy.adapter] :]:
-                    await trackers.step(policy.adapter, record)
-        train_s = time.monotonic() - train_started
-        bar.close()
-        reports = [await r for r in rollouts]
-        if trainer_proc.returncode != 0:
-            raise RuntimeError(
-                f"the trainer exited with {trainer_proc.returncode}; see {cfg.output_dir / 'trainer.log'}"
-            )
-
-        after_started = time.monotonic()
-        after = await evaluate_all()
-        if trackers is not None:
-            for policy in policies:
-                trackers.evaluation(policy.adapter, after[policy.adapter])
-        eval_s = (train_started - eval_started) + (time.monotonic() - after_started)
-        results = {}
-        for policy, report in zip(policies, reports, strict=True):
-            mine, accuracy = records[policy.adapter], before[policy.adapter]
-            final = _copy_final(cfg, policy.adapter)
-            if mine:
-                plot_rewards(
-                    mine,
-                    policy.curve_path(cfg),
-                    before=accuracy[0],
-                    after=after[policy.adapter][0],
-                    unseen_before=accuracy[1],
-                    unseen_after=after[policy.adapter][1],
-                )
-            results[policy.adapter] = {
-                "before": accuracy[0],
-                "after": after[policy.adapter][0],
-                "test_items": _scored(cfg.eval, policy.items.test),
-                "unseen_before": accuracy[1],
-                "unseen_after": after[policy.adapter][1],
-                "unseen_items": _scored(cfg.eval, policy.items.unseen),
-                "pushed_steps": sum(1 for r in mine if r.get("pushed", True)),
-                "steps": len(mine),
-                "final_model": str(final),
-                "rollouts": report.summary(),
-                "reward_curve": str(policy.curve_path(cfg)),
-            }
-        steps = sum(len(r) for r in records.values())
-        new_steps = steps - resumed_steps
-        timing = {
-            "max_staleness": cfg.trainer.max_staleness,
-            "train_s": round(train_s, 1),
-            "seconds_per_step": round(train_s / max(1, new_steps), 1),
-            "resumed_steps": resumed_steps,
-            "eval_s": round(eval_s, 1),
-            "wall_s": round(time.monotonic() - started, 1),
-        }
-        if cfg.rollout.tenants:
-            summary = {"tenants": results, "steps": steps, **timing}
-        else:
-            summary = {**results[None], **timing}
-        (cfg.output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        earlier = f", after {resumed_steps} earlier" if resumed_steps else ""
+def _print_outcome(
+    cfg: TrainRunConfig,
+    policies: list[Policy],
+    results: dict[str | None, dict[str, Any]],
+    before: dict[str | None, Accuracy],
+    after: dict[str | None, Accuracy],
+    summary: dict[str, Any],
+    new_steps: int,
+    train_s: float,
+) -> None:
+    """The closing lines: the steps and their time, each policy's reward curve and final
+    model, and its held-out accuracy before -> after."""
+    resumed_steps = summary["resumed_steps"]
+    earlier = f", after {resumed_steps} earlier" if resumed_steps else ""
+    print(
+        f"trained {new_steps} steps{earlier} in {train_s:.0f} s "
+        f"({summary['seconds_per_step']} s/step); whole run {summary['wall_s']:.0f} s"
+    )
+    for policy in policies:
+        result = results[policy.adapter]
         print(
-            f"trained {new_steps} steps{earlier} in {train_s:.0f} s "
-            f"({timing['seconds_per_step']} s/step); whole run {timing['wall_s']:.0f} s"
+            f"{policy.prefix}reward curve: {result['reward_curve']}; "
+            f"final model: {result['final_model']}"
         )
-        for policy in policies:
-            result = results[policy.adapter]
-            print(
-                f"{policy.prefix}reward curve: {result['reward_curve']}; "
-                f"final model: {result['final_model']}"
-            )
-        for policy in policies:
-            print(
-                _accuracy_line(cfg, policy, before[policy.adapter], after[policy.adapter]),
-                flush=True,
-            )
-        return summary
-    finally:
-        for controller in controllers:
-            controller.stop()
-        if trainer_proc is not None and trainer_proc.poll() is None:
-            trainer_proc.send_signal(signal.SIGINT)  # clean stop: checkpoint, claims released
-            try:
-                trainer_proc.wait(120)
-            except subprocess.TimeoutExpired:
-                trainer_proc.kill()
-        if trackers is not None:
-            await trackers.close()
-        elif opening is not None:
-            await discard(opening)
-        run.stop()
+    for policy in policies:
+        print(
+            accuracy_line(cfg, policy, before[policy.adapter], after[policy.adapter]),
+            flush=True,
+        )
 
 
 def _copy_final(cfg: TrainRunConfig, adapter: str | None = None) -> Path | None:
@@ -708,19 +399,19 @@ async def eval_only(
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.model)
     items = load_items(cfg.data)
-    run = _Run(cfg, model_dir, lora=adapter is not None)
+    run = RunProxy(cfg, model_dir, lora=adapter is not None)
     try:
         run.start()
         score, unseen = await run.evaluate_both(items, version, adapter=adapter)
     finally:
         run.stop()
-    scored = _scored(cfg.eval, items.test)
+    scored = scored_items(cfg.eval, items.test)
     label = "" if version is None else f" of version {version}"
     if adapter is not None:
         label += f" of adapter {adapter}"
     line = f"held-out accuracy{label}: {score:.1%} ({scored} items)"
     if unseen is not None:
-        line += f"; unseen phrasings: {unseen:.1%} ({_scored(cfg.eval, items.unseen)} items)"
+        line += f"; unseen phrasings: {unseen:.1%} ({scored_items(cfg.eval, items.unseen)} items)"
     print(line)
     if version is not None:
         await _record_eval(run, version, score, scored, adapter=adapter)
@@ -728,7 +419,7 @@ async def eval_only(
 
 
 async def _record_eval(
-    run: _Run, version: int, score: float, items: int, *, adapter: str | None = None
+    run: RunProxy, version: int, score: float, items: int, *, adapter: str | None = None
 ) -> None:
     import httpx
 
