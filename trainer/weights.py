@@ -1,4 +1,4 @@
-"""Weight versions on disk, the push to the proxy, checkpoints, and the recovery rule.
+"""Weight versions on disk, checkpoints, and the recovery rule; the push re-exported.
 
 Layout of ``output_dir``::
 
@@ -15,6 +15,9 @@ Layout of ``output_dir``::
 Everything below holds per policy: the base model's files are the top level,
 an adapter's are its home (:func:`policy_home`); the store keeps a version
 sequence per policy, so the rule reads ``P`` of that policy.
+
+The push to the proxy (``WeightSink``, ``ProxyWeightSink``, ``PushResult``,
+``WeightPushError``) is ``proxima.trainer.weight_push``'s, importable from here too.
 
 Every directory is written under a temporary name in the same parent, its
 files fsynced, then renamed into place (``os.rename`` is atomic within one
@@ -55,22 +58,50 @@ sessions are in no pushed version).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import httpx
 import torch
 from proxima.trainer.log import ADAPTERS_DIR, policy_home
+from proxima.trainer.weight_push import ProxyWeightSink, PushResult, WeightPushError, WeightSink
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "PENDING_FILE",
+    "STATE_FILE",
+    "TENSORS_FILE",
+    "WEIGHTS_DIR",
+    "Checkpoint",
+    "PendingStep",
+    "ProxyWeightSink",
+    "PushResult",
+    "RecoveryError",
+    "ResumePlan",
+    "TrainerState",
+    "WeightPushError",
+    "WeightSink",
+    "atomic_dir",
+    "clear_pending",
+    "export_weights",
+    "exported_versions",
+    "latest_checkpoint",
+    "marker_file",
+    "plan_resume",
+    "prune_weights",
+    "read_pending",
+    "remove_partial_writes",
+    "save_checkpoint",
+    "weights_dir",
+    "write_pending",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +111,6 @@ PENDING_FILE = "pending.json"
 STATE_FILE = "trainer_state.json"
 TENSORS_FILE = "state.pt"
 _TMP_PREFIX = ".tmp-"
-_PUSH_ATTEMPTS = 3
-
-
-class WeightPushError(RuntimeError):
-    """The proxy did not take a new weight version (the message has its answer)."""
 
 
 class RecoveryError(RuntimeError):
@@ -205,154 +231,6 @@ def prune_weights(
     if deleted:
         logger.info("pruned weight versions", extra={"deleted": deleted})
     return deleted
-
-
-# --------------------------------------------------------------------------- the push
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """A weight version the proxy now serves."""
-
-    version: int
-    path: str
-    proxy_seconds: float  # the proxy's own time to interrupt, load everywhere and resume
-    http_seconds: float  # wall time of the request(s), as the trainer saw it
-    transport: Literal["disk", "broadcast"] = "disk"  # how the weights reached the backends
-
-
-class WeightSink(Protocol):
-    """Where new weight versions go (the proxy, in production)."""
-
-    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
-        """Make ``version`` (HF directory ``path``; with ``adapter``, that adapter's peft
-        directory) the served version of the policy, or raise."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release connections."""
-        ...
-
-
-class ProxyWeightSink:
-    """``POST {proxy}/admin/weights {version, path}`` with the admin token.
-
-    An adapter's push adds ``"adapter": name`` to the body: ``path`` is then a
-    peft directory and ``version`` that adapter's next version; the proxy
-    loads it beside the other policies and only interrupts that adapter's
-    generations.
-
-    ``proxy_url`` is one proxy, a fleet's load balancer, or several replicas
-    (comma-separated). Replicas on one database share the pushed version: a
-    push goes through one replica (the first that answers; a transport error
-    moves to the next), and the others follow it through the store within a
-    second; the push then waits (``confirm_s``) until every listed replica
-    reports the version, warning about any that does not.
-
-    Transport errors (including a timeout) are retried; a 409 answer is
-    success if the proxy already serves ``version`` (an earlier attempt
-    landed) and an error otherwise (another trainer is pushing).
-    """
-
-    def __init__(
-        self,
-        proxy_url: str,
-        *,
-        admin_token: str | None,
-        timeout_s: float = 600.0,
-        confirm_s: float = 10.0,
-    ) -> None:
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self.proxy_urls = [u.strip().rstrip("/") for u in proxy_url.split(",") if u.strip()]
-        if not self.proxy_urls:
-            raise ValueError("ProxyWeightSink needs a proxy URL")
-        self.proxy_url = self.proxy_urls[0]
-        self.confirm_s = confirm_s
-        self._client = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
-        )
-
-    async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
-        """Push ``version`` and wait until every backend of the proxy loaded it."""
-        started = time.monotonic()
-        body: dict[str, Any] = {"version": version, "path": str(path)}
-        if adapter is not None:
-            body["adapter"] = adapter
-        urls = self.proxy_urls
-        tries = _PUSH_ATTEMPTS * len(urls)
-        for attempt in range(1, tries + 1):
-            url = urls[(attempt - 1) % len(urls)]
-            try:
-                resp = await self._client.post(url + "/admin/weights", json=body)
-            except httpx.TransportError as exc:
-                if attempt == tries:
-                    raise WeightPushError(
-                        f"POST /admin/weights failed {attempt} times on {', '.join(urls)}: {exc!r}"
-                    ) from exc
-                logger.warning("weight push to %s failed, retrying: %r", url, exc)
-                if attempt % len(urls) == 0:  # every URL failed this round: back off
-                    await asyncio.sleep(2.0 ** (attempt // len(urls)))
-                continue
-            if resp.status_code == 200:
-                answer = resp.json()
-                if adapter is None:  # replicas report the base's version on /health
-                    await self.confirm(version, pushed_to=url)
-                return PushResult(
-                    version=version,
-                    path=str(path),
-                    proxy_seconds=float(answer.get("seconds", 0.0)),
-                    http_seconds=time.monotonic() - started,
-                )
-            if resp.status_code == 409:
-                served = await self.served_version(url, adapter=adapter)
-                if served == version:
-                    return PushResult(version, str(path), 0.0, time.monotonic() - started)
-                whose = "" if adapter is None else f" of adapter {adapter}"
-                raise WeightPushError(
-                    f"the proxy refused version {version}{whose}: it serves version {served}; is "
-                    "another trainer pushing to this proxy?"
-                )
-            raise WeightPushError(
-                f"POST {url}/admin/weights answered {resp.status_code}: {resp.text}"
-            )
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def confirm(self, version: int, *, pushed_to: str) -> None:
-        """Wait until every other listed replica serves ``version`` (they follow the store)."""
-        waiting = [u for u in self.proxy_urls if u != pushed_to]
-        deadline = time.monotonic() + self.confirm_s
-        while waiting and time.monotonic() < deadline:
-            answers = await asyncio.gather(
-                *(self.served_version(u) for u in waiting), return_exceptions=True
-            )
-            waiting = [u for u, v in zip(waiting, answers, strict=True) if v != version]
-            if waiting:
-                await asyncio.sleep(0.05)
-        if waiting:
-            logger.warning(
-                "version %s was pushed through %s, but %s did not report it within %.0fs "
-                "(are they on the same database?)",
-                version,
-                pushed_to,
-                ", ".join(waiting),
-                self.confirm_s,
-            )
-
-    async def served_version(self, url: str | None = None, *, adapter: str | None = None) -> int:
-        """The version ``GET /health`` reports (of ``url``, default the first proxy URL).
-
-        An adapter's is in ``adapters``: ``{name: version}`` (-1 when the proxy lists none).
-        """
-        resp = await self._client.get((url or self.proxy_url) + "/health")
-        resp.raise_for_status()
-        answer = resp.json()
-        if adapter is None:
-            return int(answer["version"])
-        return int((answer.get("adapters") or {}).get(adapter, -1))
-
-    async def aclose(self) -> None:
-        """Close the HTTP client."""
-        await self._client.aclose()
 
 
 # --------------------------------------------------------------------------- checkpoints
