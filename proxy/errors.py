@@ -199,7 +199,19 @@ class BackendError(ProximaError):
 
 
 class BackendUnavailable(BackendError):
-    """No healthy backend serves the request, or generation was interrupted too often."""
+    """No healthy backend serves the request, or generation was interrupted too often;
+    ``retry_after``: when to try again, where that is known (a ``Retry-After`` header)."""
+
+    def __init__(
+        self, message: str, *, url: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, url=url)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str] | None:
+        if self.retry_after is None:
+            return None
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
 class BackendConnectionError(BackendError):

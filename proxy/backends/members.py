@@ -41,6 +41,9 @@ class Backend:
     # A push failed part-way on it (it may hold half-updated weights while it reports the
     # current version): it is routed to again only after ``rejoin`` reloads the current weights.
     must_reload: bool = False
+    # Its process died and is being started again (an embedded engine's supervisor sets it):
+    # a request that finds no other backend healthy is answered 503 at once, not kept waiting.
+    restarting: bool = False
 
     @property
     def url(self) -> str:

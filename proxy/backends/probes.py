@@ -19,6 +19,9 @@ from proxima.proxy.backends.members import Backend, PoolState, ask_version
 
 logger = logging.getLogger(__name__)
 
+RESTART_RETRY_AFTER_S = 2.0
+"""The ``Retry-After`` of a request that found every backend restarting."""
+
 
 class HealthChecker:
     """Probes the pool's backends, on demand and every ``interval`` seconds once started."""
@@ -29,9 +32,16 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
 
     async def wait_for_healthy(self, timeout: float) -> None:
-        """Wait until some backend is healthy (health checks put them back)."""
+        """Wait until some backend is healthy (health checks put them back); at once
+        ``BackendUnavailable`` (with a ``Retry-After``) when every backend is ``restarting``:
+        an engine takes seconds to start, and a caller retries better than it waits."""
         deadline = time.monotonic() + timeout
         while not self._state.healthy_backends():
+            if all(b.restarting for b in self._state.backends):
+                raise BackendUnavailable(
+                    "Every inference backend is restarting; retry shortly.",
+                    retry_after=RESTART_RETRY_AFTER_S,
+                )
             if time.monotonic() >= deadline:
                 raise BackendUnavailable(
                     "No healthy inference backend is available; retry shortly."

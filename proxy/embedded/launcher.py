@@ -4,6 +4,12 @@ The engine runs in its own process (``python -m proxima.proxy.embedded``), exact
 separate SGLang server: the proxy's event loop never competes with model
 compute for the interpreter, and the proxy talks to it over HTTP with the same
 client it uses for SGLang.
+
+The process is in a process group of its own: a terminal's Ctrl-C reaches ``proxima serve``,
+which stops its engines as it shuts down, and not the engines first (the supervisor,
+``proxima.proxy.embedded.supervisor``, would take an engine that died of it for a crash and
+start it again). An engine still dies with ``proxima serve``, even by SIGKILL
+(``parent_watch``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ def default_num_threads() -> int:
 
 
 class EngineProcess:
+    """One embedded engine process: started, watched (``poll``), restarted, stopped.
+
+    ``start`` may be called again once the process has exited: the new process listens on
+    the same port, so the pool's backend URL stays the engine's.
+    """
+
     def __init__(
         self,
         model: Path,
@@ -58,10 +70,20 @@ class EngineProcess:
         if max_lora_rank is not None:
             self.lora_args += ["--max-lora-rank", str(max_lora_rank)]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0  # processes started (1 + restarts)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def poll(self) -> int | None:
+        """The exit status of a process that has exited (reaped: no zombie is left), else
+        None (running, or never started)."""
+        return None if self.proc is None else self.proc.poll()
 
     def start(self) -> None:
         cmd = [
@@ -84,7 +106,8 @@ class EngineProcess:
         logger.info("starting embedded engine: %s", " ".join(cmd))
         # child_env: the engine exits when this process dies, even by SIGKILL.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **child_env()}
-        self.proc = subprocess.Popen(cmd, env=env)
+        self.proc = subprocess.Popen(cmd, env=env, process_group=0)
+        self.starts += 1
 
     async def wait_healthy(self, timeout: float = 180.0) -> None:
         assert self.proc is not None, "start() first"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.embedded.launcher import EngineProcess
+from proxima.proxy.embedded.supervisor import EngineSupervisor
 from proxima.proxy.errors import Conflict
 
 logger = logging.getLogger(__name__)
@@ -47,17 +48,21 @@ _VERSIONED_MODEL = re.compile(r"^(?P<name>.+)@v(?P<version>\d+)$")
 
 @dataclass(eq=False)
 class Deployment:
-    """A named pool of backends; the embedded engines it started are stopped with it."""
+    """A named pool of backends; the embedded engines it started are supervised (restarted
+    when they die: ``supervisor``) and stopped with it."""
 
     name: str
     pool: BackendPool
     engines: tuple[EngineProcess, ...] = ()
+    supervisor: EngineSupervisor | None = None
 
     @property
     def version(self) -> int:
         return self.pool.version
 
     async def close(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()  # first: an engine stopped here is not restarted
         await self.pool.close()
         for engine in self.engines:
             engine.stop()
@@ -69,6 +74,7 @@ class Deployment:
             "updating": self.pool.updating,
             "embedded_engine": bool(self.engines),
             "embedded_engines": len(self.engines),
+            "engine_restarts": 0 if self.supervisor is None else self.supervisor.restarts,
             "backends": [
                 {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "version": b.version}
                 for b in self.pool.backends
