@@ -1,4 +1,8 @@
-"""A ``proxima serve`` child process on loopback (used by ``proxima train``, tests, benchmarks)."""
+"""A ``proxima serve`` child process on loopback (used by ``proxima train``, tests, benchmarks).
+
+Its admin token is handed over in the environment (``PROXIMA_ADMIN_TOKEN``), never as a
+command-line argument.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from typing import Any
 
 import httpx
 from proxima.proxy.serving import free_port, wait_healthy
+
+ADMIN_TOKEN_ENV = "PROXIMA_ADMIN_TOKEN"
+"""Where ``proxima serve`` reads its admin token when no flag gives one."""
 
 
 @dataclass
@@ -50,14 +57,13 @@ class ProxyProcess:
             str(self.port),
             "--db",
             self.db_url,
-            "--admin-token",
-            self.admin_token,
             *self.extra_args,
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
-        )
+        # The token in the environment, not on the command line: no other user reads it in
+        # the process list, and a token that starts with "-" is never taken for a flag.
+        env = {**os.environ, **self.env, ADMIN_TOKEN_ENV: self.admin_token}
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(
                 self.proc, self.url, timeout=timeout, name="proxima serve", log=self.log_path
