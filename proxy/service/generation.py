@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, nullcontext
@@ -51,18 +50,13 @@ from proxima.proxy.backends.errors import (
     BackendRejected,
     BackendUnavailable,
 )
-from proxima.proxy.backends.pool import Backend, BackendPool, reported_version
+from proxima.proxy.backends.pool import Backend, BackendPool
 from proxima.proxy.backends.protocol import FinishReason, GenerateRequest
 from proxima.proxy.backends.sglang import NonFiniteLogprob, TokenDelta
-from proxima.proxy.errors import (
-    BadRequest,
-    ContextTooLong,
-    ProximaError,
-    RateLimited,
-)
+from proxima.proxy.errors import BadRequest
 from proxima.proxy.policies.adapter_guard import BrokenAdapter
-from proxima.proxy.rendering.sampling import Sampling
-from proxima.proxy.rendering.structured import Grammar
+from proxima.proxy.rendering.sampling import ReasoningBudget, Sampling
+from proxima.proxy.service.attempt import Attempt, BoundaryStops, abort_error, backend_rid
 
 logger = logging.getLogger(__name__)
 
@@ -101,71 +95,6 @@ class GenerationResult:
         self.top_logprobs.extend(chunk.top_logprobs)
 
 
-RID_END = "#"
-
-
-def backend_rid(base: str, attempt: int) -> str:
-    """The rid of one backend request: no such rid is a prefix of another.
-
-    SGLang's ``/abort_request`` aborts every request whose rid starts with the
-    given one. Each rid here ends with ``RID_END`` and holds it nowhere else,
-    so a proper prefix of one rid (which would end with ``RID_END``) is never
-    another rid: an abort never hits a neighbour (``chatcmpl-x-1`` of choice
-    0's second attempt vs ``chatcmpl-x-1-0`` of choice 1).
-    """
-    return f"{base.replace(RID_END, '_')}-{attempt}{RID_END}"
-
-
-def abort_error(finish: FinishReason, grammar: Grammar | None = None) -> ProximaError:
-    """The OpenAI error for an abort that carries a status (a scheduler-side failure).
-
-    A constrained request's other 4xx is its grammar's (all else was checked
-    here): the error names the field the grammar enforces.
-    """
-    status = finish.status_code or 500
-    message = f"The inference backend refused the request: {finish.message or finish.err_type}"
-    if status == 429:
-        return RateLimited(message)
-    if 400 <= status < 500:
-        if "length" in (finish.message or "").lower():
-            return ContextTooLong(message)
-        return BadRequest(message, param=None if grammar is None else grammar.param)
-    return BackendUnavailable(message)
-
-
-class BoundaryStops:
-    """Stop strings that straddle an interruption, which SGLang cannot see.
-
-    After a resume, SGLang's output holds only the new tokens, so a stop string
-    that began before the interruption is missed. A match must end within
-    ``max(len(stop)) - 1`` characters after the boundary, so only the first few
-    new tokens are decoded (with a window of old tokens before them).
-    """
-
-    def __init__(self, stops: list[str], decode: Callable[[list[int]], str], ids: list[int]):
-        self.stops = stops
-        self.decode = decode
-        self.longest = max(len(s) for s in stops)
-        self.window = ids[-(self.longest + 4) :]  # old tokens: enough for longest - 1 chars
-        self.before = len(decode(self.window))
-        self.done = False
-
-    def find(self, new_ids: list[int]) -> tuple[int, str] | None:
-        """``(tokens to keep, stop)`` when a straddling stop string completes in ``new_ids``."""
-        for i, token in enumerate(new_ids):
-            if self.done:
-                return None
-            self.window.append(token)
-            text = self.decode(self.window)
-            for stop in self.stops:
-                at = text.find(stop, max(0, self.before - len(stop) + 1))
-                if 0 <= at < self.before:  # begins before the boundary, ends after it
-                    return i + 1, stop
-            # Past this point a match would lie wholly in the new output: SGLang sees it.
-            self.done = len(text) - self.before >= self.longest
-        return None
-
-
 def _lacks_adapter(exc: BackendRejected, lora: str) -> bool:
     """Whether the backend refused a request because ``lora`` is not loaded on it
     (SGLang: "Got LoRA adapter that has never been loaded: <name>")."""
@@ -177,62 +106,6 @@ async def _abort_quietly(backend: Backend, rid: str) -> None:
         await backend.client.abort_request(rid=rid)
     except (BackendConnectionError, BackendOperationFailed, BackendRejected) as exc:
         logger.debug("abort of %s on %s failed: %s", rid, backend.url, exc)
-
-
-class _Attempt:
-    """One backend request of a completion: turns stream deltas into token chunks."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        rid: str,
-        boundary: BoundaryStops | None,
-        *,
-        version: int,
-        label: int | None = None,
-    ):
-        self.backend = backend
-        self.rid = rid
-        self.boundary = boundary
-        self.version = version  # the pool's (base weights') version when the attempt started
-        self.label = label  # an adapter request's adapter version: what its tokens carry
-        self.finish: FinishReason | None = None
-        self.straddled = False
-        self.stale: int | None = None  # the older version the backend generated with
-
-    def take(self, delta: TokenDelta, params: Sampling) -> TokenDelta | None:
-        """The delta with each token's version, or None when it has no tokens (or comes
-        from stale weights).
-
-        Every healthy backend serves the pool's version when an attempt starts, so
-        tokens of an older version come from a backend that restarted with its
-        start-up weights since it was last checked: ``stale`` is set and the
-        caller drops the attempt.
-        """
-        self.backend.last_ok = time.monotonic()  # it answers: no health probe needed
-        if delta.weight_version is None:  # a server that does not label its chunks
-            version = self.backend.version if self.backend.version is not None else self.version
-        else:
-            version = reported_version(delta.weight_version)
-        if version < self.version:
-            self.stale = version
-            return None
-        found = self.boundary.find(delta.token_ids) if self.boundary else None
-        if found is not None:
-            keep, stop = found
-            del delta.token_ids[keep:], delta.logprobs[keep:], delta.top_logprobs[keep:]
-            delta.finish_reason = FinishReason(type="stop", matched=stop)
-            self.straddled = True
-        if delta.finish_reason is not None:
-            self.finish = delta.finish_reason
-        if not delta.token_ids:
-            return None
-        if self.label is not None:
-            version = self.label
-        delta.versions = [version] * len(delta.token_ids)
-        if not params.top_logprobs:
-            delta.top_logprobs = [[] for _ in delta.token_ids]
-        return delta
 
 
 def _close_reasoning(params: Sampling, result: GenerationResult, version: int) -> TokenDelta | None:
@@ -281,45 +154,25 @@ async def generate(
         if remaining <= 0:
             result.finish_reason = "length"
             return
-        capped = False
-        if budget is not None:
-            left = budget.limit - len(result.output_ids)
-            if left < remaining:
-                remaining, capped = max(left, 0), True
-            if remaining == 0:  # the budget is spent: close the reasoning if it is open
-                budget, chunk = None, _close_reasoning(params, result, pool.policy(adapter)[0])
-                if chunk is not None:
-                    result.extend(chunk)
-                    yield chunk
-                continue
-        await pool.wait_ready()
-        version = pool.version
-        try:
-            backend = pool.choose(sticky_key)
-        except BackendUnavailable:
-            await pool.wait_for_healthy(FAILOVER_WAIT_S)
+        remaining, capped = _budget_cap(budget, len(result.output_ids), remaining)
+        if budget is not None and remaining == 0:
+            # The budget is spent: close the reasoning if it is open.
+            budget, chunk = None, _close_reasoning(params, result, pool.policy(adapter)[0])
+            if chunk is not None:
+                result.extend(chunk)
+                yield chunk
             continue
+        chosen = await _next_backend(pool, sticky_key)
+        if chosen is None:
+            continue
+        backend, version = chosen
         # Read with no await between it and the registration below: a push switches the
         # name first, then aborts every registered request still on the old one.
         label, lora = pool.policy(adapter) if adapter is not None else (None, None)
         rid = backend_rid(base_rid, attempt)
         attempt += 1
-        boundary = None
-        if params.stop and params.decode is not None and result.output_ids:
-            boundary = BoundaryStops(params.stop, params.decode, list(result.output_ids))
-        # Not validated again: the ids are the prompt's (checked when it was prepared) and
-        # the backend's own; validating tens of thousands costs milliseconds per turn.
-        request = GenerateRequest.model_construct(
-            input_ids=prompt_ids + result.output_ids,
-            sampling_params=params.wire(remaining),
-            return_logprob=True,
-            top_logprobs_num=params.top_logprobs,
-            rid=rid,
-            lora_path=lora,
-        )
-        attempt_state = _Attempt(backend, rid, boundary, version=version, label=label)
-        held: list[TokenDelta] = []  # a constrained attempt's tokens, until it finishes
-        broken: NonFiniteLogprob | None = None
+        request = _attempt_request(prompt_ids, params, result, remaining, rid, lora)
+        state = Attempt(backend, rid, _boundary_stops(params, result), version=version, label=label)
         result.backend = backend.url
         registered = (
             pool.adapter_request(adapter, backend, rid, lora)
@@ -327,81 +180,23 @@ async def generate(
             else nullcontext()
         )
         with pool.lease(backend), registered:
-            try:
-                async with aclosing(backend.client.generate_stream(request)) as stream:
-                    async for delta in stream:
-                        chunk = attempt_state.take(delta, params)
-                        if attempt_state.stale is not None:
-                            await asyncio.shield(_abort_quietly(backend, rid))
-                            break
-                        if chunk is not None and params.grammar is not None:
-                            held.append(chunk)
-                        elif chunk is not None:
-                            result.extend(chunk)
-                            yield chunk
-                        if attempt_state.straddled:
-                            await asyncio.shield(_abort_quietly(backend, rid))
-                            break
-            except BackendConnectionError as exc:
-                pool.mark_failed(backend, exc)
-                result.interruptions += 1
-                logger.warning("completion %s lost backend %s; resuming", base_rid, backend.url)
-                if result.interruptions > MAX_INTERRUPTIONS:
-                    raise BackendUnavailable("Generation was interrupted too many times.") from exc
-                continue
-            except BackendRejected as exc:
-                if lora is not None and _lacks_adapter(exc, lora):
-                    # A backend that restarted since its last check has no adapters: it
-                    # loads them before it serves again; resume elsewhere meanwhile.
-                    pool.mark_missing_adapter(backend, lora)
-                    result.interruptions += 1
-                    if result.interruptions > MAX_INTERRUPTIONS:
-                        raise BackendUnavailable(
-                            "Generation was interrupted too many times."
-                        ) from exc
-                    continue
-                raise BadRequest(
-                    f"The inference backend rejected the request: {exc}",
-                    param=None if params.grammar is None else params.grammar.param,
-                ) from exc
-            except BackendOperationFailed as exc:
-                if not (isinstance(exc, NonFiniteLogprob) and label and on_broken_adapter):
-                    raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
-                broken = exc
-            except (asyncio.CancelledError, GeneratorExit):
-                await asyncio.shield(_abort_quietly(backend, rid))
-                raise
-        if broken is not None:
+            # ``_stream`` aborts the backend request when this iterator is cancelled or closed.
+            can_fall_back = bool(label and on_broken_adapter)
+            tokens = _stream(pool, state, request, params, result, base_rid, lora, can_fall_back)
+            async with aclosing(tokens) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        if state.resume:
+            continue
+        if state.broken is not None:
             # Out of the request's registration: a fall-back waits until none is on ``lora``.
-            assert adapter is not None and label and lora is not None and on_broken_adapter
-            at_fault = BrokenAdapter(
-                pool, backend, adapter, label, lora, broken, request.input_ids or []
-            )
-            if not await on_broken_adapter(at_fault):
-                raise BackendUnavailable(f"The inference backend failed: {broken}") from broken
-            result.interruptions += 1
-            if result.interruptions > MAX_INTERRUPTIONS:
-                raise BackendUnavailable("Generation was interrupted too many times.")
+            assert adapter is not None and lora is not None and on_broken_adapter
+            await _fall_back(pool, state, adapter, lora, request, on_broken_adapter, result)
             continue
-        if attempt_state.stale is not None:
-            # Nothing of this attempt was kept: generate again where the current
-            # weights are (the health checks bring this backend up to date).
-            pool.mark_stale(backend, attempt_state.stale)
-            result.interruptions += 1
-            if result.interruptions > MAX_INTERRUPTIONS:
-                raise BackendUnavailable("Generation was interrupted too many times.")
+        finish = _settled(pool, state, params, result)
+        if finish is None:
             continue
-        finish = attempt_state.finish
-        if finish is not None and finish.is_error:
-            raise abort_error(finish, params.grammar)
-        if finish is None or finish.type == "abort":
-            # Interrupted (weight update, explicit abort): resume from the partial tokens
-            # (a constrained attempt starts over: its held tokens are dropped).
-            result.interruptions += 1
-            if result.interruptions > MAX_INTERRUPTIONS:
-                raise BackendUnavailable("Generation was interrupted too many times.")
-            continue
-        for chunk in held:
+        for chunk in state.held:
             result.extend(chunk)
             yield chunk
         if capped and finish.type == "length":
@@ -409,3 +204,182 @@ async def generate(
         result.finish_reason = "length" if finish.type == "length" else "stop"
         result.matched_stop = finish.matched
         return
+
+
+async def _next_backend(pool: BackendPool, sticky_key: str | None) -> tuple[Backend, int] | None:
+    """The backend the next attempt goes to, and the pool's version then (once no weight
+    update runs); None when none was healthy (after waiting for one: try again)."""
+    await pool.wait_ready()
+    version = pool.version
+    try:
+        backend = pool.choose(sticky_key)
+    except BackendUnavailable:
+        await pool.wait_for_healthy(FAILOVER_WAIT_S)
+        return None
+    return backend, version
+
+
+async def _stream(
+    pool: BackendPool,
+    state: Attempt,
+    request: GenerateRequest,
+    params: Sampling,
+    result: GenerationResult,
+    base_rid: str,
+    lora: str | None,
+    can_fall_back: bool,
+) -> AsyncGenerator[TokenDelta]:
+    """One backend request's tokens as they arrive, added to ``result`` (a constrained
+    attempt's are held in ``state.held`` until it finishes).
+
+    A failure the completion resumes from (a lost backend, one that lacks the adapter) sets
+    ``state.resume``; a non-finite logprob of an adapter that can fall back, ``state.broken``;
+    any other failure is raised as its OpenAI error. Cancelled or closed, it aborts the
+    backend request.
+    """
+    backend, rid = state.backend, state.rid
+    try:
+        async with aclosing(backend.client.generate_stream(request)) as stream:
+            async for delta in stream:
+                chunk = state.take(delta, params)
+                if state.stale is not None:
+                    await asyncio.shield(_abort_quietly(backend, rid))
+                    break
+                if chunk is not None and params.grammar is not None:
+                    state.held.append(chunk)
+                elif chunk is not None:
+                    result.extend(chunk)
+                    yield chunk
+                if state.straddled:
+                    await asyncio.shield(_abort_quietly(backend, rid))
+                    break
+    except BackendConnectionError as exc:
+        pool.mark_failed(backend, exc)
+        logger.warning("completion %s lost backend %s; resuming", base_rid, backend.url)
+        _count_interruption(result, exc)
+        state.resume = True
+    except BackendRejected as exc:
+        _rejected(pool, backend, exc, lora, params, result)
+        state.resume = True
+    except BackendOperationFailed as exc:
+        if not (isinstance(exc, NonFiniteLogprob) and can_fall_back):
+            raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
+        state.broken = exc
+    except (asyncio.CancelledError, GeneratorExit):
+        await asyncio.shield(_abort_quietly(backend, rid))
+        raise
+
+
+async def _fall_back(
+    pool: BackendPool,
+    state: Attempt,
+    adapter: str,
+    lora: str,
+    request: GenerateRequest,
+    on_broken_adapter: OnBrokenAdapter,
+    result: GenerationResult,
+) -> None:
+    """Hand the adapter version that yielded a non-finite logprob to ``on_broken_adapter``:
+    the completion resumes on the version the adapter serves then (returns), or a 503."""
+    broken = state.broken
+    assert broken is not None and state.label
+    at_fault = BrokenAdapter(
+        pool, state.backend, adapter, state.label, lora, broken, request.input_ids or []
+    )
+    if not await on_broken_adapter(at_fault):
+        raise BackendUnavailable(f"The inference backend failed: {broken}") from broken
+    _count_interruption(result)
+
+
+def _budget_cap(budget: ReasoningBudget | None, generated: int, remaining: int) -> tuple[int, bool]:
+    """The tokens the next attempt may generate under a reasoning budget (``budget.limit``
+    tokens in all, ``generated`` so far), and whether the budget, not the request, caps it."""
+    if budget is not None:
+        left = budget.limit - generated
+        if left < remaining:
+            return max(left, 0), True
+    return remaining, False
+
+
+def _boundary_stops(params: Sampling, result: GenerationResult) -> BoundaryStops | None:
+    """The stop strings to look for across the interruption, on a resumed attempt."""
+    if params.stop and params.decode is not None and result.output_ids:
+        return BoundaryStops(params.stop, params.decode, list(result.output_ids))
+    return None
+
+
+def _attempt_request(
+    prompt_ids: list[int],
+    params: Sampling,
+    result: GenerationResult,
+    remaining: int,
+    rid: str,
+    lora: str | None,
+) -> GenerateRequest:
+    """The backend request that continues the completion from its tokens so far."""
+    # Not validated again: the ids are the prompt's (checked when it was prepared) and
+    # the backend's own; validating tens of thousands costs milliseconds per turn.
+    return GenerateRequest.model_construct(
+        input_ids=prompt_ids + result.output_ids,
+        sampling_params=params.wire(remaining),
+        return_logprob=True,
+        top_logprobs_num=params.top_logprobs,
+        rid=rid,
+        lora_path=lora,
+    )
+
+
+def _count_interruption(result: GenerationResult, cause: BaseException | None = None) -> None:
+    """Count one more interruption of the completion; past ``MAX_INTERRUPTIONS``, a 503."""
+    result.interruptions += 1
+    if result.interruptions > MAX_INTERRUPTIONS:
+        error = BackendUnavailable("Generation was interrupted too many times.")
+        if cause is None:
+            raise error
+        raise error from cause
+
+
+def _rejected(
+    pool: BackendPool,
+    backend: Backend,
+    exc: BackendRejected,
+    lora: str | None,
+    params: Sampling,
+    result: GenerationResult,
+) -> None:
+    """A backend refused the attempt: if only because it lacks the adapter ``lora``, the
+    completion resumes elsewhere (returns); else the request is at fault (a 400)."""
+    if lora is not None and _lacks_adapter(exc, lora):
+        # A backend that restarted since its last check has no adapters: it
+        # loads them before it serves again; resume elsewhere meanwhile.
+        pool.mark_missing_adapter(backend, lora)
+        _count_interruption(result, exc)
+        return
+    raise BadRequest(
+        f"The inference backend rejected the request: {exc}",
+        param=None if params.grammar is None else params.grammar.param,
+    ) from exc
+
+
+def _settled(
+    pool: BackendPool, attempt: Attempt, params: Sampling, result: GenerationResult
+) -> FinishReason | None:
+    """How a finished attempt ended (stop or length), or None to generate again.
+
+    An abort that carries a status is raised as its OpenAI error.
+    """
+    if attempt.stale is not None:
+        # Nothing of this attempt was kept: generate again where the current
+        # weights are (the health checks bring this backend up to date).
+        pool.mark_stale(attempt.backend, attempt.stale)
+        _count_interruption(result)
+        return None
+    finish = attempt.finish
+    if finish is not None and finish.is_error:
+        raise abort_error(finish, params.grammar)
+    if finish is None or finish.type == "abort":
+        # Interrupted (weight update, explicit abort): resume from the partial tokens
+        # (a constrained attempt starts over: its held tokens are dropped).
+        _count_interruption(result)
+        return None
+    return finish

@@ -16,11 +16,8 @@ import pytest
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.errors import BackendUnavailable, BadRequest, ContextTooLong
 from proxima.proxy.rendering.sampling import Sampling
-from proxima.proxy.service.generation import (
-    GenerationResult,
-    backend_rid,
-    generate,
-)
+from proxima.proxy.service.attempt import backend_rid
+from proxima.proxy.service.generation import GenerationResult, generate
 from proxima.proxy.serving import ThreadedServer
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 
@@ -102,7 +99,7 @@ async def test_abort_with_status_is_an_error_at_once() -> None:
 @pytest.mark.parametrize("status", [400, 422, 503])
 def test_abort_status_maps_to_openai_errors(status: int) -> None:
     from proxima.proxy.backends.protocol import FinishReason
-    from proxima.proxy.service.generation import abort_error
+    from proxima.proxy.service.attempt import abort_error
 
     finish = FinishReason(type="abort", status_code=status, message="bad", err_type="X")
     assert finish.is_error
