@@ -107,6 +107,21 @@ def sglang_app(
     adapters' cards to ``/v1/models``.
     """
     app = FastAPI(title=title)
+    _generation_routes(app, generate=generate, abort=abort, on_body=on_body)
+    _control_routes(app, pause=pause, resume=resume, update=update, health=health)
+    _lora_routes(app, load_lora=load_lora, unload_lora=unload_lora)
+    _info_routes(app, model_path, weight_version=weight_version, loaded_loras=loaded_loras)
+    return app
+
+
+def _generation_routes(
+    app: FastAPI,
+    *,
+    generate: Callable[[GenerateRequest], Awaitable[Any]],
+    abort: Callable[[AbortRequestBody], Awaitable[None]],
+    on_body: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """``/generate`` and ``/abort_request``."""
 
     @app.post("/generate")
     async def generate_route(request: Request) -> Any:
@@ -123,6 +138,17 @@ def sglang_app(
             return parsed
         await abort(parsed)
         return Response(status_code=200)
+
+
+def _control_routes(
+    app: FastAPI,
+    *,
+    pause: Callable[[str], Awaitable[None]],
+    resume: Callable[[], Awaitable[None]],
+    update: Callable[[UpdateWeightsFromDiskBody], Awaitable[dict[str, Any]]],
+    health: Callable[[], Awaitable[int]] | None,
+) -> None:
+    """Pause and continue, weight updates from disk, the cache flush and the health checks."""
 
     @app.post("/pause_generation")
     async def pause_route(request: Request) -> Any:
@@ -154,6 +180,15 @@ def sglang_app(
     async def health_route() -> Response:
         return Response(status_code=200 if health is None else await health())
 
+
+def _lora_routes(
+    app: FastAPI,
+    *,
+    load_lora: Callable[[LoadLoRAAdapterBody], Awaitable[LoRAUpdateResponse]] | None,
+    unload_lora: Callable[[UnloadLoRAAdapterBody], Awaitable[LoRAUpdateResponse]] | None,
+) -> None:
+    """``/load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang's refusal without LoRA)."""
+
     @app.post("/load_lora_adapter")
     async def load_lora_route(request: Request) -> Any:
         parsed = await _parse(request, LoadLoRAAdapterBody)
@@ -170,6 +205,16 @@ def sglang_app(
         result = LORA_NOT_ENABLED if unload_lora is None else await unload_lora(parsed)
         return _lora_reply(result)
 
+
+def _info_routes(
+    app: FastAPI,
+    model_path: str,
+    *,
+    weight_version: Callable[[], str],
+    loaded_loras: Callable[[], dict[str, str]] | None,
+) -> None:
+    """``/v1/models`` (the base and its loaded adapters) and ``/model_info``."""
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         cards = [ModelCard(id=model_path, root=model_path)]
@@ -181,8 +226,6 @@ def sglang_app(
     @app.get("/get_model_info")
     async def info() -> dict[str, Any]:
         return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
-
-    return app
 
 
 LORA_NOT_ENABLED = LoRAUpdateResponse(

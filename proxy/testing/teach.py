@@ -108,8 +108,6 @@ def teach_texts(
     bar), about 2% over the suite's four harness runs, and one did; at 0.9999
     it is 0.05%, for about 20 s more of teaching per harness.
     """
-    import copy
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -117,6 +115,28 @@ def teach_texts(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(seed)
+    prepared = _prepare(tokenizer, sequences)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for _ in range(rounds):
+        _teach_round(model, optimizer, prepared, steps)
+        wrong = _wrong_tokens(model, prepared, min_prob)
+        if not wrong:
+            model.save_pretrained(model_dir, safe_serialization=True)
+            return model_dir
+    raise RuntimeError(
+        f"teach_texts: {wrong} taught tokens under p={min_prob} after {rounds} rounds"
+    )
+
+
+# One sequence ready to teach: the prompt's ids but its last (context, run without
+# gradients), then the ids after them and their labels (-100: not taught), each (1, n).
+_Prepared = tuple[Any, Any, Any]
+
+
+def _prepare(tokenizer: Any, sequences: Sequence[Sequence_]) -> list[_Prepared]:
+    """Each sequence tokenized piece by piece: its prompt's head, and the rest with labels."""
+    import torch
+
     prepared = []
     for pieces in sequences:
         (head, head_taught), *rest = pieces
@@ -133,45 +153,46 @@ def teach_texts(
         prepared.append(
             (torch.tensor([head_tokens[:-1]]), torch.tensor([tokens]), torch.tensor([targets]))
         )
+    return prepared
 
-    def wrong_tokens() -> int:
-        """Taught tokens whose probability is under ``min_prob``."""
-        wrong = 0
-        model.eval()
-        with torch.no_grad():
-            for head_ids, ids, labels in prepared:
-                full = torch.cat([head_ids, ids], dim=1)
-                start = head_ids.shape[1]
-                probs = model(input_ids=full).logits[0, start:-1].softmax(-1)
-                mask = labels[0, 1:] != -100
-                taught = probs[mask].gather(1, labels[0, 1:][mask][:, None])
-                wrong += int((taught < min_prob).sum())
-        return wrong
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    for _ in range(rounds):
-        model.eval()
-        with torch.no_grad():
-            caches = [
-                model(input_ids=head, use_cache=True).past_key_values for head, _, _ in prepared
-            ]
-        model.train()
-        for _ in range(steps):
-            optimizer.zero_grad()
-            for cache, (head_tensor, reply, reply_labels) in zip(caches, prepared, strict=True):
-                start = head_tensor.shape[1]
-                out = model(
-                    input_ids=reply,
-                    past_key_values=copy.deepcopy(cache),
-                    position_ids=torch.arange(start, start + reply.shape[1])[None],
-                    labels=reply_labels,
-                )
-                (out.loss / len(prepared)).backward()
-            optimizer.step()
-        wrong = wrong_tokens()
-        if not wrong:
-            model.save_pretrained(model_dir, safe_serialization=True)
-            return model_dir
-    raise RuntimeError(
-        f"teach_texts: {wrong} taught tokens under p={min_prob} after {rounds} rounds"
-    )
+def _wrong_tokens(model: Any, prepared: list[_Prepared], min_prob: float) -> int:
+    """Taught tokens whose probability is under ``min_prob`` (a full pass, no cached values)."""
+    import torch
+
+    wrong = 0
+    model.eval()
+    with torch.no_grad():
+        for head_ids, ids, labels in prepared:
+            full = torch.cat([head_ids, ids], dim=1)
+            start = head_ids.shape[1]
+            probs = model(input_ids=full).logits[0, start:-1].softmax(-1)
+            mask = labels[0, 1:] != -100
+            taught = probs[mask].gather(1, labels[0, 1:][mask][:, None])
+            wrong += int((taught < min_prob).sum())
+    return wrong
+
+
+def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: int) -> None:
+    """One round: the prompts' keys and values once without gradients, then ``steps`` steps
+    on the rest of every sequence over copies of them."""
+    import copy
+
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        caches = [model(input_ids=head, use_cache=True).past_key_values for head, _, _ in prepared]
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for cache, (head_tensor, reply, reply_labels) in zip(caches, prepared, strict=True):
+            start = head_tensor.shape[1]
+            out = model(
+                input_ids=reply,
+                past_key_values=copy.deepcopy(cache),
+                position_ids=torch.arange(start, start + reply.shape[1])[None],
+                labels=reply_labels,
+            )
+            (out.loss / len(prepared)).backward()
+        optimizer.step()
