@@ -29,7 +29,6 @@ from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
 from proxima.proxy.config import Settings
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.embedded.startup import StartedEngines, start_engine, start_engines
-from proxima.proxy.embedded.supervisor import EngineSupervisor
 from proxima.proxy.inspector.routes import router as inspector_router
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
@@ -66,19 +65,14 @@ async def _deployment(
     *,
     engines: Sequence[EngineProcess] = (),
 ) -> Deployment:
-    """A deployment on ``urls``, or on ``engines`` (started here, and supervised: restarted
-    when one dies) when given."""
+    """A deployment on ``urls``, or on ``engines`` (started here) when given."""
     if engines:
         for engine in engines:
             await engine.wait_healthy()
         urls = [engine.url for engine in engines]
     pool = BackendPool(urls, http=http, version=0)
     pool.start_health_checks(settings.health_check_interval)
-    supervisor = None
-    if engines:
-        supervisor = EngineSupervisor(pool, engines)
-        supervisor.start()
-    return Deployment(name, pool, tuple(engines), supervisor)
+    return Deployment(name, pool, tuple(engines))
 
 
 async def build_deployments(
@@ -134,6 +128,35 @@ def _load_tokenizer(model: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model))
 
 
+def _http_client() -> httpx.AsyncClient:
+    """The client of every backend call (generation and admin alike)."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(
+            max_connections=4096,
+            max_keepalive_connections=1024,
+            keepalive_expiry=ADMIN_KEEPALIVE_S,
+        )
+    )
+
+
+async def _start_tasks(state: AppState, store: Store, deployments: Deployments) -> None:
+    """Catch up with the store, then start following it (replicas) and the group commit."""
+    if store.shared:  # replicas on one PostgreSQL: load weights once in the fleet
+        for deployment in deployments.all():
+            deployment.pool.fleet_lock = store.publish_lock
+    # A restarted proxy, or one more replica, serves the newest policy and production
+    # state in the store: what the backends report is adopted, only those behind load.
+    await state.follower.sync()
+    if store.shared:
+        state.follower.start()
+    else:
+        logger.info(
+            "store on SQLite: one proxy process per database file (for replicas, use "
+            "PostgreSQL: --db postgresql://...)"
+        )
+    state.group_commit.start()
+
+
 @asynccontextmanager
 async def open_state(
     settings: Settings,
@@ -159,13 +182,7 @@ async def open_state(
         engines.stop()
         await asyncio.gather(tokenizer_load, return_exceptions=True)  # a thread cannot be cancelled
         raise
-    http = httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=4096,
-            max_keepalive_connections=1024,
-            keepalive_expiry=ADMIN_KEEPALIVE_S,
-        )
-    )
+    http = _http_client()
     deployments: Deployments | None = None
     try:
         deployments = await build_deployments(settings, http, engines)
@@ -185,20 +202,7 @@ async def open_state(
             context_length=context_length,
             bound_port=bound_port,
         )
-        if store.shared:  # replicas on one PostgreSQL: load weights once in the fleet
-            for deployment in deployments.all():
-                deployment.pool.fleet_lock = store.publish_lock
-        # A restarted proxy, or one more replica, serves the newest policy and production
-        # state in the store: what the backends report is adopted, only those behind load.
-        await state.follower.sync()
-        if store.shared:
-            state.follower.start()
-        else:
-            logger.info(
-                "store on SQLite: one proxy process per database file (for replicas, use "
-                "PostgreSQL: --db postgresql://...)"
-            )
-        state.group_commit.start()
+        await _start_tasks(state, store, deployments)
         # What start-up built lives as long as the process (modules, tokenizer: ~450k
         # objects). Frozen, it is not walked by the collector's full passes, each of which
         # would stall every request for a few hundred milliseconds.
