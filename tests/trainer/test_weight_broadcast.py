@@ -26,6 +26,7 @@ from proxima.trainer.config import TrainerConfig
 from proxima.trainer.run import weight_sink
 from proxima.trainer.weight_broadcast import (
     BroadcastWeightSink,
+    ExportReader,
     bucket_body,
     plan_buckets,
     read_specs,
@@ -37,12 +38,13 @@ from safetensors.torch import save_file
 
 
 def test_buckets_cover_every_tensor_once_aligned_and_bounded(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
     tensors = {
-        "a.weight": torch.zeros(300, 10),  # 12000 bytes
-        "b.bias": torch.zeros(3, dtype=torch.bfloat16),  # 6 bytes: a 2-byte dtype first...
-        "c.ids": torch.zeros(5, dtype=torch.int64),  # ...then an 8-byte one, in name order
-        "d.weight": torch.zeros(10, 10),
-        "e.scale": torch.zeros(1, dtype=torch.float16),
+        "a.weight": torch.randn(300, 10, generator=generator),  # 12000 bytes
+        "b.bias": torch.randn(3, generator=generator).bfloat16(),  # a 2-byte dtype first...
+        "c.ids": torch.arange(5, dtype=torch.int64),  # ...then an 8-byte one, in name order
+        "d.weight": torch.randn(10, 10, generator=generator),
+        "e.scale": torch.randn(1, generator=generator).half(),
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
     specs, files = read_specs(tmp_path)
@@ -62,6 +64,17 @@ def test_buckets_cover_every_tensor_once_aligned_and_bounded(tmp_path: Path) -> 
     assert len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])
     one = plan_buckets(specs, bucket_bytes=10**9)
     assert len(one) == 1 and [s.dtype for s in one[0]][:2] == ["int64", "float32"]
+
+    # What the trainer broadcasts: each bucket's bytes, read straight from the export.
+    reader = ExportReader(files)
+    try:
+        for bucket in [*buckets, *one]:
+            flat = reader.flat(bucket)
+            for spec, (start, end) in zip(bucket, flat_offsets(bucket), strict=True):
+                got = flat[start:end].view(spec.torch_dtype).reshape(spec.shape)
+                assert torch.equal(got, tensors[spec.name]), spec.name
+    finally:
+        reader.close()
 
 
 def test_config_section_and_the_sink_it_selects() -> None:
