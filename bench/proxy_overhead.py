@@ -14,25 +14,36 @@ plus an OpenAI chat route for gateways that speak only OpenAI):
   LiteLLM's proxy (``litellm[proxy]`` in its own venv under ``.cache/bench``, made on
   first use; master key, no database, nothing recorded).
 
-For each arm: sequential latency p50/p95 and what it adds to its direct baseline,
-throughput at ``--concurrency`` streams and its ratio to direct, and the CPU time
-client, backend and middle process spend per request. The arms run in interleaved
-rounds, so a slow spell of the machine falls on all of them. Client, backend and each proxy are separate
-processes; the host's CPU and load are printed so the reader sees what limited it.
-Ends with ``proxy overhead: sequential added p50 X ms; throughput ratio Y`` (Proxima vs
-direct).
+For each arm and stream length (``--tokens``, repeatable: 16 and 256 by default):
+sequential latency p50/p95 and what it adds to its direct baseline, throughput at
+``--concurrency`` streams and its ratio to direct, and the CPU time client, backend and
+middle process (with its children: ``--workers``) spend per request; across the lengths,
+the CPU each spends per streamed token (the slope between the shortest and the longest).
+The arms and lengths run in interleaved rounds, so a slow spell of the machine falls on
+all of them. Client, backend and each proxy are separate processes; the host's CPU and
+load are printed so the reader sees what limited it. Ends with
+``proxy overhead: sequential added p50 X ms; throughput ratio R16; 256 tokens R256;
+per-token CPU proxima U us vs relay V us`` (Proxima vs direct; U and V the proxy's and
+the relay's CPU per streamed token).
+
+``--ab REF`` adds the arm ``proxima@REF``: the same proxy at git commit REF (its sources
+extracted under the run's folder, ``bench/_code_at.py``), for an A/B of a change in one
+run. Every round's figures go to a JSON-lines file (``--jsonl``; by default
+``bench/results/proxy_overhead-<time>.jsonl``), with the summary as its last line.
 
     .venv/bin/python bench/proxy_overhead.py            # 3 rounds of 100 sequential + 1000 at 200
+    .venv/bin/python bench/proxy_overhead.py --no-litellm --ab HEAD   # the working tree vs HEAD
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import platform
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -47,6 +59,9 @@ import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _code_at import code_at, code_env  # noqa: E402
+from _overhead_report import ArmResult, report  # noqa: E402
 from proxima.proxy.backends.wire import WirePool  # noqa: E402
 from proxima.proxy.serving import free_port  # noqa: E402
 from proxima.proxy.testing.live import LiveProxy  # noqa: E402
@@ -57,11 +72,6 @@ LITELLM_VENV = ROOT / ".cache" / "bench" / "litellm-venv"
 LITELLM_KEY = "sk-bench-master"
 
 Request = Callable[[int], Awaitable[float]]
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] * 1000
 
 
 class Client:
@@ -168,48 +178,43 @@ async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float
     return latencies, time.perf_counter() - t0
 
 
-@dataclass
-class ArmResult:
-    name: str
-    baseline: str | None
-    sequential: list[float] = field(default_factory=list)  # every round's, pooled
-    throughputs: list[float] = field(default_factory=list)  # one per round
-    cpu_seconds: dict[str, float] = field(default_factory=dict)  # concurrent runs, summed
-    requests: int = 0  # concurrent requests, all rounds
-    host_busy: list[float] = field(default_factory=list)  # one per round
-
-    @property
-    def throughput(self) -> float:
-        return statistics.median(self.throughputs)
-
-    def cpu_ms(self, role: str) -> float:
-        """CPU milliseconds per request of ``role`` (client, backend, middle) under load."""
-        return self.cpu_seconds[role] * 1000 / self.requests
-
-
 def _cpu_seconds(proc: psutil.Process) -> float:
-    return sum(proc.cpu_times()[:2])
+    """User+system CPU seconds of ``proc`` and its children (a proxy's workers)."""
+    total = sum(proc.cpu_times()[:2])
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += sum(child.cpu_times()[:2])
+    return total
 
 
 async def measure(
-    result: ArmResult, fn: Request, args: argparse.Namespace, procs: dict[str, psutil.Process]
-) -> None:
-    """One round of an arm: sequential requests, then ``--requests`` at ``--concurrency``."""
+    result: ArmResult,
+    fn: Request,
+    args: argparse.Namespace,
+    procs: dict[str, psutil.Process],
+    round_no: int,
+) -> dict[str, Any]:
+    """One round of an arm: sequential requests, then ``--requests`` at ``--concurrency``;
+    returns the round's record for the raw results."""
     seq, _ = await run_load(fn, args.sequential, 1)
     before = {role: _cpu_seconds(p) for role, p in procs.items()}
     host0 = psutil.cpu_times()
     _, wall = await run_load(fn, args.requests, args.concurrency)
     host1 = psutil.cpu_times()
-    for role, p in procs.items():
-        result.cpu_seconds[role] = (
-            result.cpu_seconds.get(role, 0.0) + _cpu_seconds(p) - before[role]
-        )
+    cpu = {role: _cpu_seconds(p) - before[role] for role, p in procs.items()}
+    for role, seconds in cpu.items():
+        result.cpu_seconds[role] = result.cpu_seconds.get(role, 0.0) + seconds
     idle = (host1.idle + host1.iowait) - (host0.idle + host0.iowait)
     result.sequential += seq
     result.throughputs.append(args.requests / wall)
     result.requests += args.requests
     result.host_busy.append(1 - idle / (sum(host1) - sum(host0)))
-    print(f"  {result.name}: {args.requests / wall:.0f} req/s", file=sys.stderr, flush=True)
+    print(
+        f"  {result.name} ({result.tokens} tokens): {args.requests / wall:.0f} req/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result.round_record(round_no, seq, cpu)
 
 
 def ensure_litellm() -> Path | None:
@@ -284,50 +289,67 @@ def host_line() -> str:
     return f"host: {model}, {os.cpu_count()} cores, load average {load} (1/5/15 min) at start"
 
 
-def report(results: list[ArmResult], args: argparse.Namespace, recorded: int) -> None:
-    by_name = {r.name: r for r in results}
-    print(f"\nproxy overhead: {args.tokens} streamed tokens per request, one fake backend")
-    print(
-        f"{'arm':<15}{'seq p50':>9}{'added':>8}{'seq p95':>9}{'added':>8}"
-        f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}"
-        f"{'CPU ms/req: client':>20}{'backend':>9}{'middle':>8}{'host busy':>11}"
+@dataclass
+class ProxyArm:
+    """A ``proxima serve`` under test: the working tree's (``proxima``) or a commit's."""
+
+    name: str
+    proxy: LiveProxy
+    db: Path
+    keys: list[str] = field(default_factory=list)
+
+    def rows(self) -> int:
+        with sqlite3.connect(self.db) as conn:
+            count: int = conn.execute("select count(*) from completions").fetchone()[0]
+        return count
+
+
+def start_proxies(
+    args: argparse.Namespace, work: Path, model: Path, backend_url: str
+) -> list[ProxyArm]:
+    """The Proxima arms: the working tree's, and with ``--ab`` the code at that commit."""
+    serve_args = [
+        "--backend",
+        backend_url,
+        *(["--workers", str(args.workers)] if args.workers else []),
+    ]
+    specs: list[tuple[str, dict[str, str]]] = [("proxima", {})]
+    if args.ab:
+        path, commit = code_at(args.ab, work / "code")
+        specs.append((f"proxima@{commit}", code_env(path)))
+    arms = []
+    for i, (name, env) in enumerate(specs):
+        db = work / f"store{i}.db"
+        proxy = LiveProxy(
+            model, db_url=f"sqlite:///{db}", extra_args=serve_args, env=env,
+            log_path=work / f"serve{i}.log",
+        )  # fmt: skip
+        arms.append(ProxyArm(name, proxy, db))
+        proxy.start()
+    return arms
+
+
+def git_commit() -> str:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
     )
-    for r in results:
-        base = by_name.get(r.baseline) if r.baseline else None
-        add50 = f"{pct(r.sequential, 0.5) - pct(base.sequential, 0.5):8.2f}" if base else f"{'':>8}"
-        add95 = (
-            f"{pct(r.sequential, 0.95) - pct(base.sequential, 0.95):8.2f}" if base else f"{'':>8}"
-        )
-        ratio = f"{r.throughput / base.throughput:10.2f}" if base else f"{'':>10}"
-        middle = f"{r.cpu_ms('middle'):8.2f}" if "middle" in r.cpu_seconds else f"{'':>8}"
-        print(
-            f"{r.name:<15}{pct(r.sequential, 0.5):9.2f}{add50}{pct(r.sequential, 0.95):9.2f}{add95}"
-            f"{r.throughput:12.0f}{ratio}{r.cpu_ms('client'):20.2f}{r.cpu_ms('backend'):9.2f}"
-            f"{middle}{statistics.median(r.host_busy):10.0%}"
-        )
-    print("(ms; 'added' is against the arm's direct baseline: direct for relay and proxima,")
-    print(" direct-openai for litellm; req/s is the median of the rounds; CPU is each process's")
-    print(" user+system time per request in the concurrent runs, host busy the median share of")
-    print(f" all {os.cpu_count()} cores busy in them; {args.rounds} rounds, arms interleaved)")
-    expected = (args.sequential + args.requests) * args.rounds + 20
-    print(f"proxima recorded {recorded} completions in SQLite (expected {expected})")
-    proxima, direct = by_name["proxima"], by_name["direct"]
-    if "litellm" in by_name:
-        lite, lite_base = by_name["litellm"], by_name["direct-openai"]
-        ours = pct(proxima.sequential, 0.5) - pct(direct.sequential, 0.5)
-        theirs = pct(lite.sequential, 0.5) - pct(lite_base.sequential, 0.5)
-        print(f"sequential added p50: proxima {ours:.2f} ms (recording), litellm {theirs:.2f} ms "
-              f"(not recording): {ours / theirs:.2f}x")  # fmt: skip
-    print(
-        f"proxy overhead: sequential added p50 "
-        f"{pct(proxima.sequential, 0.5) - pct(direct.sequential, 0.5):.1f} ms; "
-        f"throughput ratio {proxima.throughput / direct.throughput:.2f}"
-    )
+    return out.stdout.strip() or "?"
 
 
 async def main_async(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="proxima-bench-"))
     print(host_line())
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_path = (
+        Path(args.jsonl)
+        if args.jsonl
+        else ROOT / "bench" / "results" / (f"proxy_overhead-{stamp}.jsonl")
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = [
+        {"kind": "run", "host": host_line(), "commit": git_commit(), "time": stamp,
+         "args": vars(args)}
+    ]  # fmt: skip
     model = build_tiny_model(work / "tiny")
     port, relay_port = free_port(), free_port()
     procs: list[subprocess.Popen] = []
@@ -343,15 +365,11 @@ async def main_async(args: argparse.Namespace) -> None:
          "--backend-port", str(port)],
     )  # fmt: skip
     procs.append(relay)
-    db = work / "store.db"
-    proxy = LiveProxy(
-        model, db_url=f"sqlite:///{db}", extra_args=["--backend", backend_url],
-        log_path=work / "serve.log",
-    )  # fmt: skip
+    proxies: list[ProxyArm] = []
     litellm_url = None
     try:
         wait_http(backend_url + "/model_info", backend, 60)
-        proxy.start()
+        proxies = start_proxies(args, work, model, backend_url)
         exe = None if args.no_litellm else ensure_litellm()
         if exe is not None:
             lite, litellm_url = start_litellm(exe, work, backend_url)
@@ -359,48 +377,59 @@ async def main_async(args: argparse.Namespace) -> None:
             wait_http(litellm_url + "/health/liveliness", lite, 180)
         client = Client(args.client, args.concurrency)
         try:
-            keys = []
-            for _ in range(args.sessions):
-                r = await client.http.post(
-                    proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers()
-                )
-                keys.append(r.json()["api_key"])
-            rows_before = (
-                sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
-            )
+            for arm in proxies:
+                for _ in range(args.sessions):
+                    r = await client.http.post(
+                        arm.proxy.url + "/rl/sessions", json={}, headers=arm.proxy.admin_headers()
+                    )
+                    arm.keys.append(r.json()["api_key"])
+            rows_before = sum(arm.rows() for arm in proxies)
             ps = psutil.Process
             ends = {"client": ps(), "backend": ps(backend.pid)}
-            arms = [
-                ("direct", generate_arm(client, backend_url, args.tokens), None, None),
-                ("relay", generate_arm(client, f"http://127.0.0.1:{relay_port}", args.tokens),
-                 ps(relay.pid), "direct"),
-                ("proxima", chat_arm(client, proxy.base_url, keys, proxy.model_name, args.tokens),
-                 ps(proxy.proc.pid), "direct"),
-            ]  # fmt: skip
-            if litellm_url:
-                arms += [
-                    ("direct-openai", chat_arm(client, backend_url + "/v1", ["x"], "fake", args.tokens),
-                     None, None),
-                    ("litellm", chat_arm(client, litellm_url + "/v1", [LITELLM_KEY], "fake", args.tokens),
-                     ps(procs[-1].pid), "direct-openai"),
+            lengths = sorted(set(args.tokens))
+            arms: dict[int, list[tuple[str, Request, psutil.Process | None, str | None]]] = {}
+            for n in lengths:
+                arms[n] = [
+                    ("direct", generate_arm(client, backend_url, n), None, None),
+                    ("relay", generate_arm(client, f"http://127.0.0.1:{relay_port}", n),
+                     ps(relay.pid), "direct"),
                 ]  # fmt: skip
-            results = [ArmResult(name, base) for name, _, _, base in arms]
-            for _, fn, _, _ in arms:
-                await run_load(fn, 20, 4)  # warm-up: connections, caches
-            # Rounds interleave the arms, so a slow spell of the machine (this is a VM)
-            # falls on every arm alike instead of on whichever ran at the time.
+                for arm in proxies:
+                    assert arm.proxy.proc is not None
+                    fn = chat_arm(client, arm.proxy.base_url, arm.keys, arm.proxy.model_name, n)
+                    arms[n].append((arm.name, fn, ps(arm.proxy.proc.pid), "direct"))
+                if litellm_url:
+                    arms[n] += [
+                        ("direct-openai", chat_arm(client, backend_url + "/v1", ["x"], "fake", n),
+                         None, None),
+                        ("litellm", chat_arm(client, litellm_url + "/v1", [LITELLM_KEY], "fake", n),
+                         ps(procs[-1].pid), "direct-openai"),
+                    ]  # fmt: skip
+            results = {n: [ArmResult(a[0], a[3], n) for a in arms[n]] for n in lengths}
+            for n in lengths:
+                for _, fn, _, _ in arms[n]:
+                    await run_load(fn, 20, 4)  # warm-up: connections, caches
+            # Rounds interleave the arms and lengths, so a slow spell of the machine (this
+            # is a VM) falls on every arm alike instead of on whichever ran at the time.
             for r in range(args.rounds):
                 print(f"round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
-                for result, (_, fn, p, _) in zip(results, arms, strict=True):
-                    await measure(result, fn, args, {**ends, **({"middle": p} if p else {})})
+                for n in lengths:
+                    for result, (_, fn, p, _) in zip(results[n], arms[n], strict=True):
+                        roles = {**ends, **({"middle": p} if p else {})}
+                        records.append(await measure(result, fn, args, roles, r + 1))
         finally:
             await client.aclose()
-        recorded = sqlite3.connect(db).execute("select count(*) from completions").fetchone()[0]
+        recorded = sum(arm.rows() for arm in proxies) - rows_before
     finally:
-        proxy.stop()
+        for arm in proxies:
+            arm.proxy.stop()
         for p in procs:
             p.terminate()
-    report(results, args, recorded - rows_before)
+    per_round = (args.sequential + args.requests) * args.rounds + 20
+    expected = per_round * len(lengths) * len(proxies)
+    records.append(report(results, args, recorded, expected))
+    out_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"raw results: {out_path}")
 
 
 def main() -> None:
@@ -412,7 +441,12 @@ def main() -> None:
     p.add_argument("--sequential", type=int, default=100, help="sequential requests per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every arm once")
     p.add_argument("--sessions", type=int, default=200)
-    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        action="append",
+        help="streamed tokens per request; repeat for several lengths (default: 16 and 256)",
+    )
     p.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM arm")
     p.add_argument(
         "--client",
@@ -420,9 +454,14 @@ def main() -> None:
         default="wire",
         help="the load generator's HTTP client (see Client)",
     )
+    p.add_argument("--ab", metavar="REF", help="add the arm proxima@REF: Proxima at that commit")
+    p.add_argument("--workers", type=int, default=0, help="proxima serve --workers N")
+    p.add_argument("--jsonl", help="the raw results' file (default: bench/results/...)")
+    args = p.parse_args()
+    args.tokens = args.tokens or [16, 256]
     import uvloop  # the client's loop is the proxy's (uvloop), so neither is handicapped
 
-    uvloop.run(main_async(p.parse_args()))
+    uvloop.run(main_async(args))
 
 
 if __name__ == "__main__":
