@@ -8,9 +8,7 @@ admin calls raise on ``success: false``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -25,7 +23,6 @@ from proxima.proxy.backends.protocol import (
     BeginWeightUpdateBody,
     DestroyWeightsUpdateGroupBody,
     EndWeightUpdateBody,
-    FinishReason,
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupBody,
@@ -40,7 +37,16 @@ from proxima.proxy.backends.protocol import (
     UpdateWeightsResponse,
     WeightSyncResponse,
 )
+from proxima.proxy.backends.stream_chunks import (
+    LOGPROB_FLOOR,
+    ChunkReader,
+    NonFiniteLogprob,
+    TokenDelta,
+    error_text,
+)
 from proxima.proxy.backends.wire import WirePool
+
+__all__ = ["LOGPROB_FLOOR", "NonFiniteLogprob", "SGLangClient", "TokenDelta"]
 
 # Generation may wait long for its first token (prefill, a paused server):
 # reads get a generous limit, connecting does not.
@@ -54,77 +60,6 @@ HEALTH_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=5.0, pool=5.0)
 # sent on an idle connection races the server's close and fails without a response: a
 # health probe every 5 s failed about once in a hundred and took a live backend out.
 ADMIN_KEEPALIVE_S = 2.0
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    """Tokens that just arrived, with their logprobs and the policy version of each.
-
-    The one token-delta type from the backend to the driver: the client yields
-    one per ``/generate`` stream chunk (or per consecutive chunks that arrived
-    together), whatever the server's stream mode, with the chunk's
-    ``weight_version`` label, its finish and the prompt's length; the
-    generation loop (``proxima.proxy.service.generation``) fills in ``versions``, the
-    policy version each token carries, and hands the same object on.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # one per token, set by generation
-    weight_version: str | None = None
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-
-
-# OpenAI's own floor for a logprob too small to show: SGLang sends top-k
-# alternatives of probability zero as JSON null (orjson writes -inf as null).
-LOGPROB_FLOOR = -9999.0
-
-
-class NonFiniteLogprob(BackendOperationFailed):
-    """A sampled token's logprob was null, NaN or inf: the weights served are broken (an
-    adapter's: the generation loop may fall the adapter back to its last good version)."""
-
-
-def _chosen_logprobs(entries: list[list[Any]], url: str) -> list[float]:
-    """The sampled tokens' logprobs; a null or non-finite one is the backend's fault.
-
-    A sampled token cannot have probability zero, so null (orjson's -inf or
-    NaN) or NaN means broken weights or numerics: refused, never recorded.
-    """
-    values = [entry[0] for entry in entries]
-    try:
-        if all(map(math.isfinite, values)):  # one C pass: the hot path
-            return values
-    except TypeError:  # a null
-        pass
-    for value, entry in zip(values, entries, strict=True):
-        if value is None or not math.isfinite(value):
-            raise NonFiniteLogprob(
-                f"the backend returned a non-finite logprob ({value!r}) for token {entry[1]}; "
-                "its weights or numerics are broken (NaN weights?)",
-                url=url,
-            )
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _top_pairs(entry: list[list[Any]] | None, url: str) -> list[tuple[int, float]]:
-    pairs = []
-    for lp, token, *_ in entry or []:
-        if lp is None or lp == -math.inf:
-            lp = LOGPROB_FLOOR  # probability zero
-        elif not math.isfinite(lp):
-            raise BackendOperationFailed(
-                f"the backend returned a non-finite top logprob ({lp!r}) for token {token}",
-                url=url,
-            )
-        pairs.append((int(token), max(float(lp), LOGPROB_FLOOR)))
-    return pairs
-
-
-def _tail(values: list[Any], n: int) -> list[Any]:
-    return values[len(values) - n :] if n else []
 
 
 class SGLangClient:
@@ -211,87 +146,24 @@ class SGLangClient:
         Chunks that arrived together (the proxy fell behind the backend) are
         yielded as one delta, so everything downstream runs once for them, not
         once per token; only chunks of the same weight version are merged, so
-        every token keeps the version that generated it.
+        every token keeps the version that generated it. A read's chunks are found
+        and checked by whole-read operations (``stream_chunks.ChunkReader``).
 
         Leaving the iteration early (``aclose``, a cancelled task) closes the
         connection, which tells the server the client went away.
         """
         body = orjson.dumps(request.wire(stream=True))
-        seen = 0
-        done = False
+        chunks = ChunkReader(self.base_url)
         async with await self._wire.post("/generate", body) as resp:
             if resp.status >= 400:
                 self._check(resp.status, await resp.read(), "/generate")
             # Read the body to its end (past [DONE]) so the connection goes back to the pool.
-            async for lines in resp.line_batches():
-                group: list[tuple[list[int], dict[str, Any], int]] = []  # one weight version
-                for line in lines:
-                    if done or not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:]
-                    if payload.strip() == b"[DONE]":
-                        done = True
-                        continue
-                    chunk = orjson.loads(payload)
-                    meta = chunk.get("meta_info")
-                    if meta is None:
-                        if group:
-                            yield self._delta(group)  # what came before the error was generated
-                        raise BackendRejected(
-                            _error_text(chunk.get("error", chunk)), url=self.base_url
-                        )
-                    if group and meta.get("weight_version") != group[0][1].get("weight_version"):
-                        yield self._delta(group)
-                        group = []
-                    ids = chunk.get("output_ids") or []
-                    total = meta.get("completion_tokens")
-                    new = len(ids) if total is None else total - seen
-                    if not 0 <= new <= len(ids):
-                        raise BackendOperationFailed(
-                            f"inconsistent /generate chunk: {len(ids)} output ids, "
-                            f"completion_tokens {total}, {seen} tokens seen before",
-                            url=self.base_url,
-                        )
-                    group.append((ids, meta, new))
-                    seen += new
-                if group:
-                    yield self._delta(group)
-        if not done:
+            async for fields in resp.data_batches():
+                for delta in chunks.read(fields):
+                    yield delta
+        if not chunks.done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)
-
-    def _delta(self, group: list[tuple[list[int], dict[str, Any], int]]) -> TokenDelta:
-        """One delta for consecutive chunks of one weight version: ``(output_ids, meta_info,
-        new token count)`` each. Plain dict access, not pydantic: default SGLang chunks are
-        cumulative, so validating each one would cost O(n^2) over a generation."""
-        token_ids: list[int] = []
-        entries: list[list[Any]] = []
-        tops: list[list[tuple[int, float]]] = []
-        for ids, meta, new in group:
-            token_ids += ids if new == len(ids) else _tail(ids, new)  # incremental: all
-            lps = meta.get("output_token_logprobs")
-            if lps:
-                if len(lps) != new:
-                    lps = _tail(lps, new)
-                    if lps and len(lps) != new:
-                        raise BackendOperationFailed(
-                            f"/generate chunk has {len(lps)} logprobs for {new} new tokens",
-                            url=self.base_url,
-                        )
-                entries += lps
-            top = meta.get("output_top_logprobs")
-            if top:
-                tops += [_top_pairs(e, self.base_url) for e in _tail(top, new)]
-        last = group[-1][1]
-        finish = last.get("finish_reason")
-        return TokenDelta(
-            token_ids=token_ids,
-            logprobs=_chosen_logprobs(entries, self.base_url) if entries else [],
-            top_logprobs=tops,
-            weight_version=last.get("weight_version"),
-            finish_reason=FinishReason.model_validate(finish) if finish else None,
-            prompt_tokens=last.get("prompt_tokens", 0),
-        )
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
         body = AbortRequestBody(rid=rid, abort_all=abort_all).model_dump()
@@ -444,19 +316,13 @@ class SGLangClient:
         return ModelInfo.model_validate(self._check(resp.status_code, resp.content, "/model_info"))
 
 
-def _error_text(err: Any) -> str:
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    return str(err)
-
-
 def _error_message(status: int, content: bytes) -> str:
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
         return content.decode("utf-8", "replace")[:500] or f"HTTP {status}"
     if isinstance(data, dict) and "error" in data:
-        return _error_text(data["error"])
+        return error_text(data["error"])
     if isinstance(data, dict) and "message" in data:
         return str(data["message"])
     return str(data)[:500]

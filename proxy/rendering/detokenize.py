@@ -22,9 +22,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-# Decode a window this many tokens before the unread ones so that merges and
-# multi-byte characters at the boundary decode as they do in the full text.
-_WINDOW = 6
+# The most tokens decoded before the unread ones (the window, so that spaces, merges and
+# multi-byte characters at the boundary decode as they do in the full text): the window
+# reaches back to the last token with text of its own, past special tokens (skipped).
+_WINDOW = 64
 
 
 def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
@@ -54,6 +55,15 @@ _SINGLE_TOKENS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKey
 
 
 class IncrementalDetokenizer:
+    """One streamed reply's text, token batch by token batch (module docstring).
+
+    Each ``add`` decodes once: the new tokens after a window of the last token read,
+    whose own text comes from the tokenizer's single-token cache (more tokens when the
+    last has no text of its own: a special token). The text handed out is kept as
+    pieces, joined once by ``finish``, so a long reply costs no copy of its whole text
+    per batch.
+    """
+
     def __init__(self, tokenizer: Any, *, stop: list[str] | None = None):
         self._decode = text_decoder(tokenizer)
         try:
@@ -63,13 +73,18 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""  # final text decoded so far
-        self._emitted = 0  # characters of _text already handed out
+        self._sent: list[str] = []  # the text handed out, piece by piece
+        self._unsent = ""  # final text not handed out yet (a possible stop string's start)
         self._stop = [s for s in stop or [] if s]
+        self._longest = max(map(len, self._stop), default=0)
+        self._recent = ""  # the last ``_longest`` characters handed out
+        self._text: str | None = None  # the whole text, once finished
 
     @property
     def text(self) -> str:
-        return self._text
+        if self._text is not None:
+            return self._text
+        return "".join(self._sent) + self._unsent
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that became final."""
@@ -77,18 +92,25 @@ class IncrementalDetokenizer:
         prefix = self._window(self._prefix_offset, self._read_offset)
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) < len(prefix):
-            return self._release(final=False)
-        self._text += full[len(prefix) :]
-        # The next decode starts a few tokens back, so boundaries decode as in the full text.
-        self._prefix_offset = max(self._read_offset, len(self._ids) - _WINDOW)
-        self._read_offset = len(self._ids)
-        return self._release(final=False)
+            return self._release() if self._unsent else ""
+        self._unsent += full[len(prefix) :]
+        self._read_offset = end = len(self._ids)
+        # The next decode starts a window back, so the new tokens decode as they do in the
+        # full text (not as a text's first token, whose space a tokenizer may strip): from
+        # the last token with text of its own (past special tokens, which have none).
+        start = end - 1
+        while start > 0 and end - start < _WINDOW and not self._token_text(self._ids[start]):
+            start -= 1
+        self._prefix_offset = start
+        return self._release()
 
     def _window(self, start: int, end: int) -> str:
         """The text of ``ids[start:end]``; single tokens come from the tokenizer's cache."""
         if end - start != 1:
-            return self._decode(self._ids[start:end])
-        token = self._ids[start]
+            return self._decode(self._ids[start:end]) if end > start else ""
+        return self._token_text(self._ids[start])
+
+    def _token_text(self, token: int) -> str:
         text = self._single.get(token)
         if text is None:
             text = self._single[token] = self._decode([token])
@@ -97,30 +119,37 @@ class IncrementalDetokenizer:
     def finish(self, matched_stop: str | None = None) -> str:
         """Flush everything (incomplete bytes included); cut at a matched stop string."""
         tail = self._decode(self._ids[self._prefix_offset :])
-        head = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        self._text += tail[len(head) :]
+        head = self._window(self._prefix_offset, self._read_offset)
         self._read_offset = len(self._ids)
+        sent = "".join(self._sent)
+        text = sent + self._unsent + tail[len(head) :]
         if matched_stop:
-            cut = self._text.find(matched_stop, max(0, self._emitted - len(matched_stop)))
+            cut = text.find(matched_stop, max(0, len(sent) - len(matched_stop)))
             if cut >= 0:
-                self._text = self._text[:cut]
-        return self._release(final=True)
+                text = text[:cut]
+        self._text = text
+        self._unsent = ""
+        return text[len(sent) :]
 
-    def _release(self, *, final: bool) -> str:
-        end = len(self._text)
-        if not final and self._stop:
-            end -= self._stop_prefix_len()
-        end = max(end, self._emitted)
-        delta = self._text[self._emitted : end]
-        self._emitted = end
-        return delta
+    def _release(self) -> str:
+        """The unsent text, less the longest suffix of the text that starts a stop string."""
+        piece = self._unsent
+        if self._stop:
+            hold = self._stop_prefix_len(self._recent + piece)
+            if hold:
+                piece = piece[: max(0, len(piece) - hold)]
+            self._recent = (self._recent + piece)[-self._longest :]
+        if piece:
+            self._sent.append(piece)
+            self._unsent = self._unsent[len(piece) :]
+        return piece
 
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest suffix of the text that starts some stop string."""
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that starts some stop string."""
         best = 0
         for stop in self._stop:
-            for k in range(min(len(stop), len(self._text)), best, -1):
-                if self._text.endswith(stop[:k]):
+            for k in range(min(len(stop), len(text)), best, -1):
+                if text.endswith(stop[:k]):
                     best = k
                     break
         return best

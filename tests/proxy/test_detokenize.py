@@ -77,3 +77,35 @@ def test_a_tokenizer_that_overrides_decode_keeps_its_own(tokenizer) -> None:  # 
     ids = tokenizer.encode("quiet words", add_special_tokens=False)
     detok = IncrementalDetokenizer(shouting)
     assert "".join(detok.add([i]) for i in ids) + detok.finish() == "QUIET WORDS"
+
+
+def _spaced_tokenizer():  # type: ignore[no-untyped-def]
+    """A WordPiece tokenizer: each word's space is the decoder's, put before every token but
+    the text's first, and its special tokens are skipped (so a window of only special tokens
+    would make the next word the text's first, without its space)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[SEP]": 1, "and": 2, "more": 3, "x": 4, "##y": 5, ".": 6}
+    rust = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    rust.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]", sep_token="[SEP]")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_a_word_after_special_tokens_keeps_its_space(size: int) -> None:
+    spaced = _spaced_tokenizer()
+    ids = [4, 5, 1, 2, 1, 1, 3, 6, 0, 1, 2, 4, 1, 1, 1, 1, 1, 1, 1, 3]
+    detok = IncrementalDetokenizer(spaced)
+    text = "".join(detok.add(ids[i : i + size]) for i in range(0, len(ids), size))
+    text += detok.finish()
+    assert text == spaced.decode(ids, skip_special_tokens=True) == "xy and more. and x more"
+
+
+def test_a_long_reply_is_not_copied_per_batch(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The text handed out is kept as pieces: ``text`` is whole only when asked for."""
+    ids = tokenizer.encode("word " * 3000, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3))
+    assert detok.text == streamed  # joined on demand, mid-stream
+    assert streamed + detok.finish() == "word " * 3000 == detok.text
