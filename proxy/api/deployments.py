@@ -12,11 +12,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from proxima.proxy.api.deps import AdminDep
+from proxima.proxy.api.schemas import check_identifier
 from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.policies.deployments import CanarySplit
 from proxima.proxy.policies.production import ProductionController
 from proxima.proxy.state import state_of
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from proxima.proxy.store.values import INT32_MAX
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 router = APIRouter(tags=["deployments"])
 
@@ -55,9 +57,17 @@ class EvalScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     score: float = Field(allow_inf_nan=False, description="Higher is better (e.g. accuracy).")
-    items: int | None = Field(None, ge=0, description="How many held-out items were scored.")
+    items: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="How many held-out items were scored."
+    )
     name: str = Field("eval", min_length=1, max_length=200, description="Which evaluation.")
     adapter: Adapter = _ADAPTER
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        check_identifier(v, "name")
+        return v
 
 
 async def get_production(request: Request) -> ProductionController:

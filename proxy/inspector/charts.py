@@ -55,7 +55,9 @@ def _time(value: float) -> str:
 def _span(values: Sequence[float]) -> tuple[float, float]:
     low, high = min(values), max(values)
     if low == high:
-        return low - 1, high + 1
+        # Padded in proportion past 2**53, where low - 1 == low (a zero span divides by 0).
+        pad = max(1.0, abs(low) / 1e6)
+        return low - pad, high + pad
     return low, high
 
 

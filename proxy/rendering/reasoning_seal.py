@@ -71,7 +71,15 @@ class ReasoningSeal:
         return f"{_PREFIX}.{payload}.{self._mac(payload)}"
 
     def open(self, token: object, *, param: str) -> SealedReasoning:
-        """The reasoning in ``token``; a 400 naming ``param`` if it is not one of ours."""
+        """The reasoning in ``token``; a 400 naming ``param`` if it is not one of ours (a
+        token is ASCII: one with another character is refused before any comparison,
+        which ``hmac.compare_digest`` refuses to make)."""
+        if isinstance(token, str) and not token.isascii():
+            raise BadRequest(
+                f"{param} holds a character that is not ASCII; it was not issued by this "
+                "server: reasoning can be sent back only as this server returned it.",
+                param=param,
+            )
         parts = token.split(".") if isinstance(token, str) else []
         if len(parts) == 3 and parts[0] == _PREFIX:
             payload, mac = parts[1], parts[2]

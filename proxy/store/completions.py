@@ -6,6 +6,7 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
@@ -73,6 +74,7 @@ class CompletionsMixin(StoreBase):
 
     async def get_completion(self, *, completion_id: str) -> CompletionRecord | None:
         """The completion with this id (its whole prompt and messages), or ``None``."""
+        values.text(completion_id, "completion_id")
         async with self._read() as db:
             row = await db.get(CompletionRow, completion_id)
             if row is None:
@@ -87,6 +89,7 @@ class CompletionsMixin(StoreBase):
     async def list_completions(self, *, session_id: str) -> list[CompletionRecord]:
         """The session's completions, oldest first (ties: choice index, then id), each
         with its whole prompt and messages."""
+        values.text(session_id, "session_id")
         query = (
             select(CompletionRow)
             .where(CompletionRow.session_id == session_id)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxima.proxy.policies.adapters import check_adapter
+from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound, outages
@@ -132,6 +133,10 @@ class FleetMixin(StoreBase):
         reward and was opened with the same group, data id, metadata and policy.
         Otherwise the repeat is a ``Conflict`` (code ``idempotency_key_reused``).
         """
+        values.text(group_id, "group_id")
+        values.text(data_id, "data_id")
+        values.text(idempotency_key, "idempotency-key")
+        values.json_value(metadata, "metadata")
         async with self._write() as db:
             if self.shared:
                 await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
@@ -171,6 +176,7 @@ class FleetMixin(StoreBase):
 
     async def session_state(self, *, session_id: str) -> SessionState:
         """A session's status and completion count, in one indexed read."""
+        values.text(session_id, "session_id")
         count = (
             select(func.count()).where(CompletionRow.session_id == SessionRow.id).scalar_subquery()
         )
@@ -219,9 +225,7 @@ class FleetMixin(StoreBase):
         finally:
             try:
                 with outages():
-                    await conn.execute(
-                        text("SELECT pg_advisory_unlock(:k)"), {"k": _PUBLISH_LOCK}
-                    )
+                    await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PUBLISH_LOCK})
                     await conn.commit()
             except BaseException:
                 # A session's lock outlives a pooled connection's rollback: drop the

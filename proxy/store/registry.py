@@ -11,6 +11,7 @@ adapter's; one policy's history never moves another's production.
 from __future__ import annotations
 
 from proxima.proxy.policies.adapters import check_adapter
+from proxima.proxy.store import values
 from proxima.proxy.store._base import of_policy
 from proxima.proxy.store.convert import promotion_record, version_eval_record
 from proxima.proxy.store.fleet import FleetMixin
@@ -32,6 +33,10 @@ class RegistryMixin(FleetMixin):
         adapter: str | None = None,
     ) -> VersionEvalRecord:
         """Remember one evaluation of the policy's ``version``; the newest one is its score."""
+        values.integer(version, "version")
+        values.integer(items, "items")
+        values.finite(score, "score")
+        values.text(name, "name")
         if version < 0:
             raise ValueError(f"policy versions are >= 0, got {version}")
         async with self._write() as db:

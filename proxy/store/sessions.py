@@ -7,6 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from proxima.proxy.policies.adapters import check_adapter
+from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id, of_policy
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.direct_sqlite import SqliteBusy
@@ -45,6 +46,10 @@ class SessionsMixin(StoreBase):
         sessions); it must be unique. Raises ``Conflict`` if it is already used, or if
         ``group_id`` names a group of another policy's sessions.
         """
+        values.text(group_id, "group_id")
+        values.text(data_id, "data_id")
+        values.text(external_id, "external_id")
+        values.json_value(metadata, "metadata")
         row = SessionRow(
             adapter=check_adapter(adapter),
             id=new_id(),
@@ -71,6 +76,7 @@ class SessionsMixin(StoreBase):
 
     async def get_session(self, *, session_id: str) -> SessionRecord | None:
         """The session with this id, or ``None``."""
+        values.text(session_id, "session_id")
         async with self._read() as db:
             row = await db.get(SessionRow, session_id)
             return None if row is None else session_record(row)
@@ -104,6 +110,7 @@ class SessionsMixin(StoreBase):
         loser of an insert race reads the winner's row). Raises ``NotFound`` if
         the API key does not exist.
         """
+        values.text(external_id, "external_id")
         if external_id is None:
             key = await self._require_api_key(api_key_id)
             return await self.create_session(
@@ -158,6 +165,8 @@ class SessionsMixin(StoreBase):
         Raises ``NotFound``, ``RewardAlreadySet``, or ``Conflict`` when a trainer
         already took the session (the reward would never be trained on).
         """
+        values.text(session_id, "session_id")
+        values.finite(reward, "reward")
         async with self._write() as db:
             row = await self._session_row(db, session_id, lock=True)
             if row.reward is not None:
@@ -175,6 +184,9 @@ class SessionsMixin(StoreBase):
         Raises ``NotFound`` (also when the completion belongs to another
         session), ``RewardAlreadySet``, or ``Conflict`` when already claimed.
         """
+        values.text(session_id, "session_id")
+        values.text(completion_id, "completion_id")
+        values.finite(reward, "reward")
         async with self._write() as db:
             session = await self._session_row(db, session_id, lock=True)
             completion = await db.get(CompletionRow, completion_id)
@@ -194,6 +206,7 @@ class SessionsMixin(StoreBase):
         failing an already-failed session too. Moving between FINISHED and
         FAILED raises ``Conflict``; ``NotFound`` for an unknown id.
         """
+        values.text(session_id, "session_id")
         status = SessionStatus(status)
         if status not in (SessionStatus.FINISHED, SessionStatus.FAILED):
             raise ValueError(f"finish_session status must be finished or failed, not {status}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from proxima.proxy.policies.adapters import check_adapter, policy_label
+from proxima.proxy.store import values
 from proxima.proxy.store.convert import policy_version_record
 from proxima.proxy.store.errors import Conflict, NotFound
 from proxima.proxy.store.fleet import FleetMixin, newest_version
@@ -39,6 +40,8 @@ class PolicyVersionsMixin(FleetMixin):
         newer than the policy's current one, or the same version with another path.
         """
         check_adapter(adapter)
+        values.integer(version, "version")
+        values.text(path, "path")
         if version < 1:
             raise ValueError(f"policy versions start at 1, got {version}")
         try:

@@ -28,6 +28,9 @@ from proxima.proxy.service.events import TokenLogprob
 from proxima.proxy.store.records import SessionRecord
 from pydantic import Field, field_validator
 
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id a ``logit_bias`` key may name (token ids are 32-bit integers)."""
+
 
 class StreamOptions(OpenBody):
     include_usage: bool = False
@@ -70,8 +73,14 @@ class OpenAIGenerationBody(OpenBody, StrictBody):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            # ASCII digits only: str.isdigit takes "²" and "①", which int() refuses.
+            if not (
+                key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_TOKEN_ID
+            ):
+                raise ValueError(
+                    f"logit_bias keys must be token ids (0 to {MAX_TOKEN_ID} in ASCII digits), "
+                    f"got {key!r}"
+                )
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v

@@ -1,12 +1,15 @@
 """The HTTP surface under fuzzing, and the walls between callers.
 
 ``test_no_server_errors_under_fuzzing`` loads the live proxy's own
-``/openapi.json`` and lets schemathesis generate requests for every
-operation, valid (positive) and schema-violating (negative), sent with the
-admin token or a session key: no response may be a 5xx, and no stream may
-carry an internal error. Examples are bounded per operation so the test is
-time-bounded; the backend is the fake SGLang server and ``max_tokens`` is
-capped, so generated requests are cheap.
+``/openapi.json``, adds the routes the app leaves out of it (``/``, ``/metrics``,
+the inspector's ``/ui``: their schema is built from the app's own routes), and lets
+schemathesis generate requests for every operation, valid (positive) and
+schema-violating (negative), sent with the admin token or a session key: no
+response may be a 5xx, and no stream may carry an internal error. Every test here
+runs on SQLite and on PostgreSQL (which refuses what SQLite stores: NUL in text,
+NaN in JSON, integers past int32). Examples are bounded per operation and the
+fuzzing's time per store (``FUZZ_SECONDS``), a few hundred requests; the backend is
+the fake SGLang server and ``max_tokens`` is capped, so generated requests are cheap.
 
 The access tests check what each kind of key must never reach: admin
 routes without the admin token, and another session's trajectory, reward,
@@ -15,43 +18,51 @@ finish, or generation.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from proxima.proxy.app import create_app
+from proxima.proxy.config import Settings
 from proxima.proxy.testing.live import LiveProxy
 from schemathesis import GenerationMode
 
+from tests.pg import POSTGRES_PARAM, create_test_database
 from tests.production.procs import BackendProcess, create_production_key
 
-EXAMPLES_PER_OPERATION = 30
-SECONDS_PER_OPERATION = 40.0
+EXAMPLES_PER_OPERATION = 16
+FUZZ_SECONDS = 50.0
+"""The fuzzing's time on one store, shared by its operations (each gets at least 2 s)."""
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendProcess]:
-    work = tmp_path_factory.mktemp("fuzz-backend")
-    fake = BackendProcess.fake(chunk_tokens=8, log_path=work / "fake.log")
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["sqlite", POSTGRES_PARAM])
 def proxy(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, backend: BackendProcess
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveProxy]:
+    """A proxy on the store of the parameter, with a backend of its own (the fuzzing pushes
+    weights: a backend shared by both would serve the first proxy's version to the second)."""
     work = tmp_path_factory.mktemp("fuzz-proxy")
+    backend = BackendProcess.fake(chunk_tokens=8, log_path=work / "fake.log")
+    backend.start()
+    request.addfinalizer(backend.stop)
+    if request.param == POSTGRES_PARAM:
+        db_url = create_test_database(request)
+    else:
+        db_url = f"sqlite:///{work / 'store.db'}"
     live = LiveProxy(
         tiny_model_dir,
-        db_url=f"sqlite:///{work / 'store.db'}",
+        db_url=db_url,
         log_path=work / "serve.log",
         extra_args=["--backend", backend.url],
         # Generated requests stay cheap: small generations, few choices.
@@ -109,7 +120,7 @@ def _plausible(case: Any, model: str) -> Any:
 
 
 def _fuzz_operation(
-    op: Any, proxy: LiveProxy, tokens: dict[str, str], session_id: str
+    op: Any, proxy: LiveProxy, tokens: dict[str, str], session_id: str, seconds: float
 ) -> tuple[dict[int, int], list[str]]:
     """Send up to ``EXAMPLES_PER_OPERATION`` generated requests; (count per status, problems)."""
     label = f"{op.method.upper()} {op.path}"
@@ -127,7 +138,7 @@ def _fuzz_operation(
             _plausible, op.as_strategy(GenerationMode.POSITIVE), st.just(proxy.model_name)
         )
         strategies += [plausible, plausible]
-    deadline = time.monotonic() + SECONDS_PER_OPERATION
+    deadline = time.monotonic() + seconds
     problems: list[str] = []
     statuses: dict[int, int] = {}
 
@@ -160,23 +171,57 @@ def _fuzz_operation(
     return statuses, problems
 
 
-def test_no_server_errors_under_fuzzing(proxy: LiveProxy) -> None:
-    schema = schemathesis.openapi.from_dict(
-        httpx.get(proxy.url + "/openapi.json", timeout=30).json()
-    )
+def _api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
+    """Every ``APIRoute`` of ``routes``, those of included routers too (FastAPI keeps an
+    included router as one entry holding ``original_router``)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        elif (included := getattr(route, "original_router", None)) is not None:
+            yield from _api_routes(included.routes)
+
+
+def _hidden_schema(model_dir: Path) -> dict[str, Any]:
+    """The OpenAPI document of the app's routes that ``/openapi.json`` leaves out, built from
+    the app's own routes (the app is created, not started)."""
+    app = create_app(Settings(model=model_dir, admin_token="unused"))
+    hidden = []
+    for route in _api_routes(app.routes):
+        if not route.include_in_schema:
+            shown = copy.copy(route)
+            shown.include_in_schema = True
+            hidden.append(shown)
+    with warnings.catch_warnings():  # "/" answers GET and HEAD with one operation id
+        warnings.simplefilter("ignore", UserWarning)
+        return get_openapi(title="hidden routes", version="0", routes=hidden)
+
+
+def test_no_server_errors_under_fuzzing(proxy: LiveProxy, tiny_model_dir: Path) -> None:
+    public = httpx.get(proxy.url + "/openapi.json", timeout=30).json()
+    hidden = _hidden_schema(tiny_model_dir)
+    assert {"/", "/metrics", "/ui/sessions/{session_id}"} <= set(hidden["paths"])
+    assert not set(hidden["paths"]) & set(public["paths"])
     session = proxy.new_session(group_id="fuzz")
     tokens = {"admin": proxy.admin_token, "session": session["api_key"]}
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [
+        result.ok()
+        for document in (public, hidden)
+        for result in schemathesis.openapi.from_dict(document).get_all_operations()
+    ]
     labels = {f"{op.method.upper()} {op.path}" for op in operations}
     assert {"POST /v1/chat/completions", "POST /rl/sessions", "POST /admin/weights"} <= labels
+    assert {"GET /metrics", "GET /ui/sessions/{session_id}"} <= labels
 
     failures: list[str] = []
     statuses: dict[str, dict[int, int]] = {}
+    seconds = max(2.0, FUZZ_SECONDS / len(operations))
     for op in operations:
         label = f"{op.method.upper()} {op.path}"
-        statuses[label], problems = _fuzz_operation(op, proxy, tokens, session["session_id"])
+        statuses[label], problems = _fuzz_operation(
+            op, proxy, tokens, session["session_id"], seconds
+        )
         failures += problems
-    print("fuzzed: status counts per operation", statuses)
+    print(f"fuzzed {sum(n for s in statuses.values() for n in s.values())} requests:", statuses)
     assert all(statuses.values()), statuses
     # The fuzzer got past validation too, into generation and recording.
     for label in ("POST /v1/chat/completions", "POST /v1/completions"):
@@ -229,6 +274,7 @@ def _templates(model: str, session_id: str) -> dict[str, dict[str, Any]]:
         "/v1/completions": {"model": model, "max_tokens": 2, "prompt": "hi", "stop": "s"},
         "/rl/sessions": {"group_id": "g", "data_id": "d", "metadata": {"k": ["v", {"n": "m"}]}},
         f"/rl/sessions/{session_id}/reward": {"reward": 0.5, "completion_id": "c"},
+        "/admin/versions/0/evals": {"score": 0.5, "items": 3, "name": "held-out"},
     }
 
 
