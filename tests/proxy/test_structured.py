@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from proxima.proxy import structured
 from proxima.proxy.embedded.schema_rules import unenforceable_schema_reason
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.rendering import structured
 from proxima.proxy.rendering.structured import (
     enforceable_schema,
     output_grammar,
