@@ -7,7 +7,9 @@ production sessions up to ``production_share`` of the batch. With
 ``zero_signal = "refill"`` every claimed group is screened at once
 (:meth:`BatchClaims.screen`): one that cannot train whole is marked DROPPED and counted
 toward the next step's metrics (:class:`Screened`), so other groups are claimed in
-its place.
+its place. A claim that fails with the store out of reach is retried for ``[loop]
+retry_window_s``; as its answer may have been lost after it took sessions, the claims are
+then read back from the store (:meth:`BatchClaims._adopted`).
 
 :func:`trainable_samples` is step 2-3 of ``proxima.trainer.loop``'s step: the samples
 of claimed sessions that train at a version (valid, fresh, short enough, with
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from proxima.proxy.store import CompletionRecord, SessionKind, SessionRecord, SessionStatus, Store
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.production import filter_stale_by_kind, production_quota
+from proxima.trainer.retry import Backoff, retryable_error
 from proxima.trainer.samples import (
     Sample,
     build_samples,
@@ -129,12 +132,40 @@ class BatchClaims:
     ) -> list[SessionRecord]:
         if limit <= 0 or not kinds:
             return []
-        claimed = await self.store.claim_groups(
-            min_sessions=limit, trainer_id=self.trainer_id, kinds=kinds, adapter=self.adapter
-        )
+        backoff = Backoff(self.cfg.loop.retry_window_s)
+        lost = False  # a claim failed with the store out of reach: it may have taken sessions
+        while True:
+            try:
+                claimed = await self.store.claim_groups(
+                    min_sessions=limit,
+                    trainer_id=self.trainer_id,
+                    kinds=kinds,
+                    adapter=self.adapter,
+                )
+                break
+            except Exception as exc:
+                if not retryable_error(exc) or not await backoff.wait("claiming", repr(exc)):
+                    raise
+                lost = True
+        if lost:
+            claimed = await self._adopted(claimed)
         if self.cfg.advantage.zero_signal == "refill" and claimed:
             claimed = await self.screen(claimed, version)
         return claimed
+
+    async def _adopted(self, claimed: list[SessionRecord]) -> list[SessionRecord]:
+        """After a claim whose answer was lost: what this trainer holds in the store and not
+        here (the lost claim's sessions, if it landed, and ``claimed``), so that none stays
+        CLAIMED unseen until the trainer stops."""
+        held = {s.id for s in self.held}
+        mine = await self.store.claimed_sessions(trainer_id=self.trainer_id)
+        adopted = [s for s in mine if s.id not in held]
+        if len(adopted) > len(claimed):
+            logger.info(
+                "adopted %d sessions a claim took before its answer was lost",
+                len(adopted) - len(claimed),
+            )
+        return adopted
 
     async def screen(self, claimed: list[SessionRecord], version: int) -> list[SessionRecord]:
         """``zero_signal = "refill"``: the claimed groups that have something to train.

@@ -39,6 +39,10 @@ from proxima.trainer.tracking import TrackingConfig
 from proxima.trainer.weights_config import WeightsConfig
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+RETRY_WINDOW_S = 120.0
+"""How long the trainer and the rollout retry a retryable failure (``proxima.trainer.retry``):
+a PostgreSQL restart, an engine restart and a proxy's failover all fit in it."""
+
 __all__ = [
     "ADAPTER_NAME",
     "DEFAULT_EPS_CLIP",
@@ -169,6 +173,13 @@ class LoopConfig(StrictSection):
         min_length=1,
         description="Kinds of sessions to train on: rollout-controller sessions (train) and "
         "recorded production traffic (production).",
+    )
+    retry_window_s: float = Field(
+        RETRY_WINDOW_S,
+        ge=0.0,
+        description="Seconds a retryable failure is retried before the trainer gives up: the "
+        "proxy answering 502/503/504 or 429 with Retry-After, a connection error, the store out "
+        "of reach (a PostgreSQL restart, an engine restart). 0: no retry.",
     )
 
 

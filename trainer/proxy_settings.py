@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 from proxima.trainer.config import TrainerConfig
+from proxima.trainer.retry import Backoff, retry_after, retryable_answer
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +45,48 @@ class ProxySettings:
 
 
 async def fetch_proxy_settings(
-    proxy_url: str, *, admin_token: str | None, timeout_s: float = 30.0
+    proxy_url: str,
+    *,
+    admin_token: str | None,
+    timeout_s: float = 30.0,
+    retry_window_s: float = 0.0,
 ) -> ProxySettings:
     """``GET /admin/config`` of the proxy; raises :class:`ProxySettingsError` when it cannot.
 
     ``proxy_url`` may name several replicas (comma-separated): they share one
-    configuration, and the first that answers is asked.
+    configuration, and the first that answers is asked. A proxy that answers "not now"
+    (502/503/504, 429 with ``Retry-After``: its store restarting) or drops the connection
+    is asked again for ``retry_window_s`` seconds; one that refuses the connection is an
+    error at once (a wrong URL should not hang the start for minutes).
     """
-    urls = [u for u in proxy_url.split(",") if u.strip()]
+    urls = [u.strip() for u in proxy_url.split(",") if u.strip()]
+    backoff = Backoff(retry_window_s)
+    while True:
+        try:
+            return await _fetch_any(urls, admin_token=admin_token, timeout_s=timeout_s)
+        except _NotNow as exc:
+            if not await backoff.wait("reading the proxy's settings", exc, exc.retry_after):
+                raise
+
+
+async def _fetch_any(
+    urls: list[str], *, admin_token: str | None, timeout_s: float
+) -> ProxySettings:
     for url in urls[:-1]:
         try:
-            return await _fetch_one(url.strip(), admin_token=admin_token, timeout_s=timeout_s)
+            return await _fetch_one(url, admin_token=admin_token, timeout_s=timeout_s)
         except ProxySettingsError as exc:
             if not isinstance(exc.__cause__, httpx.TransportError):
                 raise
-    return await _fetch_one(urls[-1].strip(), admin_token=admin_token, timeout_s=timeout_s)
+    return await _fetch_one(urls[-1], admin_token=admin_token, timeout_s=timeout_s)
+
+
+class _NotNow(ProxySettingsError):
+    """The proxy could not answer now (it may shortly): worth asking again."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 async def _fetch_one(proxy_url: str, *, admin_token: str | None, timeout_s: float) -> ProxySettings:
@@ -68,7 +96,10 @@ async def _fetch_one(proxy_url: str, *, admin_token: str | None, timeout_s: floa
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             response = await client.get(url, headers=headers)
     except httpx.HTTPError as exc:
-        raise ProxySettingsError(f"cannot read the proxy's settings at {url}: {exc!r}") from exc
+        message = f"cannot read the proxy's settings at {url}: {exc!r}"
+        if isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.ConnectError):
+            raise _NotNow(message) from exc
+        raise ProxySettingsError(message) from exc
     if response.status_code in (401, 403):
         raise ProxySettingsError(
             f"the proxy refused GET {url} ({response.status_code}): give the trainer the proxy's "
@@ -80,9 +111,10 @@ async def _fetch_one(proxy_url: str, *, admin_token: str | None, timeout_s: floa
             "run the same Proxima version on both"
         )
     if response.status_code != 200:
-        raise ProxySettingsError(
-            f"GET {url} answered {response.status_code}: {response.text[:300]}"
-        )
+        message = f"GET {url} answered {response.status_code}: {response.text[:300]}"
+        if retryable_answer(response):
+            raise _NotNow(message, retry_after(response))
+        raise ProxySettingsError(message)
     body: Any = response.json()
     try:
         batch, eta = body["train_batch_size"], body["max_staleness"]

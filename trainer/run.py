@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-from proxima.proxy.store import Store
 from proxima.trainer.adapter_loop import AdapterTrainers
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.loop import Trainer
 from proxima.trainer.proxy_settings import adopt_proxy_settings, fetch_proxy_settings
+from proxima.trainer.store_retry import RetryingStore
 from proxima.trainer.torchrun import (
     RankZeroLeader,
     follow_rank_zero,
@@ -36,7 +36,12 @@ def weight_sink(cfg: TrainerConfig, proxy_url: str, admin_token: str | None) -> 
             settings=cfg.weights,
             timeout_s=cfg.loop.push_timeout_s,
         )
-    return ProxyWeightSink(proxy_url, admin_token=admin_token, timeout_s=cfg.loop.push_timeout_s)
+    return ProxyWeightSink(
+        proxy_url,
+        admin_token=admin_token,
+        timeout_s=cfg.loop.push_timeout_s,
+        retry_window_s=cfg.loop.retry_window_s,
+    )
 
 
 async def run_trainer(
@@ -72,9 +77,12 @@ async def run_trainer(
     try:
         if conn.proxy_url is not None:  # the staleness rule's settings are the proxy's
             token = conn.admin_token.get_secret_value() if conn.admin_token else None
-            settings = await fetch_proxy_settings(conn.proxy_url, admin_token=token)
+            settings = await fetch_proxy_settings(
+                conn.proxy_url, admin_token=token, retry_window_s=cfg.loop.retry_window_s
+            )
             cfg = adopt_proxy_settings(cfg, settings, proxy_url=conn.proxy_url)
-        store = await Store.open(conn.db_url)
+        # Its calls retry a store outage (a PostgreSQL restart) for [loop] retry_window_s.
+        store = await RetryingStore.open_retrying(conn.db_url, window_s=cfg.loop.retry_window_s)
         own_sink = sink is None
         if sink is None:
             assert conn.proxy_url is not None

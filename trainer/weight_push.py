@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
+from proxima.trainer.retry import RETRY_WINDOW_S, Backoff, retry_after, retryable_answer
 
 logger = logging.getLogger(__name__)
-
-_PUSH_ATTEMPTS = 3
 
 
 class WeightPushError(RuntimeError):
@@ -65,9 +64,11 @@ class ProxyWeightSink:
     second; the push then waits (``confirm_s``) until every listed replica
     reports the version, warning about any that does not.
 
-    Transport errors (including a timeout) are retried; a 409 answer is
-    success if the proxy already serves ``version`` (an earlier attempt
-    landed) and an error otherwise (another trainer is pushing).
+    Transport errors (including a timeout; the next URL is tried) and answers that say "not
+    now" (502/503/504, 429 with ``Retry-After``: the store restarting, every engine
+    restarting) are retried for ``retry_window_s`` (``proxima.trainer.retry``); a 409 answer
+    is success if the proxy already serves ``version`` (an earlier attempt landed) and an
+    error otherwise (another trainer is pushing).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class ProxyWeightSink:
         admin_token: str | None,
         timeout_s: float = 600.0,
         confirm_s: float = 10.0,
+        retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.proxy_urls = [u.strip().rstrip("/") for u in proxy_url.split(",") if u.strip()]
@@ -84,6 +86,7 @@ class ProxyWeightSink:
             raise ValueError("ProxyWeightSink needs a proxy URL")
         self.proxy_url = self.proxy_urls[0]
         self.confirm_s = confirm_s
+        self.retry_window_s = retry_window_s
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
         )
@@ -95,19 +98,22 @@ class ProxyWeightSink:
         if adapter is not None:
             body["adapter"] = adapter
         urls = self.proxy_urls
-        tries = _PUSH_ATTEMPTS * len(urls)
-        for attempt in range(1, tries + 1):
-            url = urls[(attempt - 1) % len(urls)]
+        backoff = Backoff(self.retry_window_s)
+        attempt = 0
+        while True:
+            url = urls[attempt % len(urls)]
+            attempt += 1
             try:
                 resp = await self._client.post(url + "/admin/weights", json=body)
             except httpx.TransportError as exc:
-                if attempt == tries:
+                # Every URL failed this round: back off (a transport error moves to the next).
+                if attempt % len(urls) == 0 and not await backoff.wait(
+                    f"weight push to {url}", repr(exc)
+                ):
                     raise WeightPushError(
-                        f"POST /admin/weights failed {attempt} times on {', '.join(urls)}: {exc!r}"
+                        f"POST /admin/weights failed {attempt} times on {', '.join(urls)} "
+                        f"within {self.retry_window_s:.0f}s: {exc!r}"
                     ) from exc
-                logger.warning("weight push to %s failed, retrying: %r", url, exc)
-                if attempt % len(urls) == 0:  # every URL failed this round: back off
-                    await asyncio.sleep(2.0 ** (attempt // len(urls)))
                 continue
             if resp.status_code == 200:
                 answer = resp.json()
@@ -121,17 +127,19 @@ class ProxyWeightSink:
                 )
             if resp.status_code == 409:
                 served = await self.served_version(url, adapter=adapter)
-                if served == version:
+                if served == version:  # an earlier try landed (its answer was lost)
                     return PushResult(version, str(path), 0.0, time.monotonic() - started)
                 whose = "" if adapter is None else f" of adapter {adapter}"
                 raise WeightPushError(
                     f"the proxy refused version {version}{whose}: it serves version {served}; is "
                     "another trainer pushing to this proxy?"
                 )
-            raise WeightPushError(
-                f"POST {url}/admin/weights answered {resp.status_code}: {resp.text}"
-            )
-        raise AssertionError("unreachable")  # pragma: no cover
+            failure = f"POST {url}/admin/weights answered {resp.status_code}: {resp.text}"
+            if not retryable_answer(resp) or not await backoff.wait(
+                "weight push", failure[:300], retry_after(resp)
+            ):
+                raise WeightPushError(failure)
+            attempt -= 1  # a "not now" is asked again of the same URL
 
     async def confirm(self, version: int, *, pushed_to: str) -> None:
         """Wait until every other listed replica serves ``version`` (they follow the store)."""

@@ -12,6 +12,7 @@ from proxima.proxy.api.schemas import WeightsRequest
 from proxima.proxy.api.weight_groups import push_by_broadcast
 from proxima.proxy.api.weight_groups import router as weight_groups_router
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
+from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.errors import BadRequest, Conflict
 from proxima.proxy.policies.adapters import screen_adapter_dir
 from proxima.proxy.store.records import SessionKind
@@ -46,7 +47,14 @@ async def update_weights(
     if adapter is not None:
         screen_adapter_dir(body.path)  # a bad adapter_config.json: 400 before any load
     async with store.publish_lock(), pool.publish_lock:
-        current = max(pool.policy(adapter)[0], await store.current_policy_version(adapter=adapter))
+        recorded = await store.current_policy_version(adapter=adapter)
+        if _loaded_unrecorded(pool, body, recorded):
+            # The push's load landed, its record did not (the store went out of reach in
+            # between, a 503): this retry records it, rather than a 409 that leaves the
+            # store a version behind what the backends serve.
+            await store.record_policy_version(version=body.version, path=body.path, adapter=adapter)
+            return _pushed(body, body.version, 0.0, [b.url for b in pool.healthy_backends()])
+        current = max(pool.policy(adapter)[0], recorded)
         if body.version <= current:
             whose = "" if adapter is None else f" of adapter {adapter}"
             raise Conflict(
@@ -77,14 +85,37 @@ async def update_weights(
             ) from exc
         await store.record_policy_version(version=body.version, path=body.path, adapter=adapter)
     state.metrics.weight_updates.observe(update.seconds)
+    return _pushed(body, update.version, update.seconds, update.backends, update.path)
+
+
+def _pushed(
+    body: WeightsRequest,
+    version: int,
+    seconds: float,
+    backends: list[str],
+    path: str | None = None,
+) -> dict[str, Any]:
+    """The answer to a push that is served now."""
     return {
-        "version": update.version,
-        "path": update.path,
-        "seconds": update.seconds,
-        "backends": update.backends,
-        "adapter": adapter,
+        "version": version,
+        "path": body.path if path is None else path,
+        "seconds": seconds,
+        "backends": backends,
+        "adapter": body.adapter,
         "transport": "disk" if body.broadcast is None else "broadcast",
     }
+
+
+def _loaded_unrecorded(pool: BackendPool, body: WeightsRequest, recorded: int) -> bool:
+    """Whether the pool serves ``body``'s version from ``body``'s path while the store has
+    not recorded it: a push whose record failed after its load, sent again."""
+    served, _ = pool.policy(body.adapter)
+    if body.version != served or recorded >= body.version:
+        return False
+    if body.adapter is None:
+        return pool.weights_path == body.path
+    current = pool.adapters.get(body.adapter)
+    return current is not None and current.path == body.path
 
 
 @router.get("/admin/config")

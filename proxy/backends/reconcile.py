@@ -137,6 +137,29 @@ class VersionReconciler:
         await asyncio.gather(*(self.rejoin(b) for b in behind))
         return changed
 
+    async def _paused(self, targets: list[Backend]) -> list[Backend]:
+        """Pause ``targets`` in abort mode; those paused. One that cannot be reached (it died
+        since its last check) is taken out, not counted against the push's path; with none
+        paused, ``BackendUnavailable`` (a 503: the push may be sent again)."""
+        results = await asyncio.gather(
+            *(b.client.pause_generation(mode="abort") for b in targets), return_exceptions=True
+        )
+        paused = [b for b, r in zip(targets, results, strict=True) if r is None]
+        for backend, result in zip(targets, results, strict=True):
+            if isinstance(result, BackendConnectionError):
+                self._state.mark_failed(backend, result)
+        refused = [
+            r for r in results if r is not None and not isinstance(r, BackendConnectionError)
+        ]
+        if refused or not paused:
+            await asyncio.gather(
+                *(b.client.continue_generation() for b in paused), return_exceptions=True
+            )
+            if refused:
+                raise refused[0]
+            raise BackendUnavailable("No healthy backend to load weights into.")
+        return paused
+
     async def update_weights(self, *, version: int, path: str) -> WeightUpdate:
         """Interrupt generation everywhere, load ``path`` as ``version``, resume."""
         state = self._state
@@ -145,10 +168,7 @@ class VersionReconciler:
             state.updates_begun += 1
             state.ready.clear()
             try:
-                targets = state.healthy_backends()
-                if not targets:
-                    raise BackendUnavailable("No healthy backend to load weights into.")
-                await asyncio.gather(*(b.client.pause_generation(mode="abort") for b in targets))
+                targets = await self._paused(state.healthy_backends())
                 try:
                     results = await asyncio.gather(
                         *(

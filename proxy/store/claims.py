@@ -211,6 +211,20 @@ class ClaimsMixin(StoreBase):
             logger.info("claims released", extra={"trainer_id": trainer_id, "count": released})
         return released
 
+    async def claimed_sessions(self, *, trainer_id: str) -> list[SessionRecord]:
+        """The sessions ``trainer_id`` holds CLAIMED now, oldest finished first (a trainer whose
+        claim's answer was lost learns from it what the claim took)."""
+        query = (
+            select(SessionRow)
+            .where(
+                SessionRow.status == SessionStatus.CLAIMED.value,
+                SessionRow.claimed_by == trainer_id,
+            )
+            .order_by(SessionRow.finished_at, SessionRow.created_at, SessionRow.id)
+        )
+        async with self._read() as db:
+            return [session_record(row) for row in (await db.execute(query)).scalars()]
+
     async def count_sessions_by_status(
         self, *, kind: SessionKind | None = None
     ) -> dict[SessionStatus, int]:

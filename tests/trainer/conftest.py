@@ -10,6 +10,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from proxima.proxy.testing.live import LiveProxy
 
+from tests.pg import select_postgres_items
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """PostgreSQL-parametrized trainer tests (outages) are deselected without the server."""
+    select_postgres_items(config, items)
+
 
 @pytest.fixture(scope="module")
 def megatron_process_group() -> Iterator[None]:

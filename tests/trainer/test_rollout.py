@@ -463,16 +463,18 @@ async def test_open_session_retries_transport_losses_with_one_key_then_gives_up(
 
     request = httpx.Request("POST", "http://proxy/rl/sessions")
     script[:] = [httpx.ReadTimeout("t", request=request), httpx.ConnectError("c"), 503, 504, 200]
-    assert await open_one(attempts=5) == {"session_id": "s", "api_key": "k", "base_url": "u"}
+    assert await open_one(window_s=10) == {"session_id": "s", "api_key": "k", "base_url": "u"}
     assert len(seen) == 5 and len({key for key, _ in seen}) == 1
     assert seen[0][0].startswith("rollout-")
 
     first_key = seen[0][0]
     seen.clear()
-    script[:] = [502, 502, 502, 200]
-    with pytest.raises(RolloutError, match=r"3 tries with one Idempotency-Key\): answered 502"):
-        await open_one(attempts=3)
-    assert len(seen) == 3 and {key for key, _ in seen} != {first_key}  # a new session, a new key
+    script[:] = [502, 200]
+    with pytest.raises(
+        RolloutError, match=r"1 tries with one Idempotency-Key in 0s\): answered 502"
+    ):
+        await open_one(window_s=0)  # no retry window: the first "not now" ends it
+    assert len(seen) == 1 and {key for key, _ in seen} != {first_key}  # a new session, a new key
 
     seen.clear()
     script[:] = [400]

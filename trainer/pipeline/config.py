@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from proxima.trainer.config import ADAPTER_NAME, TrainerConfig, load_raw_config
+from proxima.trainer.config import ADAPTER_NAME, RETRY_WINDOW_S, TrainerConfig, load_raw_config
 from proxima.trainer.tracking import TrackingConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -94,6 +94,13 @@ class RolloutSection(_Section):
     )
     item_fields: dict[str, Any] = Field(
         default_factory=dict, description="Extra fields merged into every item (max_turns, ...)."
+    )
+    retry_window_s: float = Field(
+        RETRY_WINDOW_S,
+        ge=0,
+        description="Seconds a call to the proxy lost in transport or answered 502/503/504 (or "
+        "429 with Retry-After) is retried: the rollout's session calls and, in inprocess and ray "
+        "modes, the agents' own requests; a PostgreSQL or engine restart is waited out. 0: none.",
     )
     tenants: list[TenantSection] = Field(
         default_factory=list,

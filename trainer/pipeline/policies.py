@@ -122,6 +122,7 @@ def rollout_controller(
         ray_address=r.ray_address,
         ray_options=r.ray_options,
         adapter=None if policy is None else policy.adapter,
+        retry_window_s=r.retry_window_s,
     )
 
 

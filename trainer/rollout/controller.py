@@ -8,11 +8,14 @@ times, each run in its own proxy session (docs/design.md,
         for k in range(group_size):
             session = POST /rl/sessions {group_id, data_id, metadata}
                       # 429 + Retry-After (staleness capacity): wait, retry
-                      # lost in transport: retry with the same Idempotency-Key
+                      # lost in transport, 502/503/504: retry with the same Idempotency-Key
             reward  = run_agent_return_reward(item + {base_url, api_key, ...})
                       # bound to the session; raises or times out -> failed
             POST /rl/sessions/{id}/reward  (final, or one per completion)
             POST /rl/sessions/{id}/finish  {status: finished | failed}
+
+Every call to the proxy that is lost in transport or answered "not now" is retried for
+``retry_window_s`` (a PostgreSQL or engine restart is waited out, not the end of the run).
 
 The agent module is not modified (loading and calling it: ``proxima.trainer.rollout.agents``). In ``"inprocess"`` mode its HTTP requests
 to the proxy's ``/v1`` carry the session key through :mod:`proxima.trainer.rollout.binding`
@@ -65,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from proxima.trainer.config import ADAPTER_NAME
+from proxima.trainer.config import ADAPTER_NAME, RETRY_WINDOW_S
 from proxima.trainer.rollout.agents import (
     AgentError,
     AgentFn,
@@ -136,6 +139,11 @@ class RolloutController:
         transport: the httpx transport of the controller's own calls to the proxy
             (default: httpx's; tests hand in one that loses requests); one pass's
             client closes it at the end of :meth:`run`.
+        retry_window_s: how long a call that is lost in transport or answered "not now"
+            (502/503/504, 429 with ``Retry-After``: the store or an engine restarting) is
+            retried: the controller's own calls (``proxima.trainer.rollout.sessions``) and,
+            in ``"inprocess"`` and ``"ray"`` modes, the agent's calls to its session's
+            ``/v1`` (``proxima.trainer.rollout.binding``). 0: none is retried.
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class RolloutController:
         ray_options: Mapping[str, Any] | None = None,
         adapter: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -164,6 +173,8 @@ class RolloutController:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not retry_window_s >= 0:
+            raise ValueError(f"retry_window_s must be >= 0, got {retry_window_s}")
         if mode not in ("inprocess", "subprocess", "ray"):
             raise ValueError(f"mode must be 'inprocess', 'subprocess' or 'ray', got {mode!r}")
         if adapter is not None and not ADAPTER_NAME.match(adapter):
@@ -184,6 +195,7 @@ class RolloutController:
         self.python = python
         self.adapter = adapter
         self._transport = transport
+        self.retry_window_s = retry_window_s
         self._ray: RayAgentRunner | None = None
         # Fail at construction, not on the first run, when the agent cannot be found.
         if mode == "inprocess":
@@ -310,6 +322,7 @@ class RolloutController:
                 data_id=data_id,
                 metadata=metadata,
                 adapter=self.adapter,
+                window_s=self.retry_window_s,
             )
             if opened is None:
                 return
@@ -321,7 +334,9 @@ class RolloutController:
                 result = await self._agent_run(client, executor, item, opened, result)
             finally:
                 result.seconds = time.monotonic() - t0
-                await asyncio.shield(finish_session(client, session_id, result.status))
+                await asyncio.shield(
+                    finish_session(client, session_id, result.status, window_s=self.retry_window_s)
+                )
                 report.runs.append(result)
                 if result.status == "finished":
                     report.sessions_rewarded += 1
@@ -349,6 +364,7 @@ class RolloutController:
             api_key=api_key,
             base_url=base_url,
             prefixes=(self.proxy_url + "/v1",),
+            retry_window_s=self.retry_window_s,
         )
         if self._ray is not None:
             agent_call = self._ray.call(data, binding)
@@ -380,7 +396,7 @@ class RolloutController:
             if isinstance(value, RayOutcome):
                 result.node_id, value = value.node_id, value.value
             reward = parse_reward(value)
-            await post_rewards(client, session_id, reward)
+            await post_rewards(client, session_id, reward, window_s=self.retry_window_s)
         except asyncio.CancelledError:
             task.cancel()
             raise
