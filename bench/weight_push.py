@@ -1,24 +1,28 @@
-"""Benchmark: what share of the trainer's wall time goes to getting new weights to the proxy.
+"""Benchmark: getting a new weight version to the backends, by disk and by broadcast.
 
-A short real run: ``proxima serve`` (embedded engine) on a randomly
-initialised Qwen2 model built offline (``--hidden``/``--layers`` pick its
-size), agents on concurrent OpenAI SDK clients generating sessions (one chat
-completion each, rewarded by how many vowels the answer holds, groups of
-``--group-size``), and the trainer (``proxima.trainer.run.run_trainer``, torch
-backend) running ``--steps`` steps in this process against the proxy.
+Default run: for the demo model (SmolLM2-135M-Instruct, prepared into
+``.cache/models`` as ``make demo`` does) and a randomly initialised Qwen2 with
+Qwen2.5-0.5B's shapes (494M parameters, built here from a config), ``proxima serve`` with
+two embedded engines (``--engines 2``) and, in this process, the trainer's side: the model
+in float32, exported as each new version (HF safetensors, atomic, as the trainer does) and
+pushed, ``--pushes`` times per transport after one warm-up push (a broadcast push's first
+also opens the weight-update group):
 
-Per step the trainer logs (``train_log.jsonl``) its time split; this script
-reports
+- disk: ``POST /admin/weights`` and every engine loads the exported directory;
+- broadcast: ``BroadcastWeightSink``, the trainer rank 0 of a gloo group with both engines,
+  the export's tensors in 512 MiB buckets while the proxy relays the receive to each.
 
-- weight sync = export (HF safetensors, atomic) + push (``POST /admin/weights``
-  until every backend loaded them), as a share of the trainer's step wall
-  time (target <= 3%) and of its busy time (step time without waiting for data);
-- the proxy's own weight-update seconds (interrupt, load, resume).
+Each push's wall time is export + transfer + load (until every engine serves it); the proxy's
+own time (generation paused) is printed beside it. The last line is ``weight push: disk X
+ms, broadcast Y ms (0.5B model)`` (medians).
 
-Generation and training share this machine's CPU cores, so waiting for data
-dominates the step time here; the busy-time share is the harder bound.
+``--share``: what share of the trainer's step wall time goes to weight sync (export + push,
+target <= 3%) in a short real run: ``proxima serve`` on a random Qwen2 (``--hidden``,
+``--layers``), agents on concurrent OpenAI SDK clients (one chat completion each, rewarded
+by its vowels), and ``run_trainer`` running ``--steps`` steps here; from the trainer's time
+split in ``train_log.jsonl``, also as a share of its busy time (without waiting for data).
 
-Run: ``.venv/bin/python bench/weight_push.py [--hidden 256 --layers 4 --steps 5 ...]``.
+Run: ``.venv/bin/python bench/weight_push.py [--pushes 3] [--models smollm2,0.5b]``.
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def share_main(argv: list[str] | None = None) -> int:
+    """The ``--share`` run: weight sync as a share of the trainer's step time."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256, help="model hidden size")
     parser.add_argument("--layers", type=int, default=4, help="model layers")
@@ -197,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         f"max {s['proxy_update_max_s']:.3f}s per push"
     )
     return 0 if s["share_of_wall"] <= TARGET_SHARE else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--share" in argv:
+        return share_main([a for a in argv if a != "--share"])
+    from _push_compare import compare_main  # noqa: PLC0415 (torch, only for this run)
+
+    return compare_main(argv)
 
 
 if __name__ == "__main__":

@@ -257,20 +257,21 @@ class WeightGroups:
                 )
                 try:
                     failed = await _relay(group, buckets, version, load_format, timeout_s)
+                    loaded = [b for b in members if b not in failed]
+                    if loaded:
+                        state.version, state.weights_path = version, path
+                    self._settle(loaded, failed, version)
+                    await self._restore(failed)  # still paused: at the current version
                 finally:
                     await asyncio.gather(
                         *(b.client.continue_generation() for b in members), return_exceptions=True
                     )
-                loaded = [b for b in members if b not in failed]
                 if failed:
-                    await self.close()
+                    await self.close()  # the group broke with the push
                 if not loaded:
-                    await self._restore(failed)
                     raise BackendOperationFailed(
                         f"no backend received version {version}: {_first_error(failed)}"
                     )
-                state.version, state.weights_path = version, path
-                await self._settle(loaded, failed, version)
             finally:
                 state.ready.set()
             update = WeightUpdate(
@@ -285,10 +286,8 @@ class WeightGroups:
             )
             return update
 
-    async def _settle(
-        self, loaded: list[Backend], failed: dict[Backend, BaseException], v: int
-    ) -> None:
-        """After a push that landed: members that loaded it serve it; the others are behind."""
+    def _settle(self, loaded: list[Backend], failed: dict[Backend, BaseException], v: int) -> None:
+        """Members that received every bucket serve ``v``; the others did not get it."""
         for backend in loaded:
             backend.version = v
             backend.must_reload = False
@@ -296,7 +295,6 @@ class WeightGroups:
                 self._state.schedule_rejoin(backend)
         for backend, error in failed.items():
             logger.error("backend %s did not receive v%s: %s", backend.url, v, error)
-        await self._restore(failed)
 
     async def _restore(self, failed: dict[Backend, BaseException]) -> None:
         """Reload members a failed push may have left half updated, at the pool's current

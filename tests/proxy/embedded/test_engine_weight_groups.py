@@ -37,6 +37,7 @@ from proxima.proxy.embedded.process_group import (
     send_bucket,
 )
 from proxima.proxy.embedded.weight_groups import TIMEOUT_ENV
+from proxima.proxy.embedded.weights import all_finite
 from proxima.proxy.serving import free_port
 from proxima.trainer.weight_broadcast import plan_buckets, read_specs
 from safetensors import safe_open
@@ -233,3 +234,15 @@ async def test_sglangs_refusals(client: SGLangClient) -> None:
     finally:
         destroy_process_group(group)
     assert (await client.model_info()).weight_version != "99"
+
+
+def test_the_nan_screen_is_exact() -> None:
+    """The screen both a disk load and a received bucket go through: a fast sum, exact."""
+    assert all_finite(torch.randn(1000))
+    assert all_finite(torch.tensor([3e38, 3e38]))  # finite values whose sum overflows
+    assert all_finite(torch.tensor([1e300, 1e300], dtype=torch.float64))
+    assert all_finite(torch.arange(5))  # integers are always finite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert not all_finite(torch.tensor([1.0, bad, 2.0], dtype=dtype)), (bad, dtype)
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # they sum to NaN
