@@ -227,6 +227,19 @@ def _info_routes(
     async def info() -> dict[str, Any]:
         return {"model_path": model_path, "is_generation": True, "weight_version": weight_version()}
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        # SGLang's start-up arguments and live state; one worker, as a single-GPU server.
+        return {
+            "version": "0.5.23",
+            "model_path": model_path,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "weight_version": weight_version(),
+        }
+
 
 LORA_NOT_ENABLED = LoRAUpdateResponse(
     success=False, error_message="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."

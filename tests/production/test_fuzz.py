@@ -119,6 +119,22 @@ def _plausible(case: Any, model: str) -> Any:
     return case
 
 
+UPSTREAM_CODES = {"weight_group_failed"}
+"""5xx answers that are the backends' and not the proxy's: a weight-update group at the
+address the request named could not form (the fuzzer's addresses reach no trainer); the
+proxy relays each backend's refusal with this code, as documented in docs/reference.md."""
+
+
+def _upstream_answer(response: Any) -> bool:
+    if response.status_code != 503:
+        return False
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return code in UPSTREAM_CODES
+
+
 def _fuzz_operation(
     op: Any, proxy: LiveProxy, tokens: dict[str, str], session_id: str, seconds: float
 ) -> tuple[dict[int, int], list[str]]:
@@ -159,7 +175,7 @@ def _fuzz_operation(
         response = case.call(base_url=proxy.url, headers=headers, timeout=60)
         problem = None
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-        if response.status_code >= 500:
+        if response.status_code >= 500 and not _upstream_answer(response):
             problem = f"{response.status_code} {response.text[:300]}"
         elif "text/event-stream" in response.headers.get("content-type", ""):
             errors = _internal_errors_in_stream(response.text)
