@@ -75,9 +75,22 @@ def main() -> None:
         help="comma-separated token ids: the token at sequence position p is script[p %% len] "
         "(printable text for benches whose replies go back into the conversation)",
     )
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=0.0,
+        help="each request's decode rate (0: as fast as possible); a rate the proxy keeps up "
+        "with sends every token in a read of its own, as a GPU's decode steps do",
+    )
     args = p.parse_args()
     script = [int(t) for t in args.script.split(",")] if args.script else None
-    fake = FakeBackend(vocab_size=args.vocab_size, chunk_tokens=1, incremental=True, script=script)
+    fake = FakeBackend(
+        vocab_size=args.vocab_size,
+        chunk_tokens=1,
+        incremental=True,
+        script=script,
+        tokens_per_s=args.tokens_per_s,
+    )
     uvicorn.run(
         create_bench_app(fake),
         host="127.0.0.1",

@@ -123,8 +123,18 @@ def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+# The scope key under which ``RequestIdMiddleware`` puts the send it was given: a streamed
+# body's chunks go to it, past the middlewares inside (``EventStreamResponse``).
+BODY_SEND = "proxima.body_send"
+
+
 class RequestIdMiddleware:
-    """Takes ``X-Request-Id`` from the request (or makes one) and returns it."""
+    """Takes ``X-Request-Id`` from the request (or makes one) and returns it.
+
+    The outermost of the proxy's middlewares: it also puts the send it was given in the
+    scope (``BODY_SEND``), for a response whose body need not pass the middlewares inside,
+    which all act on a response's start only (status, headers, the request log).
+    """
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -139,6 +149,7 @@ class RequestIdMiddleware:
         rid = incoming[:128] if incoming else uuid.uuid4().hex
         token = request_id_var.set(rid)
         session_token = session_id_var.set(None)
+        scope[BODY_SEND] = send
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":

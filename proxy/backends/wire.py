@@ -35,31 +35,16 @@ import asyncio
 import re
 import ssl
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from proxima.proxy.backends.errors import BackendConnectionError
+from proxima.proxy.backends.wire_conn import Conn
 
 _MAX_HEAD = 64 * 1024
-_READ_SIZE = 64 * 1024
 # A server-sent event's ``data:`` field: the rest of its line after one optional space
 # (a CR before the line's LF stays in it: JSON and ``[DONE]`` readers strip it).
 _DATA_FIELD = re.compile(rb"^data: ?(.*)", re.MULTILINE)
-
-
-class _Conn:
-    __slots__ = ("reader", "writer", "reused")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.reader = reader
-        self.writer = writer
-        self.reused = False
-
-    def usable(self) -> bool:
-        """Whether an idle connection may carry a request (the server has not closed it)."""
-        return not (self.writer.is_closing() or self.reader.at_eof())
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class _NoResponse(Exception):
@@ -95,7 +80,7 @@ class WirePool:
         self.pool_timeout = pool_timeout
         self.max_idle = max_idle
         self._slots = asyncio.Semaphore(max_connections)
-        self._idle: list[_Conn] = []
+        self._idle: list[Conn] = []
 
     @property
     def idle(self) -> int:
@@ -162,7 +147,7 @@ class WirePool:
     def _url(self) -> str:
         return f"{'https' if self._ssl else 'http'}://{self.host}:{self.port}"
 
-    def _take_idle(self) -> _Conn | None:
+    def _take_idle(self) -> Conn | None:
         while self._idle:
             conn = self._idle.pop()
             if conn.usable():
@@ -171,32 +156,34 @@ class WirePool:
             conn.close()
         return None
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self) -> Conn:
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    self.host, self.port, ssl=self._ssl, limit=_MAX_HEAD
+                _, conn = await loop.create_connection(
+                    lambda: Conn(loop), self.host, self.port, ssl=self._ssl
                 )
         except (OSError, TimeoutError) as exc:
             raise BackendConnectionError(
                 f"cannot connect to {self._url()}: {exc!r}", url=self._url()
             ) from exc
-        return _Conn(reader, writer)
+        return conn
 
-    async def _send(self, conn: _Conn, request: bytes) -> WireResponse:
+    async def _send(self, conn: Conn, request: bytes) -> WireResponse:
         """Write the request and read the response head; ``_NoResponse`` if nothing came."""
         try:
-            conn.writer.write(request)
-            if conn.writer.transport.get_write_buffer_size():  # the socket did not take it all
+            conn.write(request)
+            assert conn.transport is not None
+            if conn.transport.get_write_buffer_size():  # the socket did not take it all
                 async with asyncio.timeout(self.write_timeout):
-                    await conn.writer.drain()
+                    await conn.drain()
             # A plain timer, not asyncio.timeout (which costs more than the read): when it
             # fires, the waiting read fails with TimeoutError.
             timer = asyncio.get_running_loop().call_later(
-                self.read_timeout, conn.reader.set_exception, TimeoutError()
+                self.read_timeout, conn.fail, TimeoutError()
             )
             try:
-                head = await conn.reader.readuntil(b"\r\n\r\n")
+                head = await conn.readuntil(b"\r\n\r\n", _MAX_HEAD)
             finally:
                 timer.cancel()
         except asyncio.IncompleteReadError as exc:
@@ -222,7 +209,7 @@ class WirePool:
             raise
         return WireResponse(self, conn, head)
 
-    def _release(self, conn: _Conn | None) -> None:
+    def _release(self, conn: Conn | None) -> None:
         if conn is not None:
             if conn.usable() and len(self._idle) < self.max_idle:
                 self._idle.append(conn)
@@ -231,13 +218,35 @@ class WirePool:
         self._slots.release()
 
 
+class _DataFields:
+    """A server-sent event stream's ``data:`` fields, piece by piece: the lines a piece
+    completed, found by one regular expression; the rest waits for the next piece."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        if self.rest:
+            piece = self.rest + piece
+        end = piece.rfind(b"\n") + 1
+        self.rest = piece[end:]
+        return _DATA_FIELD.findall(piece, 0, end) if end else []
+
+    def flush(self) -> list[bytes]:
+        """The fields of a last line without its line end."""
+        rest, self.rest = self.rest, b""
+        return _DATA_FIELD.findall(rest) if rest else []
+
+
 class WireResponse:
     """A response whose head has arrived; read its body with ``read`` or ``lines``."""
 
-    def __init__(self, pool: WirePool, conn: _Conn, head: bytes):
+    def __init__(self, pool: WirePool, conn: Conn, head: bytes):
         self._pool = pool
-        self._conn: _Conn | None = conn
-        self._reader = conn.reader
+        self._conn: Conn | None = conn
+        self._source = conn  # what the body is read from, also once the response is closed
         self._complete = False
         self._keep_alive = False
         self._waiting_since: float | None = None
@@ -305,68 +314,47 @@ class WireResponse:
         if rest:
             yield [rest]
 
-    async def data_batches(self) -> AsyncIterator[list[bytes]]:
+    def data_batches(self) -> AsyncIterator[list[bytes]]:
         """A server-sent event stream's ``data:`` fields as they arrive, grouped: each batch
         holds those of the lines one read completed (other lines are skipped).
 
         One regular expression finds them all in a read, instead of a Python step per line:
-        what piled up while the proxy was busy costs one pass.
+        what piled up while the proxy was busy costs one pass; and they are found by the
+        body's own reader (``_body``), not by another generator around it.
         """
-        rest = b""
-        async for piece in self.pieces():
-            if rest:
-                piece = rest + piece
-            end = piece.rfind(b"\n") + 1
-            rest = piece[end:]
-            if end:
-                fields = _DATA_FIELD.findall(piece, 0, end)
-                if fields:
-                    yield fields
-        if rest:
-            fields = _DATA_FIELD.findall(rest)
-            if fields:
-                yield fields
+        return self._body(_DataFields())
 
-    async def pieces(self) -> AsyncIterator[bytes]:
+    def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives, framing removed: one piece per read, whatever it completed.
 
         A chunked body is decoded from whole reads, not one ``readuntil`` and one
         ``readexactly`` per chunk: when the backend's chunks pile up (the proxy is busy),
         one read takes them all and they leave as one piece.
         """
-        reader = self._reader
+        return self._body(None)
+
+    async def _body(self, fields: _DataFields | None) -> AsyncIterator[Any]:
+        """The body's pieces as they arrive, or with ``fields`` their ``data:`` fields."""
+        conn = self._source
+        buf = conn.buf
         loop = asyncio.get_running_loop()
         # One watchdog timer per response, not one per read (a timer per chunk costs more
         # than parsing it): it fails the read that has waited longer than the read timeout.
         self._watch = loop.call_later(self._pool.read_timeout, self._check_stalled)
         try:
-            if self._chunked:
-                buf = bytearray()
-                while True:
-                    payloads, used, ended = _dechunk(buf)
-                    if payloads:
-                        yield b"".join(payloads)
-                    del buf[:used]
-                    if ended:
-                        if buf:  # bytes past the end of the response: the stream is broken
-                            self._keep_alive = False
-                        break
-                    self._waiting_since = loop.time()
-                    data = await reader.read(_READ_SIZE)
-                    self._waiting_since = None
-                    if not data:
-                        raise asyncio.IncompleteReadError(bytes(buf), None)
-                    buf += data
-            elif self._length:
+            while True:
+                piece, ended = self._take(buf, conn.eof)
+                if piece:
+                    out = piece if fields is None else fields.feed(piece)
+                    if out:
+                        yield out
+                if ended:
+                    break
                 self._waiting_since = loop.time()
-                yield await reader.readexactly(self._length)
-            elif self._length is None:
-                self._keep_alive = False  # the body ends when the server closes
-                self._waiting_since = loop.time()
-                while data := await reader.read(_READ_SIZE):
-                    self._waiting_since = None
-                    yield data
-                    self._waiting_since = loop.time()
+                await conn.wait()
+                self._waiting_since = None
+            if fields is not None and (out := fields.flush()):
+                yield out
         except asyncio.IncompleteReadError as exc:
             raise BackendConnectionError(
                 "the backend closed the connection mid-response", url=self._pool._url()
@@ -375,7 +363,7 @@ class WireResponse:
             raise BackendConnectionError(
                 f"no data from the backend for {self._pool.read_timeout}s", url=self._pool._url()
             ) from exc
-        except (OSError, ValueError, asyncio.LimitOverrunError) as exc:
+        except (OSError, ValueError) as exc:
             raise BackendConnectionError(
                 f"the response broke: {exc!r}", url=self._pool._url()
             ) from exc
@@ -384,13 +372,40 @@ class WireResponse:
             self._waiting_since = None
         self._complete = True
 
+    def _take(self, buf: bytearray, eof: bool) -> tuple[bytes, bool]:
+        """What the buffer holds of the body (taken out of it), and whether the body ended;
+        at the end of the stream before the end of the body, what broke it (the transport's
+        error, else ``IncompleteReadError``)."""
+        if eof and self._source.error is not None:
+            raise self._source.error
+        if self._chunked:
+            payloads, used, ended = _dechunk(buf)
+            del buf[:used]
+            if ended and buf:  # bytes past the end of the response: the stream is broken
+                self._keep_alive = False
+            if not ended and eof:
+                raise asyncio.IncompleteReadError(bytes(buf), None)
+            return b"".join(payloads), ended
+        if self._length is not None:
+            if len(buf) < self._length:
+                if eof:
+                    raise asyncio.IncompleteReadError(bytes(buf), self._length)
+                return b"", False
+            piece = bytes(buf[: self._length])
+            del buf[: self._length]
+            return piece, True
+        self._keep_alive = False  # the body ends when the server closes
+        piece = bytes(buf)
+        buf.clear()
+        return piece, eof
+
     def _check_stalled(self) -> None:
         """The watchdog: fail a read that has waited ``read_timeout``, else look again later."""
         timeout = self._pool.read_timeout
         since = self._waiting_since
         now = asyncio.get_running_loop().time()
         if since is not None and now - since >= timeout:
-            self._reader.set_exception(TimeoutError())
+            self._source.fail(TimeoutError())
             return
         self._watch = asyncio.get_running_loop().call_later(
             timeout if since is None else since + timeout - now, self._check_stalled

@@ -140,6 +140,6 @@ class Attempt:
         if self.label is not None:
             version = self.label
         delta.versions = [version] * len(delta.token_ids)
-        if not params.top_logprobs:
-            delta.top_logprobs = [[] for _ in delta.token_ids]
+        if not params.top_logprobs and delta.top_logprobs:
+            delta.top_logprobs = []  # not asked for: none kept (read by index where used)
         return delta

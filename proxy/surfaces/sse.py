@@ -25,7 +25,8 @@ def event_json(data: dict[str, Any] | str) -> bytes:
     reader. orjson: compact UTF-8 JSON, several times faster than json.dumps on the per-chunk
     path; a non-finite float becomes null instead of the invalid token NaN."""
     payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
-    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:
+    # find, not ``in``: a bytes ``in`` first tries its needle as an int (an exception each).
+    if payload.find(b"\xc2\x85") >= 0 or payload.find(b"\xe2\x80") >= 0:
         for raw, escaped in _LINE_BREAKS:
             payload = payload.replace(raw, escaped)
     return payload

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from proxima.proxy.rendering.reasoning import ReasoningDelta
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.events import (
@@ -18,7 +19,7 @@ from proxima.proxy.service.events import (
 )
 from proxima.proxy.service.prepare import Prepared
 from proxima.proxy.surfaces.openai_common import logprob_content
-from proxima.proxy.surfaces.sse import DONE, sse, usage
+from proxima.proxy.surfaces.sse import DONE, event_json, sse, usage
 from proxima.proxy.tools import ContentDelta, ToolCallDelta
 
 
@@ -65,11 +66,26 @@ async def chat_stream(
         "system_fingerprint": f"proxima-v{policy_version}",
     }
 
+    # The chunk's constant part is encoded once: each chunk is that prefix, then its one
+    # choice's fields (the bytes of ``sse({**head, "choices": [choice]})``, built faster).
+    prefix = b"data: " + event_json(head)[:-1] + b',"choices":[{"index":'
+
     def chunk(
         index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
     ) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**head, "choices": [choice]})
+        return b"".join(
+            (
+                prefix,
+                b"%d" % index,
+                b',"delta":',
+                event_json(delta),
+                b',"logprobs":',
+                b"null" if logprobs is None else event_json(logprobs),
+                b',"finish_reason":',
+                b"null" if finish is None else orjson.dumps(finish),
+                b"}]}\n\n",
+            )
+        )
 
     # The role chunks leave with the first event's chunks, in the same write, rather than
     # in a write of their own while the backend computes the first token.

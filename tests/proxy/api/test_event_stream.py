@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from proxima.proxy.api import event_stream
 from proxima.proxy.api.event_stream import EventStreamResponse
+from proxima.proxy.logs import BODY_SEND
 
 
 class Client:
@@ -165,3 +166,18 @@ async def test_the_head_leaves_alone_when_the_first_piece_is_late(
     later.set()
     await asyncio.wait_for(task, 5)
     assert client.bodies() == [(b"first", False)]
+
+
+async def test_the_body_goes_to_the_outer_send_when_the_scope_has_one() -> None:
+    """The head through the middlewares (``send``); the body past them (``BODY_SEND``)."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"a"
+        yield b"b"
+
+    inner, outer = Client(), Client()
+    response = EventStreamResponse(pieces())
+    scope = {"type": "http", BODY_SEND: outer.send}
+    await response(scope, inner.receive, inner.send)
+    assert [m["type"] for m in inner.messages] == ["http.response.start"]
+    assert [(m["body"], m["more_body"]) for m in outer.messages] == [(b"ab", False)]
