@@ -35,10 +35,12 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # the store is not imported with the trainer's config (the CLI starts light)
+    from proxima.proxy.store.records import CompletionRecord, SessionRecord
 
 logger = logging.getLogger(__name__)
 
