@@ -11,6 +11,11 @@ A fast (Rust-backed) tokenizer is called directly: its ``decode`` is what
 ``PreTrainedTokenizerFast.decode`` runs under transformers' Python layers,
 at a quarter of the cost per call. Any other tokenizer goes through its own
 ``decode``.
+
+A byte-level tokenizer's decode (GPT-2's, Qwen's, Llama 3's: a token's text is its bytes,
+decoded as UTF-8) does not depend on a token's neighbours once the text before it is final:
+new tokens whose own texts are whole characters (no U+FFFD) are their texts joined, from
+the single-token cache, with no decode at all.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import ByteLevel
 
 # The most tokens decoded before the unread ones (the window, so that spaces, merges and
 # multi-byte characters at the boundary decode as they do in the full text): the window
@@ -43,6 +49,15 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     ):
         return partial(rust.decode, skip_special_tokens=True)
     return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def byte_level(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is decoded by its Rust tokenizer (``text_decoder``) and that
+    decoder is byte-level alone: a token's text is then its own bytes' (module docstring)."""
+    decode = text_decoder(tokenizer)
+    return getattr(decode.func, "__self__", None) is getattr(tokenizer, "_tokenizer", False) and (
+        type(tokenizer._tokenizer.decoder) is ByteLevel
+    )
 
 
 def _qualname(cls: type, name: str) -> str:
@@ -79,6 +94,7 @@ class IncrementalDetokenizer:
         self._longest = max(map(len, self._stop), default=0)
         self._recent = ""  # the last ``_longest`` characters handed out
         self._text: str | None = None  # the whole text, once finished
+        self._joinable = byte_level(tokenizer)
 
     @property
     def text(self) -> str:
@@ -88,21 +104,33 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that became final."""
+        if self._joinable and self._read_offset == len(self._ids):
+            # Byte-level, and the text so far is final: whole characters are their texts.
+            piece = "".join([self._token_text(token) for token in token_ids])
+            if "\ufffd" not in piece:
+                self._ids.extend(token_ids)
+                self._unsent += piece
+                self._advance()
+                return self._release()
         self._ids.extend(token_ids)
         prefix = self._window(self._prefix_offset, self._read_offset)
         full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) < len(prefix):
             return self._release() if self._unsent else ""
         self._unsent += full[len(prefix) :]
+        self._advance()
+        return self._release()
+
+    def _advance(self) -> None:
+        """Every token is read: the next decode starts a window back, so the new tokens
+        decode as they do in the full text (not as a text's first token, whose space a
+        tokenizer may strip): from the last token with text of its own (past special
+        tokens, which have none)."""
         self._read_offset = end = len(self._ids)
-        # The next decode starts a window back, so the new tokens decode as they do in the
-        # full text (not as a text's first token, whose space a tokenizer may strip): from
-        # the last token with text of its own (past special tokens, which have none).
         start = end - 1
         while start > 0 and end - start < _WINDOW and not self._token_text(self._ids[start]):
             start -= 1
         self._prefix_offset = start
-        return self._release()
 
     def _window(self, start: int, end: int) -> str:
         """The text of ``ids[start:end]``; single tokens come from the tokenizer's cache."""

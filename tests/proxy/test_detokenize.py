@@ -109,3 +109,18 @@ def test_a_long_reply_is_not_copied_per_batch(tokenizer) -> None:  # type: ignor
     streamed = "".join(detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3))
     assert detok.text == streamed  # joined on demand, mid-stream
     assert streamed + detok.finish() == "word " * 3000 == detok.text
+
+
+def test_a_byte_level_tokenizer_joins_whole_characters_without_decoding(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    ids = tokenizer.encode("plain words, then ✓ and 日本 again", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    for token in ids:  # the single-token cache, warm
+        detok._token_text(token)
+    decodes: list[list[int]] = []
+    decode = detok._decode
+    detok._decode = lambda batch: decodes.append(batch) or decode(batch)  # type: ignore[method-assign]
+    text = "".join(detok.add([token]) for token in ids) + detok.finish()
+    assert text == "plain words, then ✓ and 日本 again"
+    # Only the tokens of a split character, and the end, were decoded.
+    multibyte = sum(1 for t in ids if "\ufffd" in tokenizer.decode([t]))
+    assert len(decodes) <= 2 * multibyte + 2
