@@ -40,6 +40,14 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     The Rust tokenizer is called directly only under transformers' own
     ``decode`` and ``_decode`` (a subclass that overrides them keeps its say).
     """
+    rust = _rust_of(tokenizer)
+    if rust is not None:
+        return partial(rust.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _rust_of(tokenizer: Any) -> Tokenizer | None:
+    """The Rust tokenizer ``text_decoder`` calls directly, if it may."""
     rust = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
     if (
@@ -47,17 +55,15 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         and _qualname(cls, "_decode") == "PreTrainedTokenizerFast._decode"
         and _qualname(cls, "decode") == "PreTrainedTokenizerBase.decode"
     ):
-        return partial(rust.decode, skip_special_tokens=True)
-    return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return rust
+    return None
 
 
 def byte_level(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` is decoded by its Rust tokenizer (``text_decoder``) and that
     decoder is byte-level alone: a token's text is then its own bytes' (module docstring)."""
-    decode = text_decoder(tokenizer)
-    return getattr(decode.func, "__self__", None) is getattr(tokenizer, "_tokenizer", False) and (
-        type(tokenizer._tokenizer.decoder) is ByteLevel
-    )
+    rust = _rust_of(tokenizer)
+    return rust is not None and type(rust.decoder) is ByteLevel
 
 
 def _qualname(cls: type, name: str) -> str:
