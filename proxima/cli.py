@@ -59,6 +59,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ContextLengthMismatch as exc:
         print(f"proxima serve: context_length: {exc}", file=sys.stderr)
         return 2
+    if settings.workers > 1:  # N processes on the port (proxima/workers.py)
+        from proxima.workers import serve_workers
+
+        return serve_workers(
+            settings, log_level=args.log_level, json_logs=args.log_format == "json"
+        )
     sock = bind_socket(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     # The engines import torch and load the model (seconds) while this process imports the app.

@@ -141,7 +141,7 @@ def _http_client() -> httpx.AsyncClient:
 
 async def _start_tasks(state: AppState, store: Store, deployments: Deployments) -> None:
     """Catch up with the store, then start following it (replicas) and the group commit."""
-    if store.shared:  # replicas on one PostgreSQL: load weights once in the fleet
+    if store.shared:  # replicas (or workers): load weights once in the fleet
         for deployment in deployments.all():
             deployment.pool.fleet_lock = store.publish_lock
     # A restarted proxy, or one more replica, serves the newest policy and production
@@ -151,8 +151,8 @@ async def _start_tasks(state: AppState, store: Store, deployments: Deployments) 
         state.follower.start()
     else:
         logger.info(
-            "store on SQLite: one proxy process per database file (for replicas, use "
-            "PostgreSQL: --db postgresql://...)"
+            "store on SQLite: one proxy process per database file (more on this host: "
+            "--workers N; replicas on several hosts: PostgreSQL, --db postgresql://...)"
         )
     state.group_commit.start()
 
@@ -177,7 +177,8 @@ async def open_state(
     tokenizer_load = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, settings.model))
     try:
         await ensure_schema(settings.db)
-        store = await Store.open(settings.db)
+        # Workers of one `proxima serve --workers N` share the store as replicas do.
+        store = await Store.open(settings.db, shared=True if settings.workers > 1 else None)
     except BaseException:
         engines.stop()
         await asyncio.gather(tokenizer_load, return_exceptions=True)  # a thread cannot be cancelled

@@ -181,6 +181,15 @@ class Settings(BaseSettings):
         "behind the pool like SGLang servers (sessions stick to one). On a CPU machine whose "
         "trainer waits while the rollouts run, a second engine uses the idle core.",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Proxy processes serving the one port, to use every core of a host. They "
+        "share the store (SQLite or PostgreSQL) and follow it as replicas do: one truth about "
+        "versions, admission and sessions, whichever worker takes a turn. The embedded "
+        "engines are started once and shared by the workers.",
+    )
     engine_max_running_requests: int = Field(
         32, ge=1, description="Embedded engine: requests decoded together in one batch."
     )
@@ -255,6 +264,11 @@ class Settings(BaseSettings):
     def _check_deployments(self) -> Settings:
         if self.production_backends and self.production_engine:
             raise ValueError("give --production-backend or --production-engine, not both")
+        if self.workers > 1 and self.production_engine:
+            raise ValueError(
+                "--workers with --production-engine: a canary's engine would be started by "
+                "every worker; give the production deployment --production-backend URLs"
+            )
         if self.canary_backends and not (self.production_backends or self.production_engine):
             raise ValueError(
                 "--canary-backend needs a production deployment "

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,6 +49,28 @@ _TIMED_OUT = (
     b"content-length: 39\r\nconnection: close\r\n\r\n"
     b"The request head took too long to send."
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """This process's place among the workers of ``proxima serve --workers N``."""
+
+    index: int  # 0 .. workers - 1
+    workers: int
+
+
+_worker: Worker | None = None
+
+
+def set_worker(worker: Worker) -> None:
+    """Say which worker this process is (``proxima serve --workers``, at its start)."""
+    global _worker
+    _worker = worker
+
+
+def this_worker() -> Worker | None:
+    """This process's worker (None: a ``proxima serve`` of one process)."""
+    return _worker
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -19,6 +19,7 @@ None of them needs a token: a probe sends none.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse
 from proxima.proxy.api.deps import StateDep
 from proxima.proxy.auth import bearer_token, is_admin_token
 from proxima.proxy.errors import AuthenticationFailed
+from proxima.proxy.serving import this_worker
 from proxima.proxy.state import AppState
 from proxima.proxy.store.errors import StoreUnavailable
 from proxima.proxy.store.records import PolicyVersionRecord
@@ -111,8 +113,11 @@ async def health(state: StateDep, request: Request) -> dict[str, Any]:
     status = "ok" if healthy and heads is not None else "degraded"
     if not _sees_details(state, request):
         return {"status": status}
-    return {
-        "status": status,
+    details: dict[str, Any] = {"status": status}
+    worker = this_worker()
+    if worker is not None:  # which of `proxima serve --workers N`'s processes answered
+        details["worker"] = {"index": worker.index, "workers": worker.workers, "pid": os.getpid()}
+    return details | {
         "store": "ok" if heads is not None else "unavailable",
         "version": pool.version,
         "adapters": None

@@ -19,7 +19,9 @@ and adopts it: the replica that pushed has loaded the shared backends already,
 so nothing is loaded twice; a backend that missed the push is loaded by one
 replica under the fleet-wide publish lock.
 
-SQLite is the single-process default: nothing to follow, no follower runs.
+On SQLite the workers of ``proxima serve --workers N`` are replicas too
+(``store.shared``): they poll, with no notices. A single process on SQLite has
+nothing to follow: no follower runs.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class FleetFollower:
 
     async def _run(self) -> None:
         while True:
-            if self.store.shared and (self._listener is None or self._listener.is_closed()):
+            if self.store.postgres and (self._listener is None or self._listener.is_closed()):
                 await self._listen()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)

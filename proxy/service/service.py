@@ -328,12 +328,13 @@ class CompletionService:
     async def _history(self, session: SessionRecord) -> list[CompletionRecord]:
         """The session's completions, from this process's cache when it is still whole.
 
-        Replicas on one PostgreSQL database (``store.shared``) serve turns of one
+        Replicas on one database (``store.shared``: on PostgreSQL, or the workers of
+        ``proxima serve --workers`` on one SQLite file) serve turns of one
         conversation in any order, so before a turn is rendered the cached history
         is checked against the store in one indexed read (status and completion
         count; completions are only ever appended): a turn recorded by another
         replica reloads it, and a session finished through another replica is a
-        409 here at once. On SQLite (one process) the cache is the truth.
+        409 here at once. For one process alone the cache is the truth.
         """
         history = self.histories.get(session.id)
         if self.store.shared:

@@ -56,8 +56,11 @@ async def check_group_policy(db: AsyncSession, group_id: str | None, adapter: st
 class StoreBase:
     """Holds the engine and opens read and write transactions."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, shared: bool | None = None) -> None:
         self._engine = engine
+        # Whether several processes serve from this database (None: PostgreSQL's are taken
+        # to; ``proxima serve --workers`` says so for its workers on one SQLite file).
+        self._shared = shared
         self._sessionmaker = async_sessionmaker(engine, expire_on_commit=False)
         # SQLite files: the completion insert and the session-key lookup go to the driver
         # (direct_sqlite.py).

@@ -24,8 +24,11 @@ proxy only if what each decides comes from the database, not from its memory:
   fleet (a session-level advisory lock on a connection of its own).
 
 SQLite is the single-process default: the same calls work there (its write
-lock serializes admission), but replicas on one SQLite file are not
-supported; change notices are a no-op.
+lock, taken by ``BEGIN IMMEDIATE``, serializes admission and the status check of
+a completion's insert across processes too). Replicas on one SQLite file are
+the workers of one ``proxima serve --workers N`` on one host (``shared=True``):
+they follow the store by polling (no change notices), and the publish lock is
+a lock on a file beside the database.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
 from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound, outages
+from proxima.proxy.store.file_lock import file_lock, sqlite_lock_path
 from proxima.proxy.store.models import (
     AdapterVersionRow,
     CompletionRow,
@@ -102,8 +106,14 @@ class FleetState:
 class FleetMixin(StoreBase):
     @property
     def shared(self) -> bool:
-        """Whether several processes may serve from this database (PostgreSQL)."""
-        return self._engine.dialect.name == "postgresql"
+        """Whether several processes serve from this database (replicas on PostgreSQL, the
+        workers of ``proxima serve --workers``): each follows what the others record."""
+        return self._shared if self._shared is not None else self.postgres
+
+    @property
+    def postgres(self) -> bool:
+        """Whether the database is PostgreSQL (advisory locks, ``NOTIFY``)."""
+        return bool(self._engine.dialect.name == "postgresql")
 
     async def admit_train_session(
         self,
@@ -138,7 +148,7 @@ class FleetMixin(StoreBase):
         values.text(idempotency_key, "idempotency-key")
         values.json_value(metadata, "metadata")
         async with self._write() as db:
-            if self.shared:
+            if self.postgres:  # SQLite: BEGIN IMMEDIATE holds the database's write lock
                 await db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADMISSION_LOCK})
             if idempotency_key is not None:
                 opened = await _session_of_key(db, idempotency_key)
@@ -202,15 +212,20 @@ class FleetMixin(StoreBase):
         )
 
     async def notify_change(self, db: AsyncSession, what: str) -> None:
-        """Announce ``what`` changed to every replica when ``db``'s transaction commits."""
-        if self.shared:
+        """Announce ``what`` changed to every replica when ``db``'s transaction commits
+        (PostgreSQL; workers on SQLite poll)."""
+        if self.shared and self.postgres:
             await db.execute(text("SELECT pg_notify(:c, :w)"), {"c": FLEET_CHANNEL, "w": what})
 
     @asynccontextmanager
     async def publish_lock(self) -> AsyncIterator[None]:
-        """Held by one weight push at a time in the whole fleet (no-op on SQLite)."""
+        """Held by one weight push at a time in the whole fleet (no-op for one process)."""
         if not self.shared:
             yield
+            return
+        if not self.postgres:
+            async with file_lock(sqlite_lock_path(self._engine.url.database)):
+                yield
             return
         with outages():
             conn = await self._engine.connect()

@@ -40,11 +40,19 @@ class Store(
     """Async repository of the trajectory database (SQLite or PostgreSQL)."""
 
     @classmethod
-    async def open(cls, url: str, *, check_schema: bool = True, **engine_kwargs: Any) -> Store:
+    async def open(
+        cls,
+        url: str,
+        *,
+        check_schema: bool = True,
+        shared: bool | None = None,
+        **engine_kwargs: Any,
+    ) -> Store:
         """Connect to the database at ``url`` (any form ``normalize_db_url`` accepts).
 
         With ``check_schema`` (default), raises ``StoreError`` unless the
-        database is migrated to the newest revision.
+        database is migrated to the newest revision. ``shared``: whether other processes
+        serve from it too (``FleetMixin.shared``; None: on PostgreSQL).
         """
         engine = create_engine(url, **engine_kwargs)
         try:
@@ -54,7 +62,7 @@ class Store(
             await engine.dispose()
             raise
         logger.info("store opened", extra={"dialect": engine.dialect.name})
-        return cls(engine)
+        return cls(engine, shared=shared)
 
     async def close(self) -> None:
         """Close every pooled connection (and SQLite's writer thread)."""
