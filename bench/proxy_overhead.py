@@ -29,7 +29,8 @@ the relay's CPU per streamed token).
 ``--ab REF`` adds the arm ``proxima@REF``: the same proxy at git commit REF (its sources
 extracted under the run's folder, ``bench/_code_at.py``), for an A/B of a change in one
 run. Every round's figures go to a JSON-lines file (``--jsonl``; by default
-``bench/results/proxy_overhead-<time>.jsonl``), with the summary as its last line.
+one ``proxy_overhead-TIME.jsonl`` file a run in ``bench/results/``), with the summary
+as its last line.
 
     .venv/bin/python bench/proxy_overhead.py            # 3 rounds of 100 sequential + 1000 at 200
     .venv/bin/python bench/proxy_overhead.py --no-litellm --ab HEAD   # the working tree vs HEAD
