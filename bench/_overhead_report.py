@@ -30,6 +30,7 @@ class ArmResult:
     throughputs: list[float] = field(default_factory=list)  # one per round
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # concurrent runs, summed
     requests: int = 0  # concurrent requests, all rounds
+    events: int = 0  # server-sent data events their streams held (before [DONE])
     host_busy: list[float] = field(default_factory=list)  # one per round
 
     @property
@@ -53,6 +54,7 @@ class ArmResult:
             "seq_p95_ms": pct(seq, 0.95),
             "req_per_s": self.throughputs[-1],
             "host_busy": self.host_busy[-1],
+            "events_per_request": self.events / self.requests,
             "cpu_s": cpu,
         }
 
@@ -72,6 +74,7 @@ def table(results: list[ArmResult], args: argparse.Namespace, tokens: int) -> No
         f"{'arm':<18}{'seq p50':>9}{'added':>8}{'seq p95':>9}{'added':>8}"
         f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}"
         f"{'CPU ms/req: client':>20}{'backend':>9}{'middle':>8}{'host busy':>11}"
+        f"{'events/req':>11}"
     )
     for r in results:
         base = by_name.get(r.baseline) if r.baseline else None
@@ -84,7 +87,7 @@ def table(results: list[ArmResult], args: argparse.Namespace, tokens: int) -> No
         print(
             f"{r.name:<18}{pct(r.sequential, 0.5):9.2f}{add50}{pct(r.sequential, 0.95):9.2f}{add95}"
             f"{r.throughput:12.0f}{ratio}{r.cpu_ms('client'):20.2f}{r.cpu_ms('backend'):9.2f}"
-            f"{middle}{statistics.median(r.host_busy):10.0%}"
+            f"{middle}{statistics.median(r.host_busy):10.0%}{r.events / r.requests:11.1f}"
         )
 
 
@@ -103,7 +106,8 @@ def report(
     print(" direct-openai for litellm; req/s is the median of the rounds; CPU is each process's")
     print(" (and its children's) user+system time per request in the concurrent runs, host busy")
     print(f" the median share of all {os.cpu_count()} cores busy in them; {args.rounds} rounds,")
-    print(" arms and lengths interleaved)")
+    print(" arms and lengths interleaved; events/req: the data events of a stream, tokens")
+    print(" per event being tokens / events)")
     print(f"proxima recorded {recorded} completions (expected {expected})")
     first = {r.name: r for r in results[lengths[0]]}
     last = {r.name: r for r in results[lengths[-1]]}

@@ -26,7 +26,9 @@ load are printed so the reader sees what limited it. Ends with
 per-token CPU proxima U us vs relay V us`` (Proxima vs direct; U and V the proxy's and
 the relay's CPU per streamed token).
 
-``--ab REF`` adds the arm ``proxima@REF``: the same proxy at git commit REF (its sources
+``--tokens-per-s R`` paces the backend (each stream R tokens a second): at a rate the proxy
+keeps up with, each token is an event of its own, as on a GPU, and the CPU per token is
+the cost of one event. ``--ab REF`` adds the arm ``proxima@REF``: the same proxy at git commit REF (its sources
 extracted under the run's folder, ``bench/_code_at.py``), for an A/B of a change in one
 run. Every round's figures go to a JSON-lines file (``--jsonl``; by default
 one ``proxy_overhead-TIME.jsonl`` file a run in ``bench/results/``), with the summary
@@ -91,6 +93,7 @@ class Client:
         self.pools: dict[str, WirePool] = {}
         self.clients: dict[str, httpx.AsyncClient] = {}  # one per server: its own connections
         self.http = self._httpx()  # set-up calls
+        self.events = 0  # server-sent data events read, every stream together
 
     def _httpx(self) -> httpx.AsyncClient:
         n = self.concurrency + 10
@@ -107,7 +110,9 @@ class Client:
             http = self.clients.get(base)
             if http is None:
                 http = self.clients[base] = self._httpx()
-            return await _read_stream(http, url, body, headers)
+            latency, events = await _read_stream(http, url, body, headers)
+            self.events += events
+            return latency
         pool = self.pools.get(base)
         if pool is None:
             pool = self.pools[base] = WirePool(base, max_connections=self.concurrency + 10)
@@ -117,8 +122,9 @@ class Client:
             data = await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {data[:200]!r}")
-        if b"data: [DONE]" not in data:
+        if data.find(b"data: [DONE]") < 0:
             raise RuntimeError(f"{url}: the stream ended without [DONE]")
+        self.events += data.count(b"data:") - 1
         return time.perf_counter() - t0
 
     async def aclose(self) -> None:
@@ -128,8 +134,12 @@ class Client:
             pool.close()
 
 
-async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> float:
+async def _read_stream(
+    http: httpx.AsyncClient, url: str, body: dict, headers: dict
+) -> tuple[float, int]:
+    """One stream through httpx: its latency, and its data events before ``[DONE]``."""
     t0 = time.perf_counter()
+    events = 0
     async with http.stream("POST", url, json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url} answered {resp.status_code}: {await resp.aread()!r}")
@@ -138,9 +148,10 @@ async def _read_stream(http: httpx.AsyncClient, url: str, body: dict, headers: d
         done = False
         async for line in resp.aiter_lines():
             done = done or line == "data: [DONE]"
+            events += line.startswith("data:") and not done
         if not done:
             raise RuntimeError(f"{url}: the stream ended without [DONE]")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, events
 
 
 def generate_arm(client: Client, url: str, tokens: int) -> Request:
@@ -194,14 +205,17 @@ async def measure(
     args: argparse.Namespace,
     procs: dict[str, psutil.Process],
     round_no: int,
+    client: Client,
 ) -> dict[str, Any]:
     """One round of an arm: sequential requests, then ``--requests`` at ``--concurrency``;
     returns the round's record for the raw results."""
     seq, _ = await run_load(fn, args.sequential, 1)
     before = {role: _cpu_seconds(p) for role, p in procs.items()}
     host0 = psutil.cpu_times()
+    events0 = client.events
     _, wall = await run_load(fn, args.requests, args.concurrency)
     host1 = psutil.cpu_times()
+    result.events += client.events - events0
     cpu = {role: _cpu_seconds(p) - before[role] for role, p in procs.items()}
     for role, seconds in cpu.items():
         result.cpu_seconds[role] = result.cpu_seconds.get(role, 0.0) + seconds
@@ -355,7 +369,14 @@ async def main_async(args: argparse.Namespace) -> None:
     port, relay_port = free_port(), free_port()
     procs: list[subprocess.Popen] = []
     backend = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "_bench_backend.py"), "--port", str(port)],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "_bench_backend.py"),
+            "--port",
+            str(port),
+            "--tokens-per-s",
+            str(args.tokens_per_s),
+        ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -417,7 +438,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 for n in lengths:
                     for result, (_, fn, p, _) in zip(results[n], arms[n], strict=True):
                         roles = {**ends, **({"middle": p} if p else {})}
-                        records.append(await measure(result, fn, args, roles, r + 1))
+                        records.append(await measure(result, fn, args, roles, r + 1, client))
         finally:
             await client.aclose()
         recorded = sum(arm.rows() for arm in proxies) - rows_before
@@ -457,6 +478,15 @@ def main() -> None:
     )
     p.add_argument("--ab", metavar="REF", help="add the arm proxima@REF: Proxima at that commit")
     p.add_argument("--workers", type=int, default=0, help="proxima serve --workers N")
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=0.0,
+        help="each stream's decode rate at the backend (0: as fast as it can). At a rate the "
+        "proxy keeps up with, every token arrives in a read of its own, as a GPU's decode "
+        "steps come: the CPU per token is then the cost of one event (throughput ratios "
+        "mean little: the rate bounds every arm)",
+    )
     p.add_argument("--jsonl", help="the raw results' file (default: bench/results/...)")
     args = p.parse_args()
     args.tokens = args.tokens or [16, 256]

@@ -123,17 +123,19 @@ def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-# The scope key under which ``RequestIdMiddleware`` puts the send it was given: a streamed
-# body's chunks go to it, past the middlewares inside (``EventStreamResponse``).
+# The scope key of the send a streamed body's chunks go to, past the middlewares
+# (``EventStreamResponse``): the server's own (``serving.server_config`` puts it there), else
+# the one ``RequestIdMiddleware``, the outermost of the proxy's middlewares, was given.
 BODY_SEND = "proxima.body_send"
 
 
 class RequestIdMiddleware:
     """Takes ``X-Request-Id`` from the request (or makes one) and returns it.
 
-    The outermost of the proxy's middlewares: it also puts the send it was given in the
-    scope (``BODY_SEND``), for a response whose body need not pass the middlewares inside,
-    which all act on a response's start only (status, headers, the request log).
+    The outermost of the proxy's middlewares: unless the server put its own there, it
+    also puts the send it was given in the scope (``BODY_SEND``), for a response whose body
+    need not pass the middlewares inside, which all act on a response's start only
+    (status, headers, the request log).
     """
 
     def __init__(self, app: ASGIApp):
@@ -149,7 +151,7 @@ class RequestIdMiddleware:
         rid = incoming[:128] if incoming else uuid.uuid4().hex
         token = request_id_var.set(rid)
         session_token = session_id_var.set(None)
-        scope[BODY_SEND] = send
+        scope.setdefault(BODY_SEND, send)  # the server's own, where it put it there
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":

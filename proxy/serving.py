@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from proxima.proxy.logs import BODY_SEND
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -163,6 +164,20 @@ def guarded_protocol(
     return type(f"Guarded{base.__name__}", (base,), {"header_timeout": header_timeout})
 
 
+class _ServerSend:
+    """Puts the server's own ``send`` in an HTTP request's scope (``BODY_SEND``): an event
+    stream writes its body with it, past every middleware (they act on a response's start,
+    which still goes through them all)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await self.app(scope, receive, send)
+
+
 def server_config(
     app: Any,
     *,
@@ -174,7 +189,7 @@ def server_config(
     """uvicorn's configuration of ``app`` with the idle and header deadlines (module
     docstring); ``kwargs`` go to ``uvicorn.Config``."""
     return uvicorn.Config(
-        app,
+        _ServerSend(app),
         http=guarded_protocol(header_timeout, parser=parser),
         timeout_keep_alive=idle_timeout,
         **kwargs,

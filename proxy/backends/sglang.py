@@ -161,6 +161,8 @@ class SGLangClient:
             async for fields in resp.data_batches():
                 for delta in chunks.read(fields):
                     yield delta
+                if chunks.failure is not None:  # an error chunk, after the tokens before it
+                    raise chunks.failure
         if not chunks.done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)

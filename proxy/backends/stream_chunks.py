@@ -18,7 +18,6 @@ token; any other read takes the chunk-by-chunk path, which gives the same deltas
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from operator import itemgetter, methodcaller
@@ -127,49 +126,73 @@ def error_text(err: Any) -> str:
 
 
 class ChunkReader:
-    """One ``/generate`` stream's chunks, read by read: the tokens seen so far, and whether
-    ``[DONE]`` came (fields after it are ignored)."""
+    """One ``/generate`` stream's chunks, read by read: the tokens seen so far, whether
+    ``[DONE]`` came (fields after it are ignored), and an error chunk's error."""
 
     def __init__(self, url: str):
         self.url = url
         self.seen = 0
         self.done = False
+        self.failure: BackendRejected | None = None  # an error chunk's, once read
 
-    def read(self, fields: list[bytes]) -> Iterator[TokenDelta]:
-        """The deltas of one read's ``data:`` fields (module docstring); an error chunk is
-        raised after the deltas of the chunks before it."""
+    def read(self, fields: list[bytes]) -> list[TokenDelta]:
+        """The deltas of one read's ``data:`` fields (module docstring). An error chunk
+        ends them: the deltas of the chunks before it are returned and the error is left in
+        ``failure``, for the caller to raise once it has handed them on."""
         if self.done or not fields:
-            return
+            return []
+        if len(fields) == 1:  # the proxy keeps up with the backend: one chunk per read
+            field = fields[0]
+            if len(field) <= _SHORT and field.strip() == DONE:
+                self.done = True
+                return []
+            chunk = _parse(fields, self.url)[0]
+            try:
+                fast = self._one(chunk)
+            except (KeyError, TypeError):  # an error chunk, a missing list
+                fast = None
+            return [fast] if fast is not None else self._general([chunk])
         if min(map(len, fields)) <= _SHORT:  # every chunk is longer: this may be [DONE]
             at = next((i for i, f in enumerate(fields) if f.strip() == DONE), None)
             if at is not None:
                 fields = fields[:at]
                 self.done = True
                 if not fields:
-                    return
+                    return []
         chunks = _parse(fields, self.url)
         try:
             fast = self._one(chunks[0]) if len(chunks) == 1 else self._incremental(chunks)
         except (KeyError, TypeError):  # an error chunk, a missing list: the general path
             fast = None
-        if fast is not None:
-            yield fast
-        else:
-            yield from self._general(chunks)
+        return [fast] if fast is not None else self._general(chunks)
 
     def _one(self, chunk: Any) -> TokenDelta | None:
         """``_incremental`` of a read that completed one chunk: the common case when the
-        proxy keeps up with the backend, so the cheapest."""
+        proxy keeps up with the backend, so the cheapest (``KeyError`` or ``TypeError``
+        for a chunk without the lists)."""
         meta = chunk["meta_info"]
         ids = chunk["output_ids"]
-        total = meta["completion_tokens"]
         entries = meta["output_token_logprobs"]
-        if total - self.seen != len(ids) or len(entries) != len(ids):
+        if meta["completion_tokens"] - self.seen != len(ids) or len(entries) != len(ids):
             return None
         if meta.get("output_top_logprobs"):
             return None
-        self.seen = total
-        return self._made(ids, entries, meta)
+        self.seen = meta["completion_tokens"]
+        values = list(map(_first, entries))
+        try:
+            finite = all(map(math.isfinite, values))
+        except TypeError:  # a null
+            finite = False
+        finish = meta.get("finish_reason")
+        return TokenDelta(
+            ids,
+            values if finite else chosen_logprobs(entries, self.url),
+            [],
+            [],
+            meta.get("weight_version"),
+            FinishReason.model_validate(finish) if finish else None,
+            meta.get("prompt_tokens", 0),
+        )
 
     def _incremental(self, chunks: list[Any]) -> TokenDelta | None:
         """The one delta of incremental chunks of one weight version without top logprobs,
@@ -202,17 +225,18 @@ class ChunkReader:
             prompt_tokens=last.get("prompt_tokens", 0),
         )
 
-    def _general(self, chunks: list[Any]) -> Iterator[TokenDelta]:
-        """Chunk by chunk: any stream mode, several weight versions, an error chunk."""
+    def _general(self, chunks: list[Any]) -> list[TokenDelta]:
+        """Chunk by chunk: any stream mode, several weight versions, an error chunk (its
+        error left in ``failure``, after the deltas of the chunks before it)."""
+        deltas: list[TokenDelta] = []
         group: list[tuple[list[int], dict[str, Any], int]] = []  # one weight version
         for chunk in chunks:
             meta = chunk.get("meta_info")
             if meta is None:
-                if group:
-                    yield self._delta(group)  # what came before the error was generated
-                raise BackendRejected(error_text(chunk.get("error", chunk)), url=self.url)
+                self.failure = BackendRejected(error_text(chunk.get("error", chunk)), url=self.url)
+                break
             if group and meta.get("weight_version") != group[0][1].get("weight_version"):
-                yield self._delta(group)
+                deltas.append(self._delta(group))
                 group = []
             ids = chunk.get("output_ids") or []
             total = meta.get("completion_tokens")
@@ -226,7 +250,8 @@ class ChunkReader:
             group.append((ids, meta, new))
             self.seen += new
         if group:
-            yield self._delta(group)
+            deltas.append(self._delta(group))  # what came before an error was generated
+        return deltas
 
     def _delta(self, group: list[tuple[list[int], dict[str, Any], int]]) -> TokenDelta:
         """One delta for consecutive chunks of one weight version: ``(output_ids, meta_info,

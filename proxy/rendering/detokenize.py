@@ -112,12 +112,24 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns the text that became final."""
         if self._joinable and self._read_offset == len(self._ids):
             # Byte-level, and the text so far is final: whole characters are their texts.
-            piece = "".join([self._token_text(token) for token in token_ids])
+            if len(token_ids) == 1:
+                token = token_ids[0]
+                piece = self._single.get(token) or self._token_text(token)
+            else:
+                piece = "".join([self._token_text(token) for token in token_ids])
             if "\ufffd" not in piece:
                 self._ids.extend(token_ids)
-                self._unsent += piece
-                self._advance()
-                return self._release()
+                if piece and len(token_ids) == 1:  # the window: this token, with its text
+                    self._read_offset = len(self._ids)
+                    self._prefix_offset = self._read_offset - 1
+                else:
+                    self._advance()
+                if self._stop or self._unsent:
+                    self._unsent += piece
+                    return self._release()
+                if piece:
+                    self._sent.append(piece)
+                return piece
         self._ids.extend(token_ids)
         prefix = self._window(self._prefix_offset, self._read_offset)
         full = self._decode(self._ids[self._prefix_offset :])

@@ -55,6 +55,8 @@ from proxima.proxy.service.generation import GenerationResult, OnBrokenAdapter, 
 from proxima.proxy.service.prepare import Prepared
 from proxima.proxy.tools import (
     ContentDelta,
+    NoToolParser,
+    ParsedOutput,
     ToolCallStream,
     apply_tool_choice,
     finish_reason_for,
@@ -326,15 +328,28 @@ class _StreamState:
 
     def __init__(self, tokenizer: Any, prep: Prepared) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, stop=prep.params.stop)
-        self.calls: ToolCallStream | None = prep.parser.stream() if prep.parser else None
         self.reasoning: ReasoningStream | None = (
             prep.reasoning.stream(in_reasoning=prep.in_reasoning)
             if prep.reasoning is not None and prep.parser is not None
             else None
         )
+        # No tool calls to find (``none``) and no reasoning to split off: the text is the
+        # content as it comes, and the parsed reply is the text streamed (what the ``none``
+        # parser's stream would give), with no parser called per event.
+        self.plain = isinstance(prep.parser, NoToolParser) and self.reasoning is None
+        self.streamed: list[str] = []  # a plain reply's text, as handed out
+        self.calls: ToolCallStream | None = (
+            prep.parser.stream() if prep.parser and not self.plain else None
+        )
 
     def feed(self, token_ids: list[int]) -> list[Part]:
-        return self._parts(self.detok.add(token_ids))
+        text = self.detok.add(token_ids)
+        if self.plain:
+            if not text:
+                return []
+            self.streamed.append(text)
+            return [ContentDelta(text)]
+        return self._parts(text)
 
     def _parts(self, text: str, *, last: bool = False) -> list[Part]:
         if self.reasoning is None:
@@ -356,7 +371,13 @@ class _StreamState:
         tail = self.detok.finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
         finish = r.finish_reason or "stop"
         parsed = None
-        if self.calls is not None:
+        if self.plain:
+            assert prep.tool_choice is not None
+            parts = [ContentDelta(tail)] if tail else []
+            text = "".join([*self.streamed, tail])
+            parsed = apply_tool_choice(ParsedOutput(content=text, tool_calls=[]), prep.tool_choice)
+            finish = finish_reason_for(finish, parsed)
+        elif self.calls is not None:
             assert prep.tool_choice is not None
             parts = self._parts(tail, last=True) + self.calls.finish()
             parsed = apply_tool_choice(self.calls.result(), prep.tool_choice)

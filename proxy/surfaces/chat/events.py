@@ -49,6 +49,10 @@ def chat_response(prep: Prepared, completion: Completion, *, model: str) -> dict
     }
 
 
+# The end of a chunk without logprobs or finish reason.
+_PLAIN_END = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 async def chat_stream(
     prep: Prepared,
     events: AsyncIterator[Event],
@@ -95,6 +99,12 @@ async def chat_stream(
             yield piece
         opening = []
         if isinstance(event, Delta):
+            parts = event.parts
+            if event.logprobs is None and len(parts) == 1 and type(parts[0]) is ContentDelta:
+                # The common event, one piece of text: ``chunk``'s bytes, built in one go.
+                text = event_json({"content": parts[0].text})
+                yield b"".join((prefix, b"%d" % event.index, b',"delta":', text, _PLAIN_END))
+                continue
             lp = (
                 {"content": logprob_content(event.logprobs)} if event.logprobs is not None else None
             )

@@ -181,3 +181,45 @@ async def test_the_body_goes_to_the_outer_send_when_the_scope_has_one() -> None:
     await response(scope, inner.receive, inner.send)
     assert [m["type"] for m in inner.messages] == ["http.response.start"]
     assert [(m["body"], m["more_body"]) for m in outer.messages] == [(b"ab", False)]
+
+
+def test_a_served_stream_passes_the_middlewares_once_whatever_its_length() -> None:
+    """Served as ``proxima serve`` serves (``server_config``): each middleware sees the
+    response's start, and none sees its 40 writes (the request log adds nothing per chunk)."""
+    import httpx
+    from proxima.proxy.api.middleware import AccessLogMiddleware
+    from proxima.proxy.logs import RequestIdMiddleware
+    from proxima.proxy.serving import ThreadedServer
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    seen: list[str] = []
+
+    class Counting:  # an inner middleware: what it sees of the response
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def counted(message: Any) -> None:
+                if scope["type"] == "http":
+                    seen.append(message["type"])
+                await send(message)
+
+            await self.app(scope, receive, counted)
+
+    async def endpoint(request: Any) -> EventStreamResponse:
+        async def pieces() -> AsyncIterator[bytes]:
+            for i in range(40):
+                yield b"data: %d\n\n" % i
+                await asyncio.sleep(0.001)  # each its own write
+
+        return EventStreamResponse(pieces())
+
+    app = Starlette(routes=[Route("/s", endpoint, methods=["GET"])])
+    app.add_middleware(Counting)
+    app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(RequestIdMiddleware)
+    with ThreadedServer(app) as server:
+        body = httpx.get(server.url + "/s", timeout=10).content
+    assert body == b"".join(b"data: %d\n\n" % i for i in range(40))
+    assert seen == ["http.response.start"]
