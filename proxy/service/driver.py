@@ -371,6 +371,7 @@ class _StreamState:
         tail = self.detok.finish(r.matched_stop if isinstance(r.matched_stop, str) else None)
         finish = r.finish_reason or "stop"
         parsed = None
+        parts: list[Part]
         if self.plain:
             assert prep.tool_choice is not None
             parts = [ContentDelta(tail)] if tail else []
