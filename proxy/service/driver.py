@@ -380,7 +380,7 @@ class _StreamState:
             finish = finish_reason_for(finish, parsed)
         elif self.calls is not None:
             assert prep.tool_choice is not None
-            parts = self._parts(tail, last=True) + self.calls.finish()
+            parts = [*self._parts(tail, last=True), *self.calls.finish()]
             parsed = apply_tool_choice(self.calls.result(), prep.tool_choice)
             if self.reasoning is not None and self.reasoning.saw_reasoning:
                 parsed = replace(parsed, reasoning="".join(self.reasoning.reasoning))
