@@ -141,8 +141,11 @@ class _Buffer:
         parts = self.parts
         async for piece in pieces:
             parts.append(piece)
-            if self._waiter is not None:
-                self.wake()
+            waiter = self._waiter
+            if waiter is not None:  # wake, inline: the writer takes what there is
+                self._waiter = None
+                if not waiter.done():
+                    waiter.set_result(None)
         # Now, not in the task's done callback (which runs a loop turn later, after the
         # writer): the last pieces and the end of the body leave in one write.
         self.end()

@@ -350,9 +350,13 @@ class WireResponse:
                         yield out
                 if ended:
                     break
-                self._waiting_since = loop.time()
-                await conn.wait()
-                self._waiting_since = None
+                waiter = conn.waiter()
+                if waiter is not None:
+                    self._waiting_since = loop.time()
+                    await waiter
+                    self._waiting_since = None
+                    if conn.error is not None:
+                        raise conn.error
             if fields is not None and (out := fields.flush()):
                 yield out
         except asyncio.IncompleteReadError as exc:

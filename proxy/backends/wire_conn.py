@@ -98,17 +98,25 @@ class Conn(asyncio.Protocol):
 
     async def wait(self) -> None:
         """Until more bytes arrive or the stream ends; raises what broke it."""
+        waiter = self.waiter()
+        if waiter is not None:
+            await waiter
+            if self.error is not None:
+                raise self.error
+
+    def waiter(self) -> asyncio.Future[None] | None:
+        """``wait``'s future, for a reader that awaits it itself (one coroutine less per
+        read), and then checks ``error``; None at the end of the stream. Raises what
+        broke the stream."""
         if self.error is not None:
             raise self.error
         if self.eof:
-            return
+            return None
         if self._read_paused and self.transport is not None:
             self.transport.resume_reading()  # the reader took what it could
             self._read_paused = False
-        self._waiter = self.loop.create_future()
-        await self._waiter
-        if self.error is not None:
-            raise self.error
+        self._waiter = waiter = self.loop.create_future()
+        return waiter
 
     async def readuntil(self, separator: bytes, limit: int) -> bytes:
         """The bytes up to and with ``separator``, taken from the buffer; ``LimitOverrunError``

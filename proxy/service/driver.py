@@ -133,7 +133,8 @@ class GenerationDriver:
                 state = states[run.index]
                 async with aclosing(self._generate(prep, run)) as chunks:
                     async for chunk in chunks:
-                        run.saw_tokens()
+                        if run.first_token_at is None:  # saw_tokens, inline: once per event
+                            run.first_token_at = time.monotonic()
                         yield self._delta(prep, run, state, chunk)
                 finished.append((run, state.finish(prep, run)))
             else:
