@@ -86,6 +86,8 @@ def find_parent(
     history: Sequence[CompletionRecord],
 ) -> Candidate | None:
     """The completion the new messages extend (longest prefix, then most recent)."""
+    if len(messages) < 3:  # a parent's request (one message or more) and reply, and more
+        return None
     # The records' messages as stored (JSON): normalized below before they are compared.
     candidates: list[tuple[int, int, CompletionRecord, list[dict[str, Any]], dict[str, Any]]]
     candidates = []
