@@ -323,17 +323,15 @@ def start_proxies(
     args: argparse.Namespace, work: Path, model: Path, backend_url: str
 ) -> list[ProxyArm]:
     """The Proxima arms: the working tree's, and with ``--ab`` the code at that commit."""
-    serve_args = [
-        "--backend",
-        backend_url,
-        *(["--workers", str(args.workers)] if args.workers else []),
-    ]
-    specs: list[tuple[str, dict[str, str]]] = [("proxima", {})]
+    # --workers is the working tree's arm's (a commit's proxy serves with one process).
+    workers = ["--workers", str(args.workers)] if args.workers else []
+    specs: list[tuple[str, dict[str, str], list[str]]] = [("proxima", {}, workers)]
     if args.ab:
         path, commit = code_at(args.ab, work / "code")
-        specs.append((f"proxima@{commit}", code_env(path)))
+        specs.append((f"proxima@{commit}", code_env(path), []))
     arms = []
-    for i, (name, env) in enumerate(specs):
+    for i, (name, env, extra) in enumerate(specs):
+        serve_args = ["--backend", backend_url, *extra]
         db = work / f"store{i}.db"
         proxy = LiveProxy(
             model, db_url=f"sqlite:///{db}", extra_args=serve_args, env=env,
@@ -477,7 +475,12 @@ def main() -> None:
         help="the load generator's HTTP client (see Client)",
     )
     p.add_argument("--ab", metavar="REF", help="add the arm proxima@REF: Proxima at that commit")
-    p.add_argument("--workers", type=int, default=0, help="proxima serve --workers N")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="proxima serve --workers N for the working tree's arm (--ab's serves with one)",
+    )
     p.add_argument(
         "--tokens-per-s",
         type=float,
