@@ -29,6 +29,7 @@ from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
 from proxima.proxy.config import Settings
 from proxima.proxy.embedded.launcher import EngineProcess
 from proxima.proxy.embedded.startup import StartedEngines, start_engine, start_engines
+from proxima.proxy.embedded.supervisor import EngineSupervisor
 from proxima.proxy.inspector.routes import router as inspector_router
 from proxima.proxy.logs import RequestIdMiddleware
 from proxima.proxy.metrics import Metrics, MetricsMiddleware
@@ -65,14 +66,19 @@ async def _deployment(
     *,
     engines: Sequence[EngineProcess] = (),
 ) -> Deployment:
-    """A deployment on ``urls``, or on ``engines`` (started here) when given."""
+    """A deployment on ``urls``, or on ``engines`` (started here, and supervised: restarted
+    when one dies) when given."""
     if engines:
         for engine in engines:
             await engine.wait_healthy()
         urls = [engine.url for engine in engines]
     pool = BackendPool(urls, http=http, version=0)
     pool.start_health_checks(settings.health_check_interval)
-    return Deployment(name, pool, tuple(engines))
+    supervisor = None
+    if engines:
+        supervisor = EngineSupervisor(pool, engines)
+        supervisor.start()
+    return Deployment(name, pool, tuple(engines), supervisor)
 
 
 async def build_deployments(
