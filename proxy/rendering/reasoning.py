@@ -244,10 +244,15 @@ def detect_reasoning_parser(chat_template: str | None) -> str:
     """The family a chat template's markers call for; ``none`` when it has none.
 
     A template that writes both think markers thinks: DeepSeek's (its
-    ``<｜Assistant｜>`` turn marker) always does, any other (Qwen3's) may.
+    ``<｜Assistant｜>`` turn marker) always does, any other (Qwen3's) may. A
+    template that has only ``</think>`` (DeepSeek-R1's first release and its
+    distills: it strips the reasoning from earlier replies, and the model opens
+    the block itself) is ``qwen3``: a reply that opens with ``<think>`` is
+    reasoning until ``</think>``, one that does not is all content, and a
+    generation prompt that opens the block still starts the reply inside it.
     """
-    if not chat_template or THINK_START not in chat_template or THINK_END not in chat_template:
+    if not chat_template or THINK_END not in chat_template:
         return "none"
-    if "<｜Assistant｜>" in chat_template:
+    if THINK_START in chat_template and "<｜Assistant｜>" in chat_template:
         return "deepseek-r1"
     return "qwen3"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from jinja2 import Template
 from proxima.proxy.rendering.reasoning import (
     ReasoningDelta,
     ReasoningSplit,
@@ -123,6 +124,51 @@ def test_deepseek_r1_always_thinks() -> None:
     assert QWEN3.starts_in_reasoning("<|im_start|>assistant\n<think>\n")
     # Qwen3 with enable_thinking=False: the prompt holds an empty, closed think block.
     assert not QWEN3.starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# DeepSeek-R1's first release (and its distills), user and assistant turns: earlier replies
+# lose everything up to ``</think>``, and nothing writes ``<think>`` (the model opens it).
+R1_FIRST_RELEASE_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{%- endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
+
+def test_a_template_that_only_strips_think_end_is_a_reasoning_model() -> None:
+    assert "<think>" not in R1_FIRST_RELEASE_TEMPLATE
+    name = detect_reasoning_parser(R1_FIRST_RELEASE_TEMPLATE)
+    assert name == "qwen3"
+    parser = get_reasoning_parser(name)
+    assert parser is not None
+    prompt = Template(R1_FIRST_RELEASE_TEMPLATE).render(
+        bos_token="<｜begin▁of▁sentence｜>",
+        messages=[
+            {"role": "user", "content": "1 + 2?"},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n3"},
+            {"role": "user", "content": "times 2?"},
+        ],
+        add_generation_prompt=True,
+    )
+    assert "add" not in prompt and prompt.endswith("<｜User｜>times 2?<｜Assistant｜>")
+    # The generation prompt opens nothing: the model writes ``<think>`` itself.
+    in_reasoning = parser.starts_in_reasoning(prompt[-40:])
+    assert not in_reasoning
+    reply = "<think>\n2 times 3 is 6.\n</think>\n\n6"
+    assert parser.parse(reply, in_reasoning=in_reasoning) == ReasoningSplit(
+        "2 times 3 is 6.", "6", closed=True
+    )
+    # A reply that skips the reasoning is all content, not unclosed reasoning.
+    assert parser.parse("6", in_reasoning=in_reasoning) == ReasoningSplit(None, "6")
+    # R1's later template opens the block in the generation prompt: both markers, DeepSeek.
+    later = R1_FIRST_RELEASE_TEMPLATE.replace(
+        "'<｜Assistant｜>' }}{% endif %}", "'<｜Assistant｜><think>\\n' }}{% endif %}"
+    )
+    assert later != R1_FIRST_RELEASE_TEMPLATE
+    assert detect_reasoning_parser(later) == "deepseek-r1"
 
 
 def test_detection_and_names() -> None:
