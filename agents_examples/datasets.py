@@ -2,8 +2,11 @@
 
 A difficulty level fixes the operators and the operand range. Problems are
 drawn with a seeded ``random.Random``, duplicates removed, and split into a
-held-out part (drawn first) and a train part with no question in common, so
-the same ``(difficulty, seed, sizes)`` always gives the same files. Items::
+held-out part (drawn first) and a train part with no problem in common, so
+the same ``(difficulty, seed, sizes)`` always gives the same files. Two
+questions are the same problem when :func:`problem_key` says so: the same
+operator and operands, unordered for ``+`` and ``*`` ("16 + 17" is "17 + 16"),
+so no held-out problem is trained with its operands swapped. Items::
 
     {"id": "arith-easy-00042", "question": "What is 7 + 5?", "answer": 12,
      "split": "train", "difficulty": "easy"}
@@ -124,20 +127,22 @@ def train_problem_key(question: str) -> tuple[str, int, int]:
 
 
 def arithmetic_problems(n: int, *, difficulty: str = "easy", seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` distinct problems of a level, in a seeded order (without a split)."""
+    """``n`` distinct problems (by :func:`problem_key`) of a level, in a seeded order (without
+    a split)."""
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
     level = DIFFICULTIES[difficulty]
     rng = random.Random(f"{difficulty}:{seed}")
-    seen: set[str] = set()
+    seen: set[tuple[str, int, int]] = set()
     items: list[dict[str, Any]] = []
     for _ in range(MAX_DRAWS_PER_PROBLEM * max(n, 1)):
         if len(items) == n:
             break
         question, answer = _draw(rng, level)
-        if question in seen:
+        key = train_problem_key(question)
+        if key in seen:
             continue
-        seen.add(question)
+        seen.add(key)
         items.append(
             {
                 "id": f"arith-{difficulty}-{len(items):05d}",

@@ -12,16 +12,20 @@ with this script see the same problems for the same seed. Evaluation is greedy.
 What stays unseeded: which policy version serves a request depends on when
 the trainer pushes, so two runs of one seed can still differ a little.
 
-For each seed it prints held-out accuracy before -> after on the held-out
-problems in the train phrasing and on held-out problems in phrasings the
-training never used, and it ends with::
+For each seed it prints first-try accuracy before -> after (one answer, no
+feedback: the headline of ``proxima train``'s summary) on the held-out problems
+in the train phrasing, success within the evaluation's tries beside it, the
+first-try accuracy on held-out problems in phrasings the training never used,
+and the share of first answers cut at ``max_tokens``; it ends with::
 
     demo seeds: gains G1, G2, G3 points; mean M; unseen phrasings mean U
 
-(gains in points of held-out accuracy; ``U`` is the mean gain on the unseen
+(gains in points of first-try accuracy; ``U`` is the mean gain on the unseen
 phrasings). ``reward_curves.png`` shows the training reward per step, mean +- 1
-std over seeds; ``results.json`` keeps every run's summary and step rewards.
-A run whose summary is already there with the same config is not run again.
+std over seeds; ``results.json`` keeps every run's summary and step rewards, and
+``--jsonl`` (default ``<out-dir>/results.jsonl``) gets one line per run and a last
+summary line, each with the commit. A run whose summary is already there with the
+same config is not run again.
 
 Run: ``.venv/bin/python bench/demo_seeds.py`` (3 seeds, one after another,
 about as long as three ``make demo``); ``--set trainer.optim.lr=2e-5`` (repeatable)
@@ -31,6 +35,12 @@ adapter named ``demo`` on the same rollouts instead of the base (one
 ``[[rollout.tenants]]``; its rank, alpha and lr with ``--set``), and
 ``--versus runs/other`` prints this config's gain beside another out-dir's per seed,
 with mean +- sample std of both and of their paired difference.
+
+``--baselines`` trains nothing: it evaluates the base model (``proxima eval``) on
+each seed's sets under the variants of :data:`BASELINES` of the config (a
+shorter and a longer ``max_tokens``, a "number only" system prompt), printing one
+line per variant (first try, within the eval's tries, unseen phrasings, first
+answers cut; mean over seeds) and writing them to the jsonl.
 """
 
 from __future__ import annotations
@@ -50,6 +60,15 @@ sys.path.insert(0, str(ROOT))
 from proxima.trainer.config import load_raw_config  # noqa: E402
 
 from bench.testbed import summary as mean_std  # noqa: E402  (mean, sample std)
+
+NUMBER_ONLY = "Answer with the number only."
+
+# Base-model variants --baselines evaluates beside the config itself: --set assignments.
+BASELINES: dict[str, list[str]] = {
+    "max_tokens 32": ["rollout.item_fields.max_tokens=32"],
+    "max_tokens 256": ["rollout.item_fields.max_tokens=256"],
+    "number-only system prompt": [f"rollout.item_fields.system={NUMBER_ONLY}"],
+}
 
 
 def apply_set(config: dict[str, Any], assignment: str) -> None:
@@ -127,12 +146,26 @@ def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
     return result
 
 
+def _score(r: dict[str, Any], when: str, key: str) -> float | None:
+    """``scores[when]["test"][key]`` of a summary (None: not reported)."""
+    value = ((r.get("scores") or {}).get(when) or {}).get("test", {}).get(key)
+    return None if value is None else float(value)
+
+
+def _pair(before: float | None, after: float | None) -> str:
+    return "n/a" if before is None or after is None else f"{before:.0%} -> {after:.0%}"
+
+
 def seed_line(r: dict[str, Any]) -> str:
     gain = 100 * (r["after"] - r["before"])
     unseen = 100 * (r["unseen_after"] - r["unseen_before"])
+    within = _pair(_score(r, "before", "accuracy"), _score(r, "after", "accuracy"))
+    cut = _pair(_score(r, "before", "truncated"), _score(r, "after", "truncated"))
     return (
-        f"seed {r['seed']}: held-out {r['before']:.0%} -> {r['after']:.0%} ({gain:+.0f} pt); "
+        f"seed {r['seed']}: first try {r['before']:.0%} -> {r['after']:.0%} ({gain:+.0f} pt); "
+        f"within the eval's tries {within}; "
         f"unseen phrasings {r['unseen_before']:.0%} -> {r['unseen_after']:.0%} ({unseen:+.0f} pt); "
+        f"first answers cut {cut}; "
         f"{r['steps']} steps ({r.get('pushed_steps', '?')} with an update), "
         f"{r['seconds_per_step']} s/step, {r['eval_s']:.0f} s evaluating, {r['wall_s']:.0f} s in all"
     )
@@ -148,8 +181,73 @@ def final_line(results: list[dict[str, Any]]) -> str:
     )
 
 
+def git_commit() -> str:
+    """The working tree's commit (``-dirty`` with uncommitted changes)."""
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def write_jsonl(path: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """One ``run`` line per seed and a last ``summary`` line (the ``demo seeds:`` line), each
+    with ``meta`` (commit, time, config)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps({"kind": "run", **meta, **r}, default=str) + "\n")
+        gains = [gain(r) for r in results]
+        unseen = [100 * (r["unseen_after"] - r["unseen_before"]) for r in results]
+        summary = {"kind": "summary", **meta, "gains": gains, "unseen_gains": unseen,
+                   "line": final_line(results)}  # fmt: skip
+        f.write(json.dumps(summary, default=str) + "\n")
+
+
+def run_baselines(base: dict[str, Any], seeds: list[int], out_dir: Path) -> list[dict[str, Any]]:
+    """The base model evaluated per seed under each of :data:`BASELINES`:
+    one row per (variant, seed) with the held-out and unseen scores (``eval.json``)."""
+    rows = []
+    for name, assignments in BASELINES.items():
+        for seed in seeds:
+            run_dir = out_dir / "baselines" / name.replace(" ", "_") / f"seed{seed}"
+            config = seed_config(base, seed, run_dir)
+            for assignment in assignments:
+                apply_set(config, assignment)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "run_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            cmd = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level",
+                   "warning", "eval", "--config", str(run_dir / "run_config.json")]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name}, seed {seed}: proxima eval exited {proc.returncode}:\n"
+                                 f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")  # fmt: skip
+            scores = json.loads((run_dir / "eval.json").read_text())
+            rows.append({"variant": name, "set": assignments, "seed": seed, **scores})
+            print(f"{name}, seed {seed}: {proc.stdout.strip()}", flush=True)
+    return rows
+
+
+def baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per variant, the mean over seeds of each figure (percent)."""
+
+    def mean(variant: str, part: str, key: str) -> str:
+        values = [r[part][key] for r in rows if r["variant"] == variant and r[part]]
+        values = [v for v in values if v is not None]
+        return f"{100 * statistics.fmean(values):.1f}%" if values else "n/a"
+
+    return [
+        f"baseline {v}: first try {mean(v, 'test', 'first_try')}; within the eval's tries "
+        f"{mean(v, 'test', 'accuracy')}; unseen phrasings (first try) "
+        f"{mean(v, 'unseen', 'first_try')}; first answers cut {mean(v, 'test', 'truncated')}"
+        for v in dict.fromkeys(r["variant"] for r in rows)
+    ]
+
+
 def gain(r: dict[str, Any]) -> float:
-    """Held-out gain of one run, in points."""
+    """First-try (headline) gain of one run, in points."""
     return 100 * (r["after"] - r["before"])
 
 
@@ -237,7 +335,14 @@ def main() -> int:
         help="another config's --out-dir (same seeds): print both gains per seed, mean +- std",
     )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-demo-seeds")
+    parser.add_argument(
+        "--jsonl", type=Path, help="raw results, with the commit (default <out-dir>/results.jsonl)"
+    )
+    parser.add_argument(
+        "--baselines", action="store_true", help="evaluate the base model's variants only"
+    )
     args = parser.parse_args()
+    commit, started_at = git_commit(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     base = load_raw_config(args.config)
     if args.lora:
         as_adapter_run(base, args.lora)
@@ -247,6 +352,16 @@ def main() -> int:
         raise SystemExit("the config evaluates no unseen phrasings: set data.unseen_items")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.baselines:
+        rows = run_baselines(base, seeds, args.out_dir)
+        jsonl = args.jsonl or args.out_dir / "baselines.jsonl"
+        with jsonl.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"kind": "baseline", "commit": commit, "started": started_at,
+                                    **row}) + "\n")  # fmt: skip
+        for line in baseline_lines(rows):
+            print(line)
+        return 0
     dirs = {s: args.out_dir / f"seed{s}" for s in seeds}
     pending = list(seeds)
     running: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
@@ -283,7 +398,13 @@ def main() -> int:
     (args.out_dir / "results.json").write_text(
         json.dumps({"config": base, "runs": ordered}, indent=2, default=str)
     )
-    print(f"curves: {args.out_dir / 'reward_curves.png'}; raw: {args.out_dir / 'results.json'}")
+    jsonl = args.jsonl or args.out_dir / "results.jsonl"
+    meta = {"commit": commit, "started": started_at, "config_file": args.config.name,
+            "overrides": changes}  # fmt: skip
+    write_jsonl(jsonl, ordered, meta)
+    print(
+        f"curves: {args.out_dir / 'reward_curves.png'}; raw: {args.out_dir / 'results.json'}, {jsonl}"
+    )
     if args.versus is not None:
         for line in paired_lines(ordered, args.versus):
             print(line)

@@ -25,8 +25,8 @@ QUESTION = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 @pytest.mark.parametrize("difficulty", sorted(DIFFICULTIES))
 def test_problems_are_well_formed_and_answers_right(difficulty: str) -> None:
     level = DIFFICULTIES[difficulty]
-    problems = arithmetic_problems(60, difficulty=difficulty, seed=3)
-    assert len({p["question"] for p in problems}) == len({p["id"] for p in problems}) == 60
+    problems = arithmetic_problems(40, difficulty=difficulty, seed=3)
+    assert len({p["question"] for p in problems}) == len({p["id"] for p in problems}) == 40
     for p in problems:
         match = QUESTION.match(p["question"])
         assert match is not None, p
@@ -47,18 +47,30 @@ def test_generation_is_deterministic_and_seeded() -> None:
     )
 
 
-def test_splits_are_disjoint_and_sized() -> None:
-    splits = arithmetic_splits(difficulty="tiny", n_train=60, n_test=20, seed=0)
-    train_q = {p["question"] for p in splits["train"]}
-    test_q = {p["question"] for p in splits["test"]}
-    assert len(train_q) == 60 and len(test_q) == 20 and not train_q & test_q
+@pytest.mark.parametrize("difficulty", ["tiny", "easy"])
+def test_splits_are_disjoint_by_problem_and_sized(difficulty: str) -> None:
+    # Disjoint by problem, not by string: "7 + 5" held out means "5 + 7" is not trained.
+    splits = arithmetic_splits(difficulty=difficulty, n_train=25, n_test=20, seed=0)
+    train_q = {problem_key(*_parsed(p["question"])) for p in splits["train"]}
+    test_q = {problem_key(*_parsed(p["question"])) for p in splits["test"]}
+    assert len(train_q) == 25 and len(test_q) == 20 and not train_q & test_q
+    # Every problem of the level, drawn: each appears once, whichever way its operands are written.
+    every = arithmetic_problems(
+        210 if difficulty == "easy" else 45, difficulty="add" if difficulty == "easy" else "tiny"
+    )
+    assert len({problem_key(*_parsed(p["question"])) for p in every}) == len(every)
     assert {p["split"] for p in splits["train"]} == {"train"}
     assert {p["split"] for p in splits["test"]} == {"test"}
 
 
+def _parsed(question: str) -> tuple[str, int, int]:
+    a, op, b = QUESTION.match(question).groups()  # type: ignore[union-attr]
+    return op, int(a), int(b)
+
+
 def test_too_few_distinct_problems_and_unknown_level_are_errors() -> None:
-    with pytest.raises(ValueError, match="fewer than 82"):
-        arithmetic_problems(82, difficulty="tiny")  # 9 x 9 single-digit sums exist
+    with pytest.raises(ValueError, match="fewer than 46"):
+        arithmetic_problems(46, difficulty="tiny")  # 45 single-digit sums exist (a + b = b + a)
     with pytest.raises(ValueError, match="unknown difficulty"):
         arithmetic_problems(1, difficulty="impossible")
 

@@ -97,8 +97,11 @@ rollouts_per_step = 2
     proc = subprocess.run(_train_argv(config), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.splitlines()[-1]
-    assert "held-out accuracy: " in last and "; unseen phrasings: " in last
-    assert "; unseen phrasings: " in proc.stdout.splitlines()[0]  # before training, beside it
+    # The math agent reports its first try: the headline (one turn here, so no "within").
+    assert last.startswith("first-try accuracy: ") and "; unseen phrasings (first try): " in last
+    assert "within" not in last
+    assert "; unseen phrasings (first try): " in proc.stdout.splitlines()[0]  # before, beside it
+    assert "first answers cut at max_tokens (8): " in proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_items"] == summary["unseen_items"] == 4

@@ -144,6 +144,11 @@ class EvalSection(_Section):
         0.0, ge=0, description="Sampling temperature of evaluation (0: greedy)."
     )
     max_concurrency: int = Field(16, ge=1, description="Evaluation runs in flight.")
+    item_fields: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Item fields of evaluation over the rollout's (e.g. max_turns = 2 to score "
+        "success within two tries beside the first try).",
+    )
 
 
 class TrainRunConfig(_Section):

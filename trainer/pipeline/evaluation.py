@@ -1,16 +1,65 @@
 """Held-out accuracy: the mean reward of an agent on held-out items through the proxy (served
-unrecorded: no session), and the lines that report it before and after training."""
+unrecorded: no session), and the lines that report it before and after training.
+
+Every evaluation item carries ``report = True`` and the ``eval`` section's ``item_fields``
+over the rollout's (``make demo`` trains on one turn and evaluates two). An agent returns a
+float (its reward), or a mapping with ``final`` (the reward: success within its turns) and,
+where it can tell, ``first_try`` (1.0 when its first answer alone was right) and
+``truncated`` (1.0 when its first answer was cut at ``max_tokens``). The headline is
+first-try accuracy when every item reports it, else the mean reward; a :class:`Score` keeps
+all three. With ``report``, ``proxima.agents_examples.math_agent`` returns the mapping.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from proxima.trainer.pipeline.config import EvalSection, TrainRunConfig
 from proxima.trainer.pipeline.policies import Policy
 from proxima.trainer.rollout.agents import resolve_agent
 
-Accuracy = tuple[float, float | None]  # held-out, and in unseen phrasings (None: no such items)
+_TRIES = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """One evaluation of one item set: the mean reward (success within the agent's turns),
+    first-try accuracy and the share of first answers cut at ``max_tokens`` (None: some item
+    did not report it)."""
+
+    accuracy: float
+    first_try: float | None = None
+    truncated: float | None = None
+
+    @property
+    def headline(self) -> float:
+        """First-try accuracy where reported, else the mean reward."""
+        return self.accuracy if self.first_try is None else self.first_try
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"accuracy": self.accuracy, "first_try": self.first_try, "truncated": self.truncated}
+
+
+class Accuracy(NamedTuple):
+    """The held-out set's score and the unseen-phrasings set's (None without such items)."""
+
+    test: Score
+    unseen: Score | None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v for v in values if v is not None) / len(values)
+
+
+def _reported(result: Any, key: str) -> float | None:
+    if isinstance(result, Mapping) and result.get(key) is not None:
+        return float(result[key])
+    return None
 
 
 async def evaluate(
@@ -22,16 +71,18 @@ async def evaluate(
     model: str,
     section: EvalSection,
     fields: dict[str, Any],
-) -> float:
-    """Mean reward of ``agent`` on ``items``, served unrecorded (admin key: no session)."""
+) -> Score:
+    """``agent`` on ``items``, served unrecorded (admin key: no session)."""
     fn = resolve_agent(agent)
     chosen = items[: section.items] if section.items else items
     slots = asyncio.Semaphore(section.max_concurrency)
 
-    async def one(item: dict[str, Any]) -> float:
+    async def one(item: dict[str, Any]) -> Any:
         data = {
             **item,
             **fields,
+            **section.item_fields,
+            "report": True,
             "base_url": base_url,
             "api_key": api_key,
             "model": model,
@@ -41,10 +92,15 @@ async def evaluate(
             result = fn(data)
             if asyncio.iscoroutine(result):
                 result = await result
-        return float(result if not isinstance(result, dict) else result.get("final", 0.0))
+        return result
 
-    rewards = await asyncio.gather(*(one(i) for i in chosen))
-    return sum(rewards) / max(1, len(rewards))
+    results = await asyncio.gather(*(one(i) for i in chosen))
+    finals = [float(r.get("final", 0.0)) if isinstance(r, Mapping) else float(r) for r in results]
+    return Score(
+        accuracy=sum(finals) / max(1, len(finals)),
+        first_try=_mean([_reported(r, "first_try") for r in results]),
+        truncated=_mean([_reported(r, "truncated") for r in results]),
+    )
 
 
 def scored_items(section: EvalSection, items: list[dict[str, Any]]) -> int:
@@ -52,21 +108,69 @@ def scored_items(section: EvalSection, items: list[dict[str, Any]]) -> int:
     return min(section.items, len(items)) if section.items else len(items)
 
 
+def _tries(cfg: TrainRunConfig, policy: Policy) -> str | None:
+    """``within two tries`` (the evaluation's ``max_turns``); None with one turn (the first
+    try is the only one)."""
+    turns = {**policy.fields, **cfg.eval.item_fields}.get("max_turns")
+    if turns == 1:
+        return None
+    if isinstance(turns, int) and turns > 1:
+        return f"within {_TRIES.get(turns, str(turns))} tries"
+    return "within its turns"
+
+
+def _pair(before: float | None, after: float | None) -> str:
+    return f"{before:.1%} -> {after:.1%}" if before is not None and after is not None else "n/a"
+
+
 def accuracy_line(
     cfg: TrainRunConfig, policy: Policy, before: Accuracy, after: Accuracy | None = None
 ) -> str:
-    """``held-out accuracy before training: 23.0% (50 items); unseen phrasings: ...`` (before),
-    ``held-out accuracy: 23.0% -> 41.0%; unseen phrasings: 18.0% -> 30.0%`` (after)."""
+    """Before training: ``first-try accuracy before training: 20.0% (50 items); within two
+    tries: 30.0%; unseen phrasings (first try): 18.0% (50 items)``; after:
+    ``first-try accuracy: 20.0% -> 44.0%; within two tries: 30.0% -> 52.0%; unseen phrasings
+    (first try): 18.0% -> 34.0%``. An agent that reports no first try gets ``held-out
+    accuracy`` and ``unseen phrasings`` (its mean reward) instead."""
+    first = before.test.first_try is not None
+    name = "first-try accuracy" if first else "held-out accuracy"
+    unseen_name = "unseen phrasings (first try)" if first else "unseen phrasings"
     items = policy.items
     if after is None:
         line = (
-            f"{policy.prefix}held-out accuracy before training: {before[0]:.1%} "
+            f"{policy.prefix}{name} before training: {before.test.headline:.1%} "
             f"({scored_items(cfg.eval, items.test)} items)"
         )
-        if before[1] is not None:
-            line += f"; unseen phrasings: {before[1]:.1%} ({scored_items(cfg.eval, items.unseen)} items)"
+        tries = _tries(cfg, policy) if first else None
+        if tries is not None:
+            line += f"; {tries}: {before.test.accuracy:.1%}"
+        if before.unseen is not None:
+            line += (
+                f"; {unseen_name}: {before.unseen.headline:.1%} "
+                f"({scored_items(cfg.eval, items.unseen)} items)"
+            )
         return line
-    line = f"{policy.prefix}held-out accuracy: {before[0]:.1%} -> {after[0]:.1%}"
-    if before[1] is not None and after[1] is not None:
-        line += f"; unseen phrasings: {before[1]:.1%} -> {after[1]:.1%}"
+    line = f"{policy.prefix}{name}: {before.test.headline:.1%} -> {after.test.headline:.1%}"
+    tries = _tries(cfg, policy) if first else None
+    if tries is not None:
+        line += f"; {tries}: {before.test.accuracy:.1%} -> {after.test.accuracy:.1%}"
+    if before.unseen is not None and after.unseen is not None:
+        line += f"; {unseen_name}: {before.unseen.headline:.1%} -> {after.unseen.headline:.1%}"
     return line
+
+
+def truncation_line(
+    cfg: TrainRunConfig, policy: Policy, before: Accuracy, after: Accuracy | None = None
+) -> str | None:
+    """``first answers cut at max_tokens (32): 20.0% -> 0.0% held-out, 18.0% -> 2.0% unseen
+    phrasings`` (None when the agent reports no truncation)."""
+    if before.test.truncated is None:
+        return None
+    limit = {**policy.fields, **cfg.eval.item_fields}.get("max_tokens", "the agent's default")
+    sets = [("held-out", before.test, after.test if after else None)]
+    if before.unseen is not None:
+        sets.append(("unseen phrasings", before.unseen, after.unseen if after else None))
+    if after is None:
+        parts = [f"{b.truncated:.1%} {label}" for label, b, _ in sets if b.truncated is not None]
+        return f"{policy.prefix}first answers cut at max_tokens ({limit}): {', '.join(parts)}"
+    parts = [f"{_pair(b.truncated, a.truncated if a else None)} {label}" for label, b, a in sets]
+    return f"{policy.prefix}first answers cut at max_tokens ({limit}): {', '.join(parts)}"

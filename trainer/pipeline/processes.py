@@ -17,7 +17,7 @@ from typing import Any
 
 from proxima.proxy.server_process import ProxyProcess
 from proxima.trainer.pipeline.config import TrainRunConfig
-from proxima.trainer.pipeline.evaluation import evaluate
+from proxima.trainer.pipeline.evaluation import Accuracy, Score, evaluate
 from proxima.trainer.pipeline.policies import Items
 
 
@@ -81,7 +81,7 @@ class RunProxy:
         adapter: str | None = None,
         agent: str | None = None,
         fields: dict[str, Any] | None = None,
-    ) -> float:
+    ) -> Score:
         """Held-out accuracy of the served policy on ``items`` (the ``eval`` section's settings).
 
         With ``version``, the agents ask for ``<model>@v<version>``: the proxy serves
@@ -107,16 +107,16 @@ class RunProxy:
         adapter: str | None = None,
         agent: str | None = None,
         fields: dict[str, Any] | None = None,
-    ) -> tuple[float, float | None]:
+    ) -> Accuracy:
         """Held-out accuracy on ``items.test`` and on ``items.unseen`` (None without any), side
         by side (one engine batch serves both sets)."""
         kw: dict[str, Any] = {"adapter": adapter, "agent": agent, "fields": fields}
         if not items.unseen:
-            return await self.evaluate(items.test, version, **kw), None
+            return Accuracy(await self.evaluate(items.test, version, **kw), None)
         test, unseen = await asyncio.gather(
             self.evaluate(items.test, version, **kw), self.evaluate(items.unseen, version, **kw)
         )
-        return test, unseen
+        return Accuracy(test, unseen)
 
 
 def trainer_command(cfg: TrainRunConfig, run: RunProxy, config_path: Path) -> list[str]:

@@ -24,6 +24,7 @@ from proxima.proxy.store.pages import trained_into
 from proxima.proxy.store.store import Store
 from proxima.trainer.log import count_steps
 from proxima.trainer.pipeline.config import TrainRunConfig
+from proxima.trainer.pipeline.evaluation import Accuracy
 from proxima.trainer.tracking import Tracker, check_installed
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,18 @@ class RunTrackers:
                 return
             tracker.log_rollouts(index, sessions)
 
-    def evaluation(self, adapter: str | None, accuracy: tuple[float, float | None]) -> None:
-        """Held-out accuracy (and in unseen phrasings) at the tracker step of the last step."""
-        held_out, unseen = accuracy
+    def evaluation(self, adapter: str | None, accuracy: Accuracy) -> None:
+        """Held-out accuracy (the headline: first try where the agent reports it; success
+        within its turns; in unseen phrasings) at the tracker step of the last step."""
+        test, unseen = accuracy
         self.trackers[adapter].log_eval(
-            self.counts[adapter], {"accuracy": held_out, "unseen_accuracy": unseen}
+            self.counts[adapter],
+            {
+                "accuracy": test.headline,
+                "within_turns_accuracy": test.accuracy,
+                "truncated": test.truncated,
+                "unseen_accuracy": None if unseen is None else unseen.headline,
+            },
         )
 
     async def close(self) -> None:

@@ -5,14 +5,19 @@ accuracy, then runs the rollout controller (the user's unmodified agent over
 the training items, ``group_size`` sessions each) and the trainer side by
 side until ``steps`` PPO steps are done, showing a progress bar per step,
 updating a reward-curve PNG, and finally copies the last policy to
-``<output_dir>/final`` (an HF directory) and measures held-out accuracy again:
+``<output_dir>/final`` (an HF directory) and measures held-out accuracy again,
+ending with (``proxima.trainer.pipeline.evaluation``)::
 
-    held-out accuracy: 23.0% -> 41.0%; unseen phrasings: 18.0% -> 30.0%
+    first answers cut at max_tokens (96): 3.0% -> 0.0% held-out, 4.0% -> 0.0% unseen phrasings
+    first-try accuracy: 20.0% -> 44.0%; within two tries: 30.0% -> 52.0%; unseen phrasings (first try): 18.0% -> 34.0%
 
-The second figure (with ``data.unseen_items`` or ``data.unseen_file``) is the
-accuracy on held-out problems asked in wordings no train item uses: a policy
-that learned the arithmetic gains there too, one that fitted the train
-prompt's template does not.
+First-try accuracy is the headline: one answer, no feedback. Success within
+the agent's tries (``eval.item_fields``' ``max_turns``) stands beside it. The
+unseen-phrasings figure (with ``data.unseen_items`` or ``data.unseen_file``)
+is the first-try accuracy on held-out problems asked in wordings no train item
+uses: a policy that learned the arithmetic gains there too, one that fitted
+the train prompt's template does not. An agent that reports no first try
+gets ``held-out accuracy: B -> A; unseen phrasings: B -> A`` (its mean reward).
 
 The trainer runs in its own process (``proxima trainer``), as in production:
 its compute never stalls the agents' event loop. Ctrl-C stops everything
@@ -49,7 +54,14 @@ from typing import Any
 
 from proxima.proxy.policies.adapters import check_adapter
 from proxima.trainer.pipeline.config import TrainRunConfig
-from proxima.trainer.pipeline.evaluation import Accuracy, accuracy_line, evaluate, scored_items
+from proxima.trainer.pipeline.evaluation import (
+    Accuracy,
+    Score,
+    accuracy_line,
+    evaluate,
+    scored_items,
+    truncation_line,
+)
 from proxima.trainer.pipeline.plots import curve_points, plot_rewards, read_log
 from proxima.trainer.pipeline.policies import (
     Items,
@@ -109,6 +121,9 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
         before = await _evaluate_all(run, policies)
         for policy in policies:
             print(accuracy_line(cfg, policy, before[policy.adapter]), flush=True)
+            cut = truncation_line(cfg, policy, before[policy.adapter])
+            if cut is not None:
+                print(cut, flush=True)
         if opening is not None:
             logs = {p.adapter: p.log_path(cfg) for p in policies}
             trackers = await RunTrackers.ready(opening, logs, run.db)
@@ -257,8 +272,8 @@ async def _follow_training(
                 plot_rewards(
                     records,
                     policy.curve_path(cfg),
-                    before=accuracy[0],
-                    unseen_before=accuracy[1],
+                    before=accuracy.test.headline,
+                    unseen_before=_headline(accuracy.unseen),
                 )
     for controller in controllers:
         controller.stop()
@@ -280,17 +295,22 @@ def _policy_result(
         plot_rewards(
             records,
             policy.curve_path(cfg),
-            before=before[0],
-            after=after[0],
-            unseen_before=before[1],
-            unseen_after=after[1],
+            before=before.test.headline,
+            after=after.test.headline,
+            unseen_before=_headline(before.unseen),
+            unseen_after=_headline(after.unseen),
         )
     return {
-        "before": before[0],
-        "after": after[0],
+        # the headline: first-try accuracy where the agent reports it, else its mean reward
+        "before": before.test.headline,
+        "after": after.test.headline,
         "test_items": scored_items(cfg.eval, policy.items.test),
-        "unseen_before": before[1],
-        "unseen_after": after[1],
+        "unseen_before": _headline(before.unseen),
+        "unseen_after": _headline(after.unseen),
+        "scores": {
+            "before": {"test": before.test.as_dict(), "unseen": _as_dict(before.unseen)},
+            "after": {"test": after.test.as_dict(), "unseen": _as_dict(after.unseen)},
+        },
         "unseen_items": scored_items(cfg.eval, policy.items.unseen),
         "pushed_steps": sum(1 for r in records if r.get("pushed", True)),
         "steps": len(records),
@@ -298,6 +318,14 @@ def _policy_result(
         "rollouts": report.summary(),
         "reward_curve": str(policy.curve_path(cfg)),
     }
+
+
+def _headline(score: Score | None) -> float | None:
+    return None if score is None else score.headline
+
+
+def _as_dict(score: Score | None) -> dict[str, float | None] | None:
+    return None if score is None else score.as_dict()
 
 
 def _summary(
@@ -354,6 +382,10 @@ def _print_outcome(
             f"final model: {result['final_model']}"
         )
     for policy in policies:
+        cut = truncation_line(cfg, policy, before[policy.adapter], after[policy.adapter])
+        if cut is not None:
+            print(cut)
+    for policy in policies:
         print(
             accuracy_line(cfg, policy, before[policy.adapter], after[policy.adapter]),
             flush=True,
@@ -402,17 +434,21 @@ async def eval_only(
     run = RunProxy(cfg, model_dir, lora=adapter is not None)
     try:
         run.start()
-        score, unseen = await run.evaluate_both(items, version, adapter=adapter)
+        accuracy = await run.evaluate_both(items, version, adapter=adapter)
     finally:
         run.stop()
+    score = accuracy.test.headline
     scored = scored_items(cfg.eval, items.test)
     label = "" if version is None else f" of version {version}"
     if adapter is not None:
         label += f" of adapter {adapter}"
-    line = f"held-out accuracy{label}: {score:.1%} ({scored} items)"
-    if unseen is not None:
-        line += f"; unseen phrasings: {unseen:.1%} ({scored_items(cfg.eval, items.unseen)} items)"
-    print(line)
+    policy = Policy(None, cfg.rollout.agent, items, dict(cfg.rollout.item_fields))
+    line = accuracy_line(cfg, policy, accuracy).replace(" before training", label, 1)
+    cut = truncation_line(cfg, policy, accuracy)
+    print(line if cut is None else f"{line}\n{cut}")
+    (cfg.output_dir / "eval.json").write_text(
+        json.dumps({"test": accuracy.test.as_dict(), "unseen": _as_dict(accuracy.unseen)})
+    )
     if version is not None:
         await _record_eval(run, version, score, scored, adapter=adapter)
     return score
