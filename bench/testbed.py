@@ -6,7 +6,10 @@ parsing slack). The policy is the tiny byte-level Qwen2 model
 (``proxima.proxy.testing.tiny_model``, hidden 64, 2 layers) fine-tuned once
 on ``a, b`` in ``0..4`` with *noisy* answers: the right sum with probability
 ``p_correct`` = 0.3, otherwise a near miss (the sum +- 1 or 2), cached under
-``.cache/testbed/`` (keyed by its settings; 600 steps, about 30 s of CPU).
+``.cache/testbed/`` (600 steps, about 30 s of CPU). The cache key hashes all the
+starting policy depends on: the settings, the random base model's files (config,
+initial weights, tokenizer, chat template), the fine-tuning data, the fine-tuning
+code and the torch/transformers versions (`bench/testbed_policy.py`).
 So the starting policy has the answer format (one digit, then the end-of-turn
 token) and knows roughly where each sum lies but hedges between neighbours,
 as a base model hedges on arithmetic: about 20% training reward at the
@@ -37,12 +40,12 @@ the same seed differ only in ``k`` and the objective, not in machine timing.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import math
 import random
-import shutil
+import sqlite3
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,111 +54,24 @@ import httpx
 from openai import AsyncOpenAI
 from proxima.proxy.server_process import ProxyProcess
 from proxima.proxy.store import Store
+from proxima.proxy.store.codec import decode_int32
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.loop import Trainer
 from proxima.trainer.weights import ProxyWeightSink, PushResult
 
+from bench.testbed_policy import (  # noqa: F401  (re-exported: the task and its policy)
+    ALL_PAIRS,
+    DIGITS,
+    MAX_SUM,
+    TaskSettings,
+    pairs,
+    prepare_model,
+    prompt_of,
+    reward_of,
+    starting_policy_key,
+)
+
 logger = logging.getLogger(__name__)
-
-DIGITS = 5  # a, b in 0..DIGITS-1
-MAX_SUM = 2 * (DIGITS - 1)
-
-
-@dataclass(frozen=True)
-class TaskSettings:
-    """How the testbed's starting policy is built (part of its cache key)."""
-
-    p_correct: float = 0.3  # share of fine-tuning answers that are right
-    noise: str = "near"  # wrong answers: "near" (sum +- 1 or 2) or "uniform" (any of 0..MAX_SUM)
-    sft_steps: int = 600
-    sft_batch: int = 64
-    sft_lr: float = 3e-3
-    seed: int = 0
-    hidden_size: int = 64
-    num_layers: int = 2
-
-    def key(self) -> str:
-        raw = json.dumps(self.__dict__, sort_keys=True).encode()
-        return hashlib.sha256(raw).hexdigest()[:12]
-
-
-def prompt_of(a: int, b: int) -> str:
-    """The user message for the pair ``(a, b)``."""
-    return f"{a}+{b}="
-
-
-def reward_of(a: int, b: int, reply: str | None) -> float:
-    """1.0 when the reply is exactly the sum's decimal digits, else 0.0."""
-    return 1.0 if (reply or "") == str(a + b) else 0.0
-
-
-def pairs(digits: int) -> list[tuple[int, int]]:
-    """Every ``(a, b)`` with ``a, b`` in ``0..digits-1``."""
-    return [(a, b) for a in range(digits) for b in range(digits)]
-
-
-ALL_PAIRS = pairs(DIGITS)
-
-
-def prepare_model(cache_dir: Path, settings: TaskSettings = TaskSettings()) -> Path:
-    """The testbed's starting policy (built once and cached under ``cache_dir``)."""
-    import torch
-    from proxima.proxy.testing.tiny_model import build_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = Path(cache_dir) / f"addition-{settings.key()}"
-    if (out / "testbed.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(
-        tmp, seed=settings.seed, hidden_size=settings.hidden_size, num_layers=settings.num_layers
-    )
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    rng = random.Random(settings.seed)
-    torch.manual_seed(settings.seed)
-    torch.set_num_threads(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.sft_lr, weight_decay=0.0)
-    prompts = {}
-    for a, b in ALL_PAIRS:
-        messages = [{"role": "user", "content": prompt_of(a, b)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts[a, b] = tokenizer.encode(text, add_special_tokens=False)
-    model.train()
-    for _ in range(settings.sft_steps):
-        rows = []
-        for _ in range(settings.sft_batch):
-            a, b = rng.choice(ALL_PAIRS)
-            answer = a + b if rng.random() < settings.p_correct else _wrong(a + b, settings, rng)
-            reply = tokenizer.encode(str(answer), add_special_tokens=False)
-            reply.append(tokenizer.eos_token_id)
-            rows.append((prompts[a, b], reply))
-        width = max(len(p) + len(r) for p, r in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, r) in enumerate(rows):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-            mask[i, : len(p) + len(r)] = 1
-        optimizer.zero_grad()
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        optimizer.step()
-    model.eval()
-    model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "testbed.json").write_text(json.dumps(settings.__dict__))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def _wrong(total: int, settings: TaskSettings, rng: random.Random) -> int:
-    """A wrong fine-tuning answer for the sum ``total``."""
-    if settings.noise == "uniform":
-        return rng.randint(0, MAX_SUM)
-    near = [total + d for d in (-2, -1, 1, 2) if 0 <= total + d <= MAX_SUM]
-    return rng.choice(near)
 
 
 class DelayedSink:
@@ -172,34 +88,55 @@ class DelayedSink:
     by one as it would in an asynchronous system whose trainer idles while the
     generator keeps going (without it a served policy that earns no reward
     would be served for the rest of the run).
+
+    ``deferred``: ``push`` only notes the version to serve next, and
+    :meth:`release` serves it; the run releases it while the next batch is
+    being generated, so the push interrupts completions in flight and some
+    carry tokens of two versions (``k`` and ``k + 1`` behind).
     """
 
-    def __init__(self, inner: ProxyWeightSink, k: int) -> None:
+    def __init__(self, inner: ProxyWeightSink, k: int, *, deferred: bool = False) -> None:
         self.inner = inner
         self.k = k
+        self.deferred = deferred
         self.paths: dict[int, Path] = {}
         self.served = 0
+        self.pending: int | None = None  # deferred: the version release() serves
 
     async def push(self, *, version: int, path: Path, adapter: str | None = None) -> PushResult:
         if adapter is not None:
             raise ValueError("the staleness testbed trains full weights, not adapters")
         self.paths[version] = path
         target = version - self.k
-        if target > self.served:  # not already served by catch_up()
+        if target > self.served and self.deferred:
+            self.pending = target
+        elif target > self.served:  # not already served by catch_up()
             result = await self.inner.push(version=target, path=self.paths.pop(target))
             self.served = target
             return PushResult(version, str(path), result.proxy_seconds, result.http_seconds)
         return PushResult(version, str(path), 0.0, 0.0)
 
+    async def release(self) -> None:
+        """Deferred: serve the version the last push named (nothing if none is due)."""
+        target, self.pending = self.pending, None
+        if target is not None and target > self.served:
+            await self.inner.push(version=target, path=self.paths.pop(target))
+            self.served = target
+            for old in [v for v in self.paths if v < target]:
+                del self.paths[old]
+
     async def catch_up(self) -> None:
         """Serve the oldest held version (the trainer made none this step)."""
-        if self.paths:
+        if self.pending is not None:
+            await self.release()
+        elif self.paths:
             oldest = min(self.paths)
             await self.inner.push(version=oldest, path=self.paths.pop(oldest))
             self.served = oldest
 
     async def flush(self) -> None:
         """Serve the newest pushed version now."""
+        self.pending = None
         if self.paths:
             newest = max(self.paths)
             await self.inner.push(version=newest, path=self.paths[newest])
@@ -225,11 +162,13 @@ class Arm:
     zero_signal: str = "filter"
     digits: int = 3  # RL prompts: a, b in 0..digits-1 (the fine-tuning saw 0..DIGITS-1)
     eval_samples: int = 8  # samples per pair of the final evaluation
+    interrupt: bool = False  # the served version changes mid-batch (mixed-version completions)
 
     @property
     def name(self) -> str:
         objective = "decoupled" if self.decoupled else "naive"
-        return "sync" if self.k == 0 else f"eta{self.k} {objective}"
+        base = "sync" if self.k == 0 else f"eta{self.k} {objective}"
+        return base + " interrupted" if self.interrupt else base
 
 
 @dataclass
@@ -240,6 +179,10 @@ class ArmResult:
     pushed: list[bool] = field(default_factory=list)
     final_reward: float = math.nan  # the trainer's final policy, sampled at T = 1
     seconds: float = 0.0
+    completions: int = 0  # recorded (training) completions
+    mixed_completions: int = 0  # with tokens of more than one policy version
+    loss_tokens: int = 0  # generated tokens trained, summed over steps
+    clipped_tokens: float = 0.0  # of them, on the PPO clip's clipped branch (no gradient)
 
 
 async def _agent(
@@ -300,6 +243,39 @@ async def _evaluate(
     return sum(rewards) / len(rewards)
 
 
+async def _generate(
+    jobs: list[Coroutine[Any, Any, float]], release: Callable[[], Awaitable[None]] | None
+) -> list[float]:
+    """Run a batch's agents; ``release`` (if any) once a quarter of them have finished,
+    while the rest are in flight (the push interrupts them: mixed-version completions)."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    if release is not None:
+        waiting, finished = set(tasks), 0
+        while waiting and finished < max(1, len(tasks) // 4):
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finished += len(done)
+        await release()
+    return list(await asyncio.gather(*tasks))
+
+
+# Interrupted arms: the engine decodes this many requests at once and queues the rest, so a
+# push mid-batch finds running completions between their first and last token (at 32, every
+# 2-token reply of a batch is decoded in the same two engine steps, and none is ever cut).
+INTERRUPT_RUNNING = 4
+
+
+def _engine_env(arm: Arm) -> dict[str, str]:
+    return {"PROXIMA_ENGINE_MAX_RUNNING_REQUESTS": str(INTERRUPT_RUNNING)} if arm.interrupt else {}
+
+
+def _count_mixed(db_path: Path) -> tuple[int, int]:
+    """Recorded completions, and those with tokens of more than one policy version."""
+    with closing(sqlite3.connect(db_path)) as db:
+        rows = db.execute("SELECT output_versions FROM completions").fetchall()
+    mixed = sum(1 for (raw,) in rows if len(set(decode_int32(raw))) > 1)
+    return len(rows), mixed
+
+
 async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
     """Train one arm through a fresh proxy and trainer; the per-step rewards and final reward."""
     import time
@@ -311,7 +287,7 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
         model_dir,
         db_url=db_url,
         log_path=work_dir / "serve.log",
-        env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **_engine_env(arm)},
     )
     proxy.start()
     result = ArmResult(arm)
@@ -333,7 +309,11 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
     rng = random.Random(arm.seed)
     pairs_of_arm = pairs(arm.digits)
     store = await Store.open(db_url)
-    sink = DelayedSink(ProxyWeightSink(proxy.url, admin_token=proxy.admin_token), arm.k)
+    inner = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token)
+    # interrupted: lag k - 1, its push mid-batch, so a batch's tokens are k - 1 or k behind
+    sink = (
+        DelayedSink(inner, arm.k - 1, deferred=True) if arm.interrupt else DelayedSink(inner, arm.k)
+    )
     trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
     try:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -344,12 +324,16 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
                     for p, pair in enumerate(batch_pairs)
                     for i in range(p * arm.group_size, (p + 1) * arm.group_size)
                 ]
-                rewards = await asyncio.gather(*jobs)
-                result.rewards.append(sum(rewards) / len(rewards))
                 result.served.append(sink.served)
+                rewards = await _generate(jobs, sink.release if arm.interrupt else None)
+                result.rewards.append(sum(rewards) / len(rewards))
                 record = await trainer.step()
                 assert record is not None
                 result.pushed.append(record.pushed)
+                result.loss_tokens += record.loss_tokens
+                ppo = record.ppo  # clip_fraction: of the tokens the weight cap kept
+                kept = ppo.get("loss_tokens", 0.0) - ppo.get("masked_tokens", 0.0)
+                result.clipped_tokens += ppo.get("clip_fraction", 0.0) * kept
                 if not record.pushed:
                     await sink.catch_up()
             await sink.flush()
@@ -361,6 +345,7 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
         await sink.aclose()
         await store.close()
         proxy.stop()
+    result.completions, result.mixed_completions = _count_mixed(work_dir / "store.db")
     result.seconds = time.monotonic() - started
     return result
 
