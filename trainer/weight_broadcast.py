@@ -1,21 +1,27 @@
 """Broadcast pushes: the trainer sends a version's full weights to every backend itself.
 
 :class:`BroadcastWeightSink` is the ``WeightSink`` of ``[trainer.weights] transport =
-"broadcast"`` (``proxima.trainer.weights_config``). The version is exported to disk first,
-as for a disk push (the recovery rule of ``proxima.trainer.weights`` reads it, and so does a
-backend that restarts), and its tensors are read back from that export, so what is
-broadcast is byte for byte what was exported, whatever the training backend.
+"broadcast"`` (``proxima.trainer.weights_config``). Its weights come from one of two places:
+
+- the trainer's memory (a ``source``: the model's tensors by HF name, tied ones once, cast
+  to the dtype the backends serve), with nothing written or read on disk by the push;
+- else the version's export at ``path`` (the trainer loop writes it before every push: the
+  recovery rule of ``proxima.trainer.weights`` reads it), read back byte for byte, so what
+  is broadcast is what was exported, whatever the training backend.
 
 A push, with the proxy (``proxima.proxy.api.weight_groups``):
 
 1. Unless a group is open: ``GET /admin/weights/group`` (members, world size), then join a
    new process group as rank 0 (hosting its rendezvous on ``master_address`` and a free
-   port) while ``POST /admin/weights/group`` has every backend join it.
-2. Plan buckets (``bucket_mb`` each, tensors in the export's name order, ordered within a
-   bucket so every flattened offset is aligned) and, while ``POST /admin/weights {version,
-   path, broadcast}`` has the proxy pause generation and relay each bucket to every backend,
+   port) while ``POST /admin/weights/group`` has every backend join it: one group spans
+   the trainer and every backend's workers, so each bucket is one broadcast to all.
+2. Plan buckets (``bucket_mb`` each, tensors in the source's order, ordered within a bucket
+   so every flattened offset is aligned) and, while ``POST /admin/weights {version, path,
+   broadcast}`` has the proxy pause generation and relay each bucket to every backend,
    broadcast them in the same order (``proxima.proxy.embedded.process_group``), each as
-   one flat buffer read straight from the export's files, the next read while one is sent.
+   one flat buffer. Two buffers are kept across pushes (:class:`BucketBuffers`; a fresh
+   one costs a page fault per page, as much as the transfer on a loaded CPU): the next
+   bucket is filled (copied from memory, or read from the export) while one is sent.
 
 A 409 ``weight_group_stale`` (a backend came, went or restarted since the group opened:
 nothing was paused) opens a new group and pushes again, once. Any other failure (the
@@ -29,13 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,86 +52,31 @@ import torch.distributed as dist
 from proxima.proxy.embedded.process_group import (
     FLATTENED_BUCKET,
     TensorSpec,
-    aligned_order,
     destroy_process_group,
     flat_offsets,
     init_custom_process_group,
 )
 from proxima.proxy.serving import free_port
+from proxima.trainer.weight_buckets import (
+    BroadcastFailed,
+    BucketBuffers,
+    ExportReader,
+    Filler,
+    MemoryPacker,
+    TensorSource,
+    bucket_body,
+    memory_specs,
+    plan_buckets,
+    read_specs,
+)
 from proxima.trainer.weights import ProxyWeightSink, PushResult, WeightPushError
 from proxima.trainer.weights_config import WeightsConfig
-from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
-
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-class BroadcastFailed(RuntimeError):
-    """A broadcast push did not land (the message says where it failed)."""
 
 
 class GroupStale(BroadcastFailed):
     """The proxy's group is not the one the trainer holds (nothing was paused)."""
-
-
-# --------------------------------------------------------------------------- tensors and buckets
-
-
-def read_specs(path: Path) -> tuple[list[TensorSpec], dict[str, Path]]:
-    """Every tensor of an HF export (name order) and the safetensors file holding each."""
-    specs: list[TensorSpec] = []
-    files: dict[str, Path] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
-                piece = f.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-                if dtype is None:
-                    raise BroadcastFailed(f"{name}: dtype {piece.get_dtype()} cannot be broadcast")
-                specs.append(TensorSpec(name, dtype, tuple(piece.get_shape())))
-                files[name] = file
-    if not specs:
-        raise BroadcastFailed(f"no *.safetensors tensors in {path}")
-    specs.sort(key=lambda s: s.name)
-    return specs, files
-
-
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
-    """Consecutive tensors up to ``bucket_bytes`` a bucket (a larger tensor alone), each
-    bucket ordered so its flattened offsets are aligned."""
-    buckets: list[list[TensorSpec]] = []
-    current: list[TensorSpec] = []
-    size = 0
-    for spec in specs:
-        if current and size + spec.nbytes > bucket_bytes:
-            buckets.append(aligned_order(current))
-            current, size = [], 0
-        current.append(spec)
-        size += spec.nbytes
-    if current:
-        buckets.append(aligned_order(current))
-    return buckets
-
-
-def bucket_body(bucket: Sequence[TensorSpec]) -> dict[str, Any]:
-    """A bucket as ``POST /admin/weights`` lists it."""
-    return {
-        "names": [s.name for s in bucket],
-        "dtypes": [s.dtype for s in bucket],
-        "shapes": [list(s.shape) for s in bucket],
-    }
 
 
 def local_address(proxy_url: str) -> str:
@@ -150,49 +99,6 @@ def _refusal(resp: httpx.Response) -> tuple[str | None, str]:
     return code, f"{resp.status_code} {code or ''}: {message}"
 
 
-class ExportReader:
-    """Reads tensors' bytes from an export's safetensors files into a bucket's flat buffer
-    (one copy from the page cache; the layout of ``flat_offsets``)."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self._files = files
-        self._open: dict[Path, tuple[io.BufferedReader, int, dict[str, Any]]] = {}
-
-    def _entry(self, name: str) -> tuple[io.BufferedReader, int, int]:
-        file = self._files[name]
-        if file not in self._open:
-            handle = open(file, "rb")  # noqa: SIM115 (closed by close())
-            size = int.from_bytes(handle.read(8), "little")
-            self._open[file] = (handle, 8 + size, json.loads(handle.read(size)))
-        handle, base, header = self._open[file]
-        begin, end = header[name]["data_offsets"]
-        return handle, base + begin, end - begin
-
-    def flat(self, bucket: Sequence[TensorSpec]) -> torch.Tensor:
-        offsets = flat_offsets(bucket)
-        flat = torch.empty(offsets[-1][1], dtype=torch.uint8)
-        view = flat.numpy().data  # a writable memoryview of the buffer
-        for spec, (start, end) in zip(bucket, offsets, strict=True):
-            handle, position, size = self._entry(spec.name)
-            if size != end - start:
-                raise BroadcastFailed(
-                    f"{spec.name}: {size} bytes in the export, {end - start} planned"
-                )
-            handle.seek(position)
-            done = 0
-            while done < size:
-                got = handle.readinto(view[start + done : end])
-                if not got:
-                    raise BroadcastFailed(f"{spec.name}: the export ends early")
-                done += got
-        return flat
-
-    def close(self) -> None:
-        for handle, _, _ in self._open.values():
-            handle.close()
-        self._open.clear()
-
-
 # --------------------------------------------------------------------------- the trainer's group
 
 
@@ -208,39 +114,55 @@ class TrainerGroup:
     def send(
         self,
         buckets: list[list[TensorSpec]],
-        files: dict[str, Path],
+        filler: Filler,
+        buffers: BucketBuffers,
         after_bucket: Callable[[int], None] | None = None,
-    ) -> None:
-        """Broadcast every bucket in order as one flat buffer each (blocking; in a thread).
+    ) -> dict[str, float]:
+        """Broadcast every bucket in order as one flat buffer each (blocking; in a thread);
+        the seconds spent filling buffers and on the wire.
 
-        Each bucket's bytes are read from the export straight into its buffer
-        (:class:`ExportReader`), the next one while the current one is on the wire. A
-        failed broadcast (a receiver died) releases the group: the proxy stops the push
-        at the same bucket, so no receiver waits for the next one.
+        Each bucket's bytes are filled into one of ``buffers`` (from memory or the export),
+        the next one while the current one is on the wire. A failed broadcast (a receiver
+        died) releases the group: the proxy stops the push at the same bucket, so no
+        receiver waits for the next one.
         """
-        reader = ExportReader(files)
+        times = {"fill_s": 0.0, "wire_s": 0.0, "wait_fill_s": 0.0}
+
+        def fill(index: int) -> torch.Tensor:
+            started = time.monotonic()
+            bucket = buckets[index]
+            flat = buffers.get(index, flat_offsets(bucket)[-1][1])
+            filler.fill(bucket, flat)
+            times["fill_s"] += time.monotonic() - started
+            return flat
+
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-reader") as pool:
-                upcoming = pool.submit(reader.flat, buckets[0])
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-fill") as pool:
+                upcoming = pool.submit(fill, 0)
                 for index in range(len(buckets)):
+                    waiting = time.monotonic()
                     flat = upcoming.result()
-                    if index + 1 < len(buckets):
-                        upcoming = pool.submit(reader.flat, buckets[index + 1])
+                    sending = time.monotonic()
+                    times["wait_fill_s"] += sending - waiting
+                    if index + 1 < len(buckets):  # into the other buffer, whose bucket is sent
+                        upcoming = pool.submit(fill, index + 1)
                     dist.broadcast(flat.to(self.device), src=0, group=self.group)
+                    times["wire_s"] += time.monotonic() - sending
                     if after_bucket is not None:
                         after_bucket(index)
         except Exception:
             self.destroy()
             raise
         finally:
-            reader.close()
+            filler.close()
+        return times
 
     def destroy(self) -> None:
         with contextlib.suppress(Exception):  # a broken group may not close cleanly
             destroy_process_group(self.group)
 
 
-async def _forget(group: TrainerGroup, sending: asyncio.Future[None] | None) -> None:
+async def _forget(group: TrainerGroup, sending: asyncio.Future[Any] | None) -> None:
     """Destroy ``group`` once its sender thread (if any) has given up."""
     if sending is not None:
         with contextlib.suppress(Exception):
@@ -256,6 +178,12 @@ class BroadcastWeightSink:
 
     ``proxy_url`` is one proxy (the first of a comma-separated list: the group lives in the
     replica that opened it). ``after_bucket(i)`` is called after bucket ``i`` was sent.
+
+    ``source``: the trainer's weights in memory (:data:`TensorSource`); a push then sends
+    them, cast to ``dtype`` (the dtype the backends serve; None: the tensors' own), and
+    reads nothing from ``path``, which is only recorded as the version's (where a
+    restarted backend, a restore or a fallback push loads it from). Without one, a push
+    sends the export at ``path`` byte for byte.
     """
 
     def __init__(
@@ -266,12 +194,17 @@ class BroadcastWeightSink:
         settings: WeightsConfig,
         timeout_s: float = 600.0,
         after_bucket: Callable[[int], None] | None = None,
+        source: TensorSource | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.disk = ProxyWeightSink(proxy_url, admin_token=admin_token, timeout_s=timeout_s)
         self.url = self.disk.proxy_url
         self.settings = settings
         self.after_bucket = after_bucket
+        self.source = source
+        self.dtype = dtype
         self.device = "cuda" if settings.backend == "nccl" else "cpu"
+        self._buffers = BucketBuffers(self.device if source is not None else "cpu")
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
@@ -300,7 +233,14 @@ class BroadcastWeightSink:
     async def _push_once(self, version: int, path: Path) -> PushResult:
         started = time.monotonic()
         group = self._group or await self._open_group()
-        specs, files = read_specs(path)
+        opened = time.monotonic()
+        filler: Filler
+        if self.source is not None:
+            specs, tensors = memory_specs(self.source, self.dtype)
+            filler = MemoryPacker(tensors)
+        else:
+            specs, files = read_specs(path)
+            filler = ExportReader(files)
         buckets = plan_buckets(specs, int(self.settings.bucket_mb * 2**20))
         body = {
             "version": version,
@@ -313,7 +253,7 @@ class BroadcastWeightSink:
             },
         }
         sending = asyncio.ensure_future(
-            asyncio.to_thread(group.send, buckets, files, self.after_bucket)
+            asyncio.to_thread(group.send, buckets, filler, self._buffers, self.after_bucket)
         )
         try:
             resp = await self._post("/admin/weights", body)
@@ -327,8 +267,9 @@ class BroadcastWeightSink:
             if code == "version_not_newer":
                 return await self._already_served(version, path, started, message)
             raise GroupStale(message) if code == "weight_group_stale" else BroadcastFailed(message)
+        times: dict[str, float] = {}
         try:
-            await asyncio.wait_for(asyncio.shield(sending), self.settings.timeout_s)
+            times = await asyncio.wait_for(asyncio.shield(sending), self.settings.timeout_s)
         except Exception as exc:  # it landed on the backends that answered; the group broke
             logger.warning("version %s landed, but the weight-update group broke: %r", version, exc)
             self._drop(group, sending)
@@ -340,6 +281,7 @@ class BroadcastWeightSink:
             proxy_seconds=float(answer.get("seconds", 0.0)),
             http_seconds=time.monotonic() - started,
             transport="broadcast",
+            breakdown={"open_s": opened - started, "buckets": len(buckets), **times},
         )
 
     async def _already_served(
@@ -401,7 +343,7 @@ class BroadcastWeightSink:
         logger.info("weight-update group %s open: world size %d", name, world_size)
         return self._group
 
-    def _drop(self, group: TrainerGroup, sending: asyncio.Future[None] | None) -> None:
+    def _drop(self, group: TrainerGroup, sending: asyncio.Future[Any] | None) -> None:
         """Forget ``group``; destroy it once its sender thread has given up."""
         if self._group is group:
             self._group = None

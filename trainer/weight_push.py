@@ -34,6 +34,9 @@ class PushResult:
     proxy_seconds: float  # the proxy's own time to interrupt, load everywhere and resume
     http_seconds: float  # wall time of the request(s), as the trainer saw it
     transport: Literal["disk", "broadcast"] = "disk"  # how the weights reached the backends
+    # Where a broadcast push's time went on the trainer (seconds opening the group, filling
+    # buckets, on the wire, waiting for a bucket to fill; the bucket count); None: disk.
+    breakdown: dict[str, float] | None = None
 
 
 class WeightSink(Protocol):

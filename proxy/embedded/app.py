@@ -289,10 +289,11 @@ async def model_info(engine: EngineDep) -> ModelInfo:
 
 @router.get("/server_info")
 @router.get("/get_server_info")
-async def server_info(engine: EngineDep) -> dict[str, Any]:
+async def server_info(engine: EngineDep, groups: GroupsDep) -> dict[str, Any]:
     """A minimal server description and load (``/get_server_info``: SGLang's deprecated
     alias). One worker: SGLang's ``tp_size``, ``dp_size`` and ``pp_size`` are 1, so the
-    engine takes one rank of a weight-update group."""
+    engine takes one rank of a weight-update group. ``last_weight_update``: where the last
+    broadcast push's time went on this engine (``WeightGroups.last_update``), or null."""
     return {
         "version": "proxima-engine",
         "tp_size": 1,
@@ -306,6 +307,7 @@ async def server_info(engine: EngineDep) -> dict[str, Any]:
         "num_running_reqs": engine.num_running,
         "num_waiting_reqs": engine.num_waiting,
         "stats": dataclasses.asdict(engine.stats),
+        "last_weight_update": groups.last_update,
     }
 
 

@@ -355,9 +355,10 @@ class Engine:
     async def apply_weights(
         self, state_dict: dict[str, torch.Tensor], weight_version: str | None
     ) -> None:
-        """Copy checked tensors into the model between two steps and, unless None, set the
-        version it reports (a broadcast push's swap, ``proxima.proxy.embedded.weight_groups``)."""
-        command = cmd.UpdateWeights(state_dict, weight_version, abort_all=False)
+        """Swap checked tensors into the model between two steps (the model keeps them, no
+        copy: the caller hands them over) and, unless None, set the version it reports (a
+        broadcast push's swap, ``proxima.proxy.embedded.weight_groups``)."""
+        command = cmd.UpdateWeights(state_dict, weight_version, abort_all=False, swap=True)
         self._worker.send(command)
         await asyncio.wrap_future(command.done)
 

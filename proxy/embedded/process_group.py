@@ -168,16 +168,33 @@ def send_bucket(
         work.wait()
 
 
+def bucket_nbytes(specs: Sequence[TensorSpec]) -> int:
+    """Bytes of ``specs`` flattened (ValueError for an unaligned bucket)."""
+    offsets = flat_offsets(specs)
+    return offsets[-1][1] if offsets else 0
+
+
 def receive_bucket(
     group: dist.ProcessGroup,
     specs: Sequence[TensorSpec],
     load_format: str | None,
     device: str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive one bucket from rank 0: ``(name, tensor)`` in the bucket's order."""
+    """Receive one bucket from rank 0: ``(name, tensor)`` in the bucket's order.
+
+    A flattened bucket is received into ``out`` when given (a uint8 buffer of exactly
+    :func:`bucket_nbytes` bytes, reused across pushes: a fresh buffer costs a page fault
+    per page), else into a new buffer; the tensors returned are views of it."""
     if load_format == FLATTENED_BUCKET:
         offsets = flat_offsets(specs)
-        flat = torch.empty(offsets[-1][1] if offsets else 0, dtype=torch.uint8, device=device)
+        nbytes = offsets[-1][1] if offsets else 0
+        if out is None:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
+            raise ValueError(f"a bucket of {nbytes} bytes cannot be received into {out.shape}")
+        else:
+            flat = out
         dist.broadcast(flat, src=0, group=group)
         return [
             (spec.name, flat[start:end].view(spec.torch_dtype).reshape(spec.shape))

@@ -20,6 +20,15 @@ and reporting, the old weights.
 Every bucket is checked before it is staged, as a directory is before a disk load: each
 tensor names a parameter or buffer of the model with its shape, and holds finite values.
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 when ``success`` is false.
+
+No copy and no fresh memory in the steady state: a flattened bucket is received into a
+spare buffer of its size (a new one only when none is spare: a fresh buffer costs a page
+fault per page, more than the transfer itself on a loaded CPU), and the swap points the
+model's parameters at the received tensors instead of copying them
+(``weights.swap_state_dict``); the buffers the model no longer views become the spares of
+the next push. The engine so holds the model twice once it has received a push (the
+served weights and the spares), against twice for the length of a push before.
+:attr:`WeightGroups.last_update` says where the last update's time went.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +49,10 @@ from proxima.proxy.backends.protocol import (
     WeightSyncResponse,
 )
 from proxima.proxy.embedded.process_group import (
+    FLATTENED_BUCKET,
     LOAD_FORMATS,
+    TensorSpec,
+    bucket_nbytes,
     destroy_process_group,
     init_custom_process_group,
     receive_bucket,
@@ -78,6 +92,48 @@ def _failed(message: str) -> WeightSyncResponse:
     return WeightSyncResponse(success=False, message=message)
 
 
+class BufferPool:
+    """Flat receive buffers by size: the spares, those staged, those the model views."""
+
+    def __init__(self) -> None:
+        self._spares: dict[int, list[torch.Tensor]] = {}
+        self.staged: list[torch.Tensor] = []  # received in the open update
+        self._served: list[torch.Tensor] = []  # swapped in: the model may view them
+        self.reused = self.allocated = 0  # buffers taken in the current update
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A spare buffer of ``nbytes`` bytes, else a new one; staged until released."""
+        spares = self._spares.get(nbytes)
+        if spares:
+            buffer = spares.pop()
+            self.reused += 1
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.allocated += 1
+        self.staged.append(buffer)
+        return buffer
+
+    def discard(self) -> None:
+        """The staged buffers were not swapped in: spares again."""
+        for buffer in self.staged:
+            self._spares.setdefault(buffer.numel(), []).append(buffer)
+        self.staged = []
+
+    def swapped(self, targets: dict[str, torch.Tensor]) -> None:
+        """The staged buffers were swapped in; every served buffer the model (``targets``,
+        its state dict) no longer views becomes a spare."""
+        self._served += self.staged
+        self.staged = []
+        in_use = {t.untyped_storage().data_ptr() for t in targets.values()}
+        kept = []
+        for buffer in self._served:
+            if buffer.untyped_storage().data_ptr() in in_use:
+                kept.append(buffer)
+            else:
+                self._spares.setdefault(buffer.numel(), []).append(buffer)
+        self._served = kept
+
+
 class WeightGroups:
     """The engine's weight-update groups and its staging area (one session at a time)."""
 
@@ -90,6 +146,11 @@ class WeightGroups:
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._staged: dict[str, torch.Tensor] | None = None  # None: no session open
         self._lock = asyncio.Lock()  # one session call at a time
+        self._buffers = BufferPool()
+        self._times = {"receive_s": 0.0, "check_s": 0.0}
+        self.last_update: dict[str, Any] | None = None
+        """The last swapped-in update: seconds receiving, checking and swapping, buckets,
+        bytes, and receive buffers reused or allocated."""
 
     @property
     def groups(self) -> list[str]:
@@ -148,7 +209,14 @@ class WeightGroups:
                     "a weight-update session is already open; call end_weight_update() first"
                 )
             self._staged = {}
+            self._times = {"receive_s": 0.0, "check_s": 0.0}
+            self._buffers.reused = self._buffers.allocated = 0
             return _ok("Success")
+
+    def _discard(self) -> None:
+        """Drop what is staged (nothing of it is ever applied); its buffers are spares."""
+        self._staged = {}
+        self._buffers.discard()
 
     async def end(self) -> WeightSyncResponse:
         """Close the session; tensors of an update that never finished are discarded."""
@@ -156,6 +224,7 @@ class WeightGroups:
             if self._staged is None:
                 return _failed("no weight-update session is open; call begin_weight_update() first")
             staged, self._staged = self._staged, None
+            self._buffers.discard()
             if staged:
                 logger.warning(
                     "weight update: %d staged tensors of an unfinished update discarded",
@@ -180,28 +249,63 @@ class WeightGroups:
                 )
             if body.load_format not in LOAD_FORMATS:
                 return _failed(f"Unknown load_format={body.load_format}")
+            started = time.monotonic()
             try:
                 specs = specs_of(body.names, body.dtypes, body.shapes)
-                received = await asyncio.to_thread(receive_bucket, group, specs, body.load_format)
+                received = await asyncio.to_thread(self._receive, group, specs, body.load_format)
             except Exception as exc:  # a dead sender, a timeout, a bad list
-                self._staged = {}  # nothing of this push is ever applied
+                self._discard()  # nothing of this push is ever applied
                 return _failed(f"Failed to receive weights: {exc}")
-            problem = self._check(received)
+            checking = time.monotonic()
+            problem = await asyncio.to_thread(self._check, received)
+            self._times["receive_s"] += checking - started
+            self._times["check_s"] += time.monotonic() - checking
             if problem is not None:
-                self._staged = {}
+                self._discard()
                 return _failed(f"Failed to update parameter online: {problem}")
             self._staged.update(received)
             if body.weight_version is None and not body.flush_cache:
                 return _ok("Succeeded to update parameter online.")  # staged
-            staged, self._staged = self._staged, {}
             try:
-                await self._apply(staged, body.weight_version)
+                await self._swap(body.weight_version)
             except (RuntimeError, ValueError) as exc:
                 return _failed(f"Failed to apply received weights: {exc}")
             message = "Succeeded to update parameter online."
             if body.weight_version is not None:
                 message += f" Weight version updated to {body.weight_version}."
             return _ok(message)
+
+    def _receive(
+        self, group: dist.ProcessGroup, specs: list[TensorSpec], load_format: str | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """One bucket, a flattened one into a spare buffer (:class:`BufferPool`)."""
+        if load_format != FLATTENED_BUCKET:
+            return receive_bucket(group, specs, load_format)
+        out = self._buffers.take(bucket_nbytes(specs))
+        return receive_bucket(group, specs, load_format, out=out)
+
+    async def _swap(self, weight_version: str | None) -> None:
+        """Swap every staged tensor in (the model keeps them) and record the update."""
+        assert self._staged is not None
+        staged, self._staged = self._staged, {}
+        started = time.monotonic()
+        pool = self._buffers
+        reused, allocated = pool.reused, pool.allocated
+        try:
+            await self._apply(staged, weight_version)
+        finally:  # even a swap that failed midway: the buffers the model views stay served
+            pool.swapped(self._targets)
+            pool.reused = pool.allocated = 0
+        times, self._times = self._times, {"receive_s": 0.0, "check_s": 0.0}
+        self.last_update = {
+            **times,
+            "swap_s": time.monotonic() - started,
+            "tensors": len(staged),
+            "bytes": sum(t.nbytes for t in staged.values()),
+            "buffers_reused": reused,
+            "buffers_allocated": allocated,
+            "weight_version": weight_version,
+        }
 
     def _check(self, received: list[tuple[str, torch.Tensor]]) -> str | None:
         """Why a received bucket cannot replace the model's tensors, or None."""

@@ -3,7 +3,8 @@
 Loading and validation happen off the worker thread (:func:`load_checked_state_dict`);
 the worker only copies the checked tensors in between two steps
 (:func:`apply_state_dict`), so a bad directory never leaves the model half
-updated.
+updated. Tensors the model may keep (a broadcast push's received buffers) are swapped in
+instead of copied (:func:`swap_state_dict`): the model's parameters then view them.
 """
 
 from __future__ import annotations
@@ -90,3 +91,23 @@ def apply_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
     targets = model.state_dict(keep_vars=True)
     for name, tensor in state_dict.items():
         targets[name].copy_(tensor)
+
+
+@torch.no_grad()
+def swap_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Point the model's parameters and buffers at checked tensors the model may keep (no
+    copy): each tensor whose dtype, device and shape are its target's becomes that target's
+    data (a tied parameter is one object: all its names see it); any other is copied in
+    (cast). The caller must not write the tensors afterwards."""
+    targets = model.state_dict(keep_vars=True)
+    for name, tensor in state_dict.items():
+        target = targets[name]
+        if (
+            tensor.dtype == target.dtype
+            and tensor.device == target.device
+            and tensor.shape == target.shape
+            and tensor.is_contiguous()
+        ):
+            target.data = tensor
+        else:
+            target.copy_(tensor)

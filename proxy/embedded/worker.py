@@ -37,7 +37,7 @@ from proxima.proxy.embedded.requests import (
     post_deltas,
 )
 from proxima.proxy.embedded.sampling import SampledToken, sample_batch
-from proxima.proxy.embedded.weights import apply_state_dict
+from proxima.proxy.embedded.weights import apply_state_dict, swap_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
@@ -77,12 +77,14 @@ class Resume:
 
 @dataclass
 class UpdateWeights:
-    """Copy a checked state dict into the model between two steps."""
+    """Copy a checked state dict into the model between two steps (``swap``: point the
+    model at its tensors instead, ``weights.swap_state_dict``)."""
 
     state_dict: dict[str, torch.Tensor]
     weight_version: str | None
     abort_all: bool
     done: Future[int] = field(default_factory=Future)
+    swap: bool = False
 
 
 @dataclass
@@ -225,7 +227,10 @@ class EngineWorker:
                     self._abort_rows(lambda _: True, "weights updated") if update.abort_all else 0
                 )
                 try:
-                    apply_state_dict(self.model, update.state_dict)
+                    if update.swap:
+                        swap_state_dict(self.model, update.state_dict)
+                    else:
+                        apply_state_dict(self.model, update.state_dict)
                 except (RuntimeError, ValueError) as exc:  # checked beforehand; report, don't die
                     logger.exception("applying new weights failed")
                     done.set_exception(exc)

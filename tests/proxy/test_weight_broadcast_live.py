@@ -285,3 +285,63 @@ def test_a_trainer_that_dies_mid_broadcast_leaves_the_old_weights(fleet: Fleet) 
     # The restarted trainer pushes the same version again: it lands.
     assert _push(fleet.sink(fallback_to_disk=False), version, path).transport == "broadcast"
     assert fleet.reported() == [str(version), str(version)]
+
+
+def _engine_logprobs_match(fleet: Fleet, model_dir: Path) -> None:
+    """Each engine's greedy tokens' logprobs are the HF model's at ``model_dir``."""
+    prompt = [5, 17, 42, 99, 7]
+    for engine in fleet.engines:
+        reply = httpx.post(
+            engine.url + "/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                "return_logprob": True,
+            },
+            timeout=30,
+        ).json()
+        got = [e[0] for e in reply["meta_info"]["output_token_logprobs"]]
+        expected = _hf_logprobs(model_dir, prompt + reply["output_ids"], len(prompt))
+        assert got == pytest.approx(expected, abs=2e-4)
+
+
+def test_a_push_from_memory_writes_nothing_and_the_engines_reuse_their_buffers(
+    fleet: Fleet,
+) -> None:
+    """Pushes from the trainer's memory (``source``): no file is written or read (the path
+    the version records does not exist), the engines serve exactly the model pushed, and
+    from the third push on they receive into the buffers the push before last swapped in:
+    no receive buffer allocated, none copied."""
+    wait_until(_all_healthy(fleet, int(fleet.health()["version"])), 60, what="a whole fleet")
+    unwritten = fleet.work / "unwritten"
+    for push in range(3):
+        version, model_dir = fleet.next_version()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = WeightsConfig(
+            transport="broadcast",
+            fallback_to_disk=False,
+            timeout_s=GROUP_TIMEOUT_S,
+            bucket_mb=BUCKET_MB,
+            master_address="127.0.0.1",
+        )
+        sink = BroadcastWeightSink(
+            fleet.proxy.url,
+            admin_token=fleet.proxy.admin_token,
+            settings=config,
+            timeout_s=60,
+            source=lambda model=model: model.state_dict().items(),
+            dtype=torch.float32,  # what the embedded engines serve
+        )
+        result = _push(sink, version, unwritten / f"v{version}")
+        assert result.transport == "broadcast" and result.breakdown is not None
+        assert result.breakdown["buckets"] >= 2 and result.breakdown["wire_s"] > 0
+        assert not unwritten.exists()
+        assert fleet.reported() == [str(version), str(version)]
+        _engine_logprobs_match(fleet, model_dir)
+        if push == 2:
+            for engine in fleet.engines:
+                info = httpx.get(engine.url + "/server_info", timeout=10).json()
+                update = info["last_weight_update"]
+                assert update["weight_version"] == str(version)
+                assert update["buffers_allocated"] == 0
+                assert update["buffers_reused"] == result.breakdown["buckets"]

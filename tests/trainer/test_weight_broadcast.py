@@ -24,10 +24,14 @@ from proxima.proxy.embedded.process_group import flat_offsets
 from proxima.proxy.serving import ThreadedServer
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.run import weight_sink
-from proxima.trainer.weight_broadcast import (
-    BroadcastWeightSink,
+from proxima.trainer.weight_broadcast import BroadcastWeightSink
+from proxima.trainer.weight_buckets import (
+    BroadcastFailed,
+    BucketBuffers,
     ExportReader,
+    MemoryPacker,
     bucket_body,
+    memory_specs,
     plan_buckets,
     read_specs,
 )
@@ -65,16 +69,59 @@ def test_buckets_cover_every_tensor_once_aligned_and_bounded(tmp_path: Path) -> 
     one = plan_buckets(specs, bucket_bytes=10**9)
     assert len(one) == 1 and [s.dtype for s in one[0]][:2] == ["int64", "float32"]
 
-    # What the trainer broadcasts: each bucket's bytes, read straight from the export.
+    # What the trainer broadcasts: each bucket's bytes, read straight from the export into
+    # one of two buffers kept across buckets.
     reader = ExportReader(files)
+    buffers = BucketBuffers("cpu")
     try:
-        for bucket in [*buckets, *one]:
-            flat = reader.flat(bucket)
+        for index, bucket in enumerate([*buckets, *one]):
+            flat = buffers.get(index, flat_offsets(bucket)[-1][1])
+            reader.fill(bucket, flat)
             for spec, (start, end) in zip(bucket, flat_offsets(bucket), strict=True):
                 got = flat[start:end].view(spec.torch_dtype).reshape(spec.shape)
                 assert torch.equal(got, tensors[spec.name]), spec.name
     finally:
         reader.close()
+
+
+def test_in_memory_weights_tied_once_cast_to_the_served_dtype_into_kept_buffers() -> None:
+    """A push from memory: a model's state dict (tied embedding and head, an int buffer)
+    gives each storage once under its first name, floats cast to the wire's dtype, and the
+    packed bytes equal the tensors; the two buffers are the same memory at every push."""
+    generator = torch.Generator().manual_seed(1)
+    embed = torch.randn(16, 8, generator=generator)
+    state = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": torch.randn(8, generator=generator),
+        "model.steps": torch.arange(4, dtype=torch.int64),
+        "lm_head.weight": embed.detach(),  # tied: the same storage under a second name
+    }
+    specs, tensors = memory_specs(lambda: state.items(), torch.bfloat16)
+    assert [s.name for s in specs] == [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.steps",
+    ]
+    assert [s.dtype for s in specs] == ["bfloat16", "bfloat16", "int64"]
+    buckets = plan_buckets(specs, bucket_bytes=64)
+    assert len(buckets) >= 2
+    buffers = BucketBuffers("cpu")
+    seen: list[set[int]] = []
+    for _push in range(2):
+        packer = MemoryPacker(tensors)
+        pointers = set()
+        for index, bucket in enumerate(buckets):
+            flat = buffers.get(index, flat_offsets(bucket)[-1][1])
+            pointers.add(flat.untyped_storage().data_ptr())
+            packer.fill(bucket, flat)
+            for spec, (start, end) in zip(bucket, flat_offsets(bucket), strict=True):
+                got = flat[start:end].view(spec.torch_dtype).reshape(spec.shape)
+                assert torch.equal(got, state[spec.name].to(spec.torch_dtype)), spec.name
+        packer.close()
+        seen.append(pointers)
+    assert len(seen[0]) == 2 and seen[0] == seen[1]  # two buffers, reused by the next push
+    with pytest.raises(BroadcastFailed, match="no tensor"):
+        memory_specs(lambda: iter(()))
 
 
 def test_config_section_and_the_sink_it_selects() -> None:
