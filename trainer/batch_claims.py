@@ -58,7 +58,11 @@ def trainable_samples(
     without signal (``advantage.zero_signal``). Fresh: the sessions with a
     sample left before the signal filter (valid, fresh and short enough).
     """
-    samples = build_samples(without_invalid(batch, vocab_size), cfg.advantage)
+    # Constrained completions train where the backend applies their grammar masks (torch).
+    constrained = cfg.backend == "torch"
+    samples = build_samples(
+        without_invalid(batch, vocab_size), cfg.advantage, constrained=constrained
+    )
     kinds = {s.id: s.kind for s, _ in batch}
     samples, stale = filter_stale_by_kind(
         samples,

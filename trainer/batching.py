@@ -114,6 +114,10 @@ class PackedBatch:
     versions: Tensor  # (T,) int64, -1 where not trained
     temperatures: Tensor  # (T,) float32, sampling temperature of each position's sequence
     prox_logprobs: Tensor | None = None  # (T,) float32 when every sample carries them
+    # Grammar-constrained targets (``proxima.trainer.constrained``): their positions (G,)
+    # int64 and the tokens allowed at each (G, ceil(V / 32)) int32; None when there are none.
+    grammar_positions: Tensor | None = None
+    grammar_bitmask: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +152,13 @@ class PackedBatch:
             versions=self.versions.to(device),
             temperatures=self.temperatures.to(device),
             prox_logprobs=None if self.prox_logprobs is None else self.prox_logprobs.to(device),
+            grammar_positions=_to(self.grammar_positions, device),
+            grammar_bitmask=_to(self.grammar_bitmask, device),
         )
+
+
+def _to(tensor: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _shift(values: Sequence[_V], fill: _V) -> list[_V]:
@@ -174,6 +184,8 @@ def pack(samples: Sequence[Sample]) -> PackedBatch:
     adv: list[float] = []
     versions: list[int] = []
     temperatures: list[float] = []
+    grammar_positions: list[int] = []
+    grammar_rows: list[Tensor] = []
     cu_seqlens = [0]
     for s in samples:
         n = s.num_tokens
@@ -193,6 +205,14 @@ def pack(samples: Sequence[Sample]) -> PackedBatch:
         if s.prox_logprobs is not None:
             prox += _shift(s.prox_logprobs, 0.0)
         temperatures += [s.temperature] * n
+        if s.constraints:
+            raise ValueError(
+                f"sample of session {s.session_id}: its grammar masks were never replayed "
+                "(proxima.trainer.constrained.GrammarReplay.attach)"
+            )
+        if s.grammar_mask is not None:  # token j is predicted at position j - 1
+            grammar_positions += [cu_seqlens[-1] + j - 1 for j in s.grammar_mask.positions]
+            grammar_rows.append(s.grammar_mask.bitmask)
         cu_seqlens.append(cu_seqlens[-1] + n)
     return PackedBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -205,6 +225,10 @@ def pack(samples: Sequence[Sample]) -> PackedBatch:
         versions=torch.tensor(versions, dtype=torch.long),
         temperatures=torch.tensor(temperatures, dtype=torch.float32),
         prox_logprobs=torch.tensor(prox, dtype=torch.float32) if all(with_prox) else None,
+        grammar_positions=torch.tensor(grammar_positions, dtype=torch.long)
+        if grammar_rows
+        else None,
+        grammar_bitmask=torch.cat(grammar_rows) if grammar_rows else None,
     )
 
 

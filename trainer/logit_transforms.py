@@ -22,21 +22,21 @@ gradient of ``l`` lacks the ``-grad log Z(s)`` term of the policy that was
 actually sampled. Such a token would train on a wrong importance ratio.
 
 So the proxy records what transformed each completion
-(``CompletionRecord.sampling["logit_transforms"]``, e.g. ``["grammar:json_schema"]``),
-and the trainer keeps those completions' tokens as *context* (loss mask 0)
-and never as loss tokens. Their turn still counts in the session's returns:
-the reward of a session that ended with a structured answer still reaches its
-earlier, unconstrained turns.
+(``CompletionRecord.sampling["logit_transforms"]``, e.g. ``["grammar:json_schema"]``).
+A completion whose only transform is a grammar, recorded with it
+(``CompletionRecord.grammar``), trains on the constrained distribution: the trainer
+replays the grammar's mask and computes ``log q`` itself (``trainer/constrained.py``).
+Every other transformed completion (``logit_bias``, penalties, a reasoning budget's
+forced tokens, a grammar recorded without its text) stays *context* (loss mask 0),
+never loss tokens. Its turn still counts in the session's returns: the reward of a
+session that ended with such an answer still reaches its earlier turns.
 
 Where this departs from training every sampled token:
 
-1. Constrained turns carry no policy gradient of their own. A harness whose
-   every turn is constrained (``tool_choice: "required"`` on each call)
-   produces no sample at all.
-2. The alternative, training on the constrained policy ``q``, would need the
-   trainer to replay the grammar (xgrammar) and the penalties over every
-   sequence to recompute ``log Z`` under the proximal and current weights;
-   it is not implemented.
+1. Penalised or biased turns carry no policy gradient of their own.
+2. Training them on the transformed policy would need the trainer to replay the
+   penalties (token counts) and biases over every sequence to recompute ``log Z``
+   under the proximal and current weights; it is implemented for grammars only.
 """
 
 from __future__ import annotations

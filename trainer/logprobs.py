@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
 from .batching import PackedBatch
+from .constrained import with_grammar_masks
 from .loss import token_logprobs
 
 VARLEN_SDPA = "proxima_varlen_sdpa"
@@ -151,6 +152,10 @@ def forward_logprobs(
             The ``(T, V)`` logits of prompt tokens are never built, which for
             a large vocabulary is most of a training step's memory.
 
+    Grammar-constrained targets (``packed.grammar_positions``) get the logprob of the
+    masked, renormalised distribution the engine sampled them from
+    (``proxima.trainer.constrained``).
+
     Returns:
         ``(T,)`` float32 logprobs, aligned with ``packed.targets``; entries at a
         sequence's last position are meaningless (``loss_mask`` is 0 there).
@@ -181,8 +186,11 @@ def forward_logprobs(
     )
     logits = outputs.logits[0]  # (T, V), or (K, V) at the kept positions
     if keep is None:
-        return token_logprobs(logits, packed.targets, temps)  # (T,)
+        plain = token_logprobs(logits, packed.targets, temps)  # (T,)
+        return with_grammar_masks(plain, logits, packed, temps, keep)
+    kept_temps = temps
     if isinstance(temps, Tensor):
-        temps = torch.broadcast_to(temps, packed.targets.shape)[keep]  # (K,)
-    kept = token_logprobs(logits, packed.targets[keep], temps)  # (K,)
-    return kept.new_zeros(packed.targets.shape).index_put((keep,), kept)  # (T,)
+        kept_temps = torch.broadcast_to(temps, packed.targets.shape)[keep]  # (K,)
+    kept = token_logprobs(logits, packed.targets[keep], kept_temps)  # (K,)
+    plain = kept.new_zeros(packed.targets.shape).index_put((keep,), kept)  # (T,)
+    return with_grammar_masks(plain, logits, packed, temps, keep)

@@ -9,7 +9,8 @@ One step (:meth:`Trainer.step`), top to bottom:
 2. Load their completions and build samples (returns, group-relative
    advantages; ``proxima.trainer.samples``). A session whose records cannot
    be trained (``samples.session_problem``) is dropped with its reason logged,
-   so a bad session can never fail a step again after every restart.
+   so a bad session can never fail a step again after every restart. Constrained
+   completions get the grammar masks they were sampled under (``proxima.trainer.constrained``).
 3. Bound staleness: tokens older than ``current_version - max_staleness``
    leave the loss (``stale_rule = "token"``, the default; ``"sample"`` drops
    their whole sample), samples left without trained tokens
@@ -76,6 +77,7 @@ from proxima.proxy.store import SessionRecord, SessionStatus, Store
 from proxima.trainer.backends.base import PPOBackend, StepStats
 from proxima.trainer.batch_claims import Batch, BatchClaims, trainable_samples
 from proxima.trainer.config import TrainerConfig
+from proxima.trainer.constrained import GrammarReplay
 from proxima.trainer.log import (
     BatchMetrics,
     StepRecord,
@@ -143,6 +145,7 @@ class Trainer:
         self._checkpointed_step = state.step
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
         self._vocab_size = vocab_size_of(cfg.connection.model_dir)
+        self._replay: GrammarReplay | None = None  # constrained completions' masks
         # Claims held toward the next batch, and what ``refill`` dropped while it filled.
         self.claims = BatchClaims(
             cfg, store, trainer_id=state.trainer_id, adapter=adapter, vocab_size=self._vocab_size
@@ -370,6 +373,8 @@ class Trainer:
         batch: Batch = [(s, await self.store.list_completions(session_id=s.id)) for s in sessions]
         self.log.note_batch(batch)  # the trackers' rollout table of this step
         samples, removed, _ = trainable_samples(batch, version, self.cfg, self._vocab_size)
+        if any(s.constraints for s in samples):  # the masks the engine sampled under
+            samples = await self._compute(self._grammar_replay().attach, samples)
         trained_ids = list(dict.fromkeys(s.session_id for s in samples))
         trained = set(trained_ids)
         dropped_ids = [s.id for s in sessions if s.id not in trained]
@@ -382,6 +387,13 @@ class Trainer:
         kinds = {s.id: s.kind for s in sessions}
         metrics = dataclasses.replace(metrics, production=production_use(samples, kinds, version))
         return samples, metrics, trained_ids, dropped_ids
+
+    def _grammar_replay(self) -> GrammarReplay:
+        """The replay of constrained completions' masks, built on first use."""
+        if self._replay is None:
+            assert self.cfg.connection.model_dir is not None
+            self._replay = GrammarReplay(self.cfg.connection.model_dir)
+        return self._replay
 
     async def _export_and_push(
         self, new_version: int, trained_ids: list[str]

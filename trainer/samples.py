@@ -16,9 +16,12 @@ so ``w = exp(prox - behav)`` compares like with like. Greedy tokens are not
 samples of the distribution their logprob describes; the importance weight
 then measures how far the policy moved, not an unbiased correction.
 
-Transformed distributions: a completion sampled under a grammar, ``logit_bias``
-or penalties has behaviour logprobs the trainer cannot recompute; it is context
-(loss mask 0), never loss tokens (``proxima.trainer.logit_transforms``).
+Transformed distributions: a completion sampled under ``logit_bias`` or penalties
+has behaviour logprobs the trainer cannot recompute; it is context (loss mask 0),
+never loss tokens (``proxima.trainer.logit_transforms``). A completion sampled under
+a grammar alone trains (``constrained=True``) when its record holds the grammar: its
+sample carries a :class:`ConstrainedSpan` per such completion, whose masks the trainer
+replays before the forward pass (``proxima.trainer.constrained``).
 
 Validation: :func:`session_problem` says why a session's records cannot be
 trained (misaligned lists, non-finite logprobs, positive logprobs, negative
@@ -58,6 +61,7 @@ from .advantages import (
     group_advantages,
 )
 from .config import AdvantageConfig
+from .constrained import ConstrainedSpan, GrammarMask, replayable
 from .logit_transforms import behaviour_logprobs_reproducible
 
 __all__ = [
@@ -104,6 +108,8 @@ class Sample:
     temperature: float  # sampling temperature of every completion in the sequence
     completion_ids: tuple[str, ...] = ()  # completions trained in this sequence
     prox_logprobs: list[float] | None = None  # (L,) proximal logprobs, set by the trainer
+    constraints: tuple[ConstrainedSpan, ...] = ()  # constrained completions trained here
+    grammar_mask: GrammarMask | None = None  # their replayed masks (``constrained.GrammarReplay``)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -215,6 +221,7 @@ def _session_samples(
     completions: Sequence[CompletionRecord],
     advantage_of_turn: Mapping[str, float],
     mode: Literal["chain", "individual"],
+    constrained: bool,
 ) -> list[Sample]:
     group_id = session.group_id if session.group_id is not None else session.id  # for logging
     assigned: set[str] = set()
@@ -225,13 +232,19 @@ def _session_samples(
         n = len(input_ids)
         loss_mask, behav, versions, adv = [0] * n, [0.0] * n, [NOT_GENERATED_VERSION] * n, [0.0] * n
         trained = []
+        spans: list[ConstrainedSpan] = []
         for c in path:
-            if c.id in assigned or not c.output_ids or not behaviour_logprobs_reproducible(c):
-                continue  # trained in an earlier path (branch point), nothing generated, or
-                # sampled from a transformed distribution (context only: wrong ratio otherwise)
+            masked = constrained and c.grammar is not None and replayable(c)
+            if c.id in assigned or not c.output_ids:
+                continue  # trained in an earlier path (branch point), or nothing generated
+            if not (masked or behaviour_logprobs_reproducible(c)):
+                continue  # a transformed distribution (context only: wrong ratio otherwise)
             assigned.add(c.id)
             trained.append(c.id)
             start, end = len(c.prompt_ids), len(c.prompt_ids) + len(c.output_ids)
+            if masked:
+                assert c.grammar is not None
+                spans.append(ConstrainedSpan(start, end, c.grammar))
             loss_mask[start:end] = [1] * (end - start)
             behav[start:end] = c.output_logprobs
             versions[start:end] = c.output_versions
@@ -248,6 +261,7 @@ def _session_samples(
                     advantages=adv,
                     temperature=logprob_temperature(leaf),
                     completion_ids=tuple(trained),
+                    constraints=tuple(spans),
                 )
             )
     return samples
@@ -265,13 +279,16 @@ def session_rewards(session: SessionRecord, turns: Sequence[CompletionRecord]) -
 def build_samples(
     sessions: Sequence[tuple[SessionRecord, Sequence[CompletionRecord]]],
     cfg: AdvantageConfig,
+    *,
+    constrained: bool = False,
 ) -> list[Sample]:
     """Turn finished sessions into training sequences with per-token advantages.
 
     Per session: order turns by ``created_at``, compute rewards and returns, then
     advantages relative to the session's group (``group_id``; sessions without
     one are pooled per ``cfg.ungrouped``), and lay the completions out as
-    sequences (``cfg.sample_mode``). Raises ``ValueError`` naming the session
+    sequences (``cfg.sample_mode``); with ``constrained``, completions decoded under a
+    recorded grammar are trained too (their spans in ``Sample.constraints``). Raises ``ValueError`` naming the session
     when one has records :func:`session_problem` rejects.
     Samples come out session by session, paths in created_at order of their leaves.
     """
@@ -299,7 +316,9 @@ def build_samples(
     samples: list[Sample] = []
     for sid, (session, turns) in ordered.items():
         advantage_of_turn = {c.id: a for c, a in zip(turns, advantages[sid], strict=True)}
-        samples.extend(_session_samples(session, turns, advantage_of_turn, cfg.sample_mode))
+        samples.extend(
+            _session_samples(session, turns, advantage_of_turn, cfg.sample_mode, constrained)
+        )
     return samples
 
 

@@ -29,6 +29,15 @@ its chat template renders and the tool parser reads back (``hermes``:
 ``llama3_json``: ``{"name": ..., "parameters": {...}}`` separated by ``; ``),
 so a constrained reply is parsed, recorded and re-rendered like any other.
 
+The grammar is recorded with the completion it constrained (:meth:`Grammar.record`,
+``CompletionRecord.grammar``): the backend reports logprobs of the masked,
+renormalised distribution it sampled from, and the trainer recomputes them by
+replaying the grammar over the recorded tokens with the same masking rules
+(``trainer/constrained.py``). The rules are the backend's: the embedded engine's
+(``proxima-engine``: ``proxy/embedded/grammar.py``, special tokens never allowed,
+``tojson`` whitespace) or SGLang's xgrammar backend's (``sglang``: xgrammar's own
+tokenizer detection, any JSON whitespace), which differ in what they allow.
+
 Every grammar is compiled here once, tokenizer-free, so a schema xgrammar
 cannot handle is a 400 naming the parameter, never a backend failure; so is a
 schema with constraints xgrammar would silently not enforce (SGLang's rule:
@@ -66,6 +75,8 @@ from proxima.proxy.errors import BadRequest
 from proxima.proxy.tools import ToolChoice
 
 GrammarKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+GrammarRules = Literal["proxima-engine", "sglang"]
+"""Whose masking rules a backend applies to a grammar (see the module docstring)."""
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 MAX_JSON_WHITESPACE = 1
 """Most consecutive whitespace characters inside constrained tool-call arguments: ``tojson``
@@ -96,6 +107,10 @@ class Grammar:
     def sampling_fields(self) -> dict[str, str]:
         """The ``sampling_params`` entry that carries it (e.g. ``{"json_schema": "..."}``)."""
         return {self.kind: self.value}
+
+    def record(self, rules: GrammarRules) -> dict[str, str]:
+        """What a completion's record keeps of it: enough for the trainer to replay the mask."""
+        return {"kind": self.kind, "value": self.value, "rules": rules}
 
 
 @dataclass(frozen=True, slots=True)

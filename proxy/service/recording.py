@@ -19,6 +19,7 @@ from proxima.proxy.caches import HistoryCache
 from proxima.proxy.metrics import Metrics
 from proxima.proxy.rendering.canonical_message import as_json, as_json_list
 from proxima.proxy.rendering.parents import RenderedTexts
+from proxima.proxy.rendering.structured import GrammarRules
 from proxima.proxy.service.canonical import assistant_message
 from proxima.proxy.service.driver import ChoiceRun
 from proxima.proxy.service.events import Finish
@@ -37,8 +38,12 @@ class ChoiceRecorder:
         histories: HistoryCache,
         metrics: Metrics,
         rendered: RenderedTexts | None = None,
+        grammar_rules: GrammarRules = "proxima-engine",
     ) -> None:
         self.model_name = model_name
+        # Whose masking rules the training pool's backends apply to a grammar: recorded with
+        # each constrained completion so the trainer replays the same mask.
+        self.grammar_rules: GrammarRules = grammar_rules
         self.rendered = rendered  # the prompt texts of chat completions, for their next turn
         self.pool = pool  # the training pool: staleness of recorded tokens is measured to it
         self.group_commit = group_commit
@@ -67,6 +72,7 @@ class ChoiceRecorder:
         """The record of one finished choice of a request that has a session."""
         assert prep.session is not None
         r = run.result
+        grammar = prep.params.grammar
         return CompletionRecord(
             id=run.completion_id,
             session_id=prep.session.id,
@@ -91,6 +97,7 @@ class ChoiceRecorder:
             duration=time.monotonic() - run.started,
             backend=r.backend,
             adapter=prep.adapter,
+            grammar=None if grammar is None else grammar.record(self.grammar_rules),
         )
 
     def _account(self, prompt_len: int, runs: list[ChoiceRun]) -> None:

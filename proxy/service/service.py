@@ -96,6 +96,8 @@ class CompletionService:
             histories=histories,
             metrics=metrics,
             rendered=self.preparer.rendered,
+            # --backend URLs are SGLang servers; without them the embedded engines serve.
+            grammar_rules="sglang" if settings.backends else "proxima-engine",
         )
 
     def close(self) -> None:

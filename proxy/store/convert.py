@@ -95,6 +95,7 @@ def completion_values(
         "duration": record.duration,
         "backend": record.backend,
         "adapter": record.adapter,
+        "grammar": record.grammar,
     }
 
 
@@ -140,6 +141,7 @@ def completion_record(
         duration=row.duration,
         backend=row.backend,
         adapter=row.adapter,
+        grammar=row.grammar,
     )
 
 

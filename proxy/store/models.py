@@ -168,6 +168,9 @@ class CompletionRow(Base):
     backend: Mapped[str | None] = mapped_column(String(200), nullable=True)
     # The policy that generated it (NULL: the base); ``output_versions`` are its versions.
     adapter: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The grammar it was decoded under (NULL: none): ``{"kind", "value", "rules"}``, replayed
+    # by the trainer over the output tokens (``trainer/constrained.py``); migration 0009.
+    grammar: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class PolicyVersionRow(Base):

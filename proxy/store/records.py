@@ -79,6 +79,10 @@ class CompletionRecord:
     duration: float | None = None  # seconds
     backend: str | None = None
     adapter: str | None = None  # the policy that generated it; ``output_versions`` are its
+    # The grammar it was decoded under (None: unconstrained): ``{"kind": SGLang's grammar
+    # parameter, "value": its text, "rules": "proxima-engine" | "sglang"}``. Its behaviour
+    # logprobs are the masked distribution's, which the trainer recomputes by replaying it.
+    grammar: dict[str, Any] | None = None
 
     @property
     def temperature(self) -> float:
