@@ -44,7 +44,7 @@ import logging
 import math
 import random
 import sqlite3
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,24 +243,71 @@ async def _evaluate(
     return sum(rewards) / len(rewards)
 
 
+class Interrupter:
+    """Makes a batch's push land while its completions are being decoded.
+
+    :meth:`hold` pauses the engine in place before the batch's agents start, so
+    their requests queue there; :meth:`release` waits (at most ``wait_s``) until
+    all ``n`` are in flight at the engine, lets it run a step or a few, pauses it
+    in place again and pushes the version due (:meth:`DelayedSink.release`). The
+    engine decodes ``INTERRUPT_RUNNING`` requests at a time, so the push's abort
+    finds some that have their first token and not their last: they resume on the
+    new version (mixed-version completions). Without this the proxy, not the
+    engine, paces a batch, and a 2-token reply is in flight for two engine steps
+    of about a millisecond each: no push ever landed inside one (0 of 224).
+    """
+
+    def __init__(
+        self, proxy: ProxyProcess, http: httpx.AsyncClient, sink: DelayedSink, n: int
+    ) -> None:
+        self.proxy, self.http, self.sink, self.n = proxy, http, sink, n
+        self.wait_s = 30.0
+
+    async def _health(self) -> dict[str, Any]:
+        resp = await self.http.get(self.proxy.url + "/health", headers=self.proxy.admin_headers())
+        resp.raise_for_status()
+        health: dict[str, Any] = resp.json()
+        return health
+
+    async def _engines(self, route: str, body: dict[str, Any] | None = None) -> None:
+        for backend in (await self._health())["backends"]:
+            (await self.http.post(backend["url"] + route, json=body or {})).raise_for_status()
+
+    async def hold(self) -> None:
+        await self._engines("/pause_generation", {"mode": "in_place"})
+
+    async def release(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while loop.time() < deadline:
+            backends = (await self._health())["backends"]
+            if sum(b["in_flight"] for b in backends) >= self.n:
+                break
+            await asyncio.sleep(0.01)
+        # one engine step or a few, then frozen in place: the rows it admitted last have their
+        # first token and not their last when the push's abort comes
+        await self._engines("/continue_generation")
+        await self._engines("/pause_generation", {"mode": "in_place"})
+        await self.sink.release()
+        await self._engines("/continue_generation")  # no version was due, or after the push
+
+
 async def _generate(
-    jobs: list[Coroutine[Any, Any, float]], release: Callable[[], Awaitable[None]] | None
+    jobs: list[Coroutine[Any, Any, float]], interrupter: Interrupter | None = None
 ) -> list[float]:
-    """Run a batch's agents; ``release`` (if any) once a quarter of them have finished,
-    while the rest are in flight (the push interrupts them: mixed-version completions)."""
+    """Run a batch's agents (in order of ``jobs``); with ``interrupter``, the engine is held
+    before they start and the push released while they are in flight."""
+    if interrupter is not None:
+        await interrupter.hold()
     tasks = [asyncio.ensure_future(job) for job in jobs]
-    if release is not None:
-        waiting, finished = set(tasks), 0
-        while waiting and finished < max(1, len(tasks) // 4):
-            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            finished += len(done)
-        await release()
+    if interrupter is not None:
+        await interrupter.release()
     return list(await asyncio.gather(*tasks))
 
 
 # Interrupted arms: the engine decodes this many requests at once and queues the rest, so a
 # push mid-batch finds running completions between their first and last token (at 32, every
-# 2-token reply of a batch is decoded in the same two engine steps, and none is ever cut).
+# 2-token reply of a batch is decoded in the same two engine steps).
 INTERRUPT_RUNNING = 4
 
 
@@ -317,6 +364,7 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
     trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
     try:
         async with httpx.AsyncClient(timeout=120) as http:
+            interrupter = Interrupter(proxy, http, sink, batch) if arm.interrupt else None
             for step in range(arm.steps):
                 batch_pairs = [rng.choice(pairs_of_arm) for _ in range(arm.prompts_per_step)]
                 jobs = [
@@ -325,7 +373,7 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
                     for i in range(p * arm.group_size, (p + 1) * arm.group_size)
                 ]
                 result.served.append(sink.served)
-                rewards = await _generate(jobs, sink.release if arm.interrupt else None)
+                rewards = await _generate(jobs, interrupter)
                 result.rewards.append(sum(rewards) / len(rewards))
                 record = await trainer.step()
                 assert record is not None

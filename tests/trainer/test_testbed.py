@@ -162,22 +162,36 @@ def test_standard_errors_and_t_intervals() -> None:
     )
 
 
-async def test_an_interrupted_batch_releases_the_push_while_agents_are_in_flight() -> None:
+class _Interrupter:
+    """Records what the batch's agents had done when it held and released the engine."""
+
+    def __init__(self, started: list[int], finished: list[int]) -> None:
+        self.started, self.finished = started, finished
+        self.pushed = asyncio.Event()
+        self.seen: list[tuple[str, int, int]] = []
+
+    async def hold(self) -> None:
+        self.seen.append(("hold", len(self.started), len(self.finished)))
+
+    async def release(self) -> None:
+        await asyncio.sleep(0)  # the agents start
+        self.seen.append(("release", len(self.started), len(self.finished)))
+        self.pushed.set()
+
+
+async def test_an_interrupted_batch_is_held_then_released_while_its_agents_are_in_flight() -> None:
+    started: list[int] = []
     finished: list[int] = []
-    pushed = asyncio.Event()
-    seen: list[int] = []
+    interrupter = _Interrupter(started, finished)
 
     async def agent(i: int) -> float:
-        if i >= 2:  # six agents finish only after the push: in flight when it lands
-            await asyncio.wait_for(pushed.wait(), 5)
+        started.append(i)
+        await asyncio.wait_for(interrupter.pushed.wait(), 5)  # in flight until the push
         finished.append(i)
         return float(i)
 
-    async def release() -> None:
-        seen.append(len(finished))
-        pushed.set()
-
-    rewards = await _generate([agent(i) for i in range(8)], release)
+    rewards = await _generate([agent(i) for i in range(8)], interrupter)  # type: ignore[arg-type]
     assert rewards == [float(i) for i in range(8)]  # in the agents' order
-    assert seen == [2]  # released once a quarter (2 of 8) had finished
-    assert await _generate([agent(0)], None) == [0.0]
+    # held before any agent started; released with all 8 started and none finished
+    assert interrupter.seen == [("hold", 0, 0), ("release", 8, 0)]
+    assert await _generate([agent(0)]) == [0.0]
