@@ -94,15 +94,17 @@ class AdvantageConfig(StrictSection):
     baseline: Literal["group_mean", "leave_one_out", "none"] = Field(
         "group_mean",
         description=(
-            "Baseline subtracted from every turn's return: the mean episode return G_1 over the "
-            "sessions of the group (group_mean, GRPO), the same mean without the session itself "
-            "(leave_one_out, RLOO), or no baseline (none)."
+            "Baseline subtracted from every turn's return G_t: the group's mean return over every "
+            "(session, turn), each session weighing 1 in total (1/T_i per turn; group_mean, "
+            "GRPO when every session has one turn), the same mean without the session itself "
+            "(leave_one_out, RLOO), or no baseline (none). See proxima.trainer.advantages."
         ),
     )
     normalize_std: bool = Field(
         True,
-        description="Divide advantages by the group's (population) std of episode returns G_1; "
-        "a group with zero std gets zero advantage.",
+        description="Divide advantages by the group's (population) std of every (session, turn) "
+        "return G_t, session-weighted as the baseline (1/T_i per turn); a group whose returns "
+        "all tie gets zero advantage.",
     )
     ungrouped: Literal["batch", "alone"] = Field(
         "batch",

@@ -2,9 +2,10 @@
 
 One loop step on the same batch (two copies of one SQLite store) with each
 backend. Tolerances: the two compute the same float32 ops in a different
-order, and their logprobs agree to ~1e-6 (see test_megatron_backend.py), so
-the step's loss agrees to 1e-5 absolute, the gradient norm to 1e-4 relative,
-and the PPO statistics (clip fraction, importance weights) exactly or to 1e-5.
+order, and their logprobs agree to ~1e-6 (see test_megatron_backend.py); the
+step, two minibatches of it, is held to: loss 1e-4 absolute, gradient norm 1e-3
+relative, the PPO statistics (importance weights, approximate KL, clip
+fraction) 1e-4 absolute, and the two exported models' logits 1e-2 absolute.
 """
 
 from __future__ import annotations
