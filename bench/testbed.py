@@ -43,6 +43,7 @@ import asyncio
 import logging
 import math
 import random
+import shutil
 import sqlite3
 from collections.abc import Coroutine
 from contextlib import closing
@@ -324,11 +325,14 @@ def _count_mixed(db_path: Path) -> tuple[int, int]:
 
 
 async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
-    """Train one arm through a fresh proxy and trainer; the per-step rewards and final reward."""
+    """Train one arm through a fresh proxy and trainer; the per-step rewards and final reward.
+
+    ``work_dir`` is emptied first: it holds the run's store and trainer output."""
     import time
 
     started = time.monotonic()
-    work_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work_dir, ignore_errors=True)  # a killed run's store would be claimed
+    work_dir.mkdir(parents=True)
     db_url = f"sqlite:///{work_dir / 'store.db'}"
     proxy = ProxyProcess(
         model_dir,
