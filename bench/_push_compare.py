@@ -1,25 +1,41 @@
-"""``bench/weight_push.py``'s default run: disk and broadcast pushes of the same versions.
+"""``bench/weight_push.py``'s default run: disk and broadcast pushes, interleaved in one run.
 
-For each model: ``proxima serve --engines 2`` on it, the trainer's side here (the model in
-float32; each version exported as the trainer exports it, then pushed), one warm-up push
-and ``--pushes`` timed ones per transport. A push's time is export + transfer + load, until
-``POST /admin/weights`` answers (every engine serves the version); the proxy's own time,
-generation paused, is reported beside it.
+For each model: ``proxima serve --engines 2`` on it and the trainer's side here, the model in
+float32 (what the embedded engines serve, so the wire is float32 too). Both arms push to the
+same proxy in alternation (disk, broadcast, broadcast, disk, ...: the order flips every
+round), so whatever else loads the machine loads both alike; two warm-up rounds (an engine
+has spare receive buffers from its third broadcast push on), then ``--pushes`` timed rounds. Every push is new weights (one tensor changed, all sent).
+
+- disk: the version exported as the trainer exports it (HF safetensors, fsynced, atomic),
+  then ``POST /admin/weights``: each engine reads it, screens it, copies it in;
+- broadcast: ``BroadcastWeightSink`` with the model's tensors as its source, in
+  ``--bucket-mb`` buckets: nothing is written or read on disk; the trainer is rank 0 of a
+  gloo group with both engines (one broadcast per bucket to both), each engine receives
+  into its spare buffers, screens, and swaps the received tensors in.
+
+A push's time is until ``POST /admin/weights`` answers (every engine serves it), plus the
+export for disk. The breakdown printed beside it: the proxy's own time (generation paused);
+for broadcast the trainer's fill (copying tensors into the bucket buffers, overlapped with
+the wire but for the first bucket), wire (blocked in the broadcast) and the engines'
+receive, screen and swap (from their ``/server_info``). Each push is a line of
+``bench/results/weight_push-TIME.jsonl`` (``--jsonl``), with the commit and load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -31,7 +47,7 @@ from proxima.proxy.testing.tiny_model import build_tiny_tokenizer  # noqa: E402
 from proxima.trainer.backends.base import copy_tokenizer_files  # noqa: E402
 from proxima.trainer.pipeline.demo_model import prepare_smollm2  # noqa: E402
 from proxima.trainer.weight_broadcast import BroadcastWeightSink  # noqa: E402
-from proxima.trainer.weights import ProxyWeightSink, WeightSink, export_weights  # noqa: E402
+from proxima.trainer.weights import ProxyWeightSink, export_weights  # noqa: E402
 from proxima.trainer.weights_config import WeightsConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
@@ -48,17 +64,7 @@ QWEN2_05B = {  # Qwen2.5-0.5B's shapes: 494M parameters, embeddings tied
     "max_position_embeddings": 32768,
     "tie_word_embeddings": True,
 }
-
-
-@dataclass(frozen=True)
-class Timing:
-    export_s: float
-    push_s: float  # transfer + load, until every engine serves it
-    proxy_s: float  # the proxy's own time: generation paused
-
-    @property
-    def total_s(self) -> float:
-        return self.export_s + self.push_s
+ENGINE_KEYS = ("receive_s", "check_s", "swap_s", "buffers_reused", "buffers_allocated")
 
 
 def build_qwen2_05b(path: Path) -> Path:
@@ -80,64 +86,103 @@ def build_qwen2_05b(path: Path) -> Path:
     return path
 
 
-def _writer(model: PreTrainedModel, model_dir: Path) -> Callable[[Path], None]:
-    def write(out: Path) -> None:  # what the torch backend's export_hf writes
-        model.save_pretrained(out, safe_serialization=True)
-        copy_tokenizer_files(model_dir, out)
-
-    return write
-
-
-def _sink(transport: str, proxy: LiveProxy) -> WeightSink:
-    if transport == "disk":
-        return ProxyWeightSink(proxy.url, admin_token=proxy.admin_token, timeout_s=600)
-    settings = WeightsConfig(
-        transport="broadcast",
-        fallback_to_disk=False,
-        master_address="127.0.0.1",
-        timeout_s=600,
-        bucket_mb=512,
+def git_commit() -> str:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
     )
-    return BroadcastWeightSink(
-        proxy.url, admin_token=proxy.admin_token, settings=settings, timeout_s=600
-    )
+    return out.stdout.strip() or "?"
 
 
-async def _pushes(
-    proxy: LiveProxy,
-    model: PreTrainedModel,
-    model_dir: Path,
-    out: Path,
-    transport: str,
-    first: int,
-    n: int,
-) -> list[Timing]:
-    """One warm-up push, then ``n`` timed ones of versions ``first + 1 ..``."""
-    sink = _sink(transport, proxy)
-    write = _writer(model, model_dir)
-    timings = []
-    try:
-        for i in range(n + 1):
-            version = first + i
-            with torch.no_grad():  # every version is new weights
-                next(model.parameters()).add_(1e-3)
-            started = time.monotonic()
-            path = await asyncio.to_thread(export_weights, out, version, write)
-            exported = time.monotonic()
-            result = await sink.push(version=version, path=path)
-            pushed = time.monotonic()
-            if result.transport != transport:
-                raise RuntimeError(f"version {version} went by {result.transport}")
-            if i > 0:
-                timings.append(Timing(exported - started, pushed - exported, result.proxy_seconds))
-            shutil.rmtree(out / "weights" / f"v{version - 1}", ignore_errors=True)
-    finally:
-        await sink.aclose()
-    return timings
+class Arms:
+    """Both arms' sinks on one proxy, and one push of either."""
+
+    def __init__(
+        self, proxy: LiveProxy, model: PreTrainedModel, model_dir: Path, out: Path, bucket_mb: float
+    ) -> None:
+        self.proxy, self.model, self.model_dir, self.out = proxy, model, model_dir, out
+        self.disk = ProxyWeightSink(proxy.url, admin_token=proxy.admin_token, timeout_s=600)
+        settings = WeightsConfig(
+            transport="broadcast",
+            fallback_to_disk=False,
+            master_address="127.0.0.1",
+            timeout_s=600,
+            bucket_mb=bucket_mb,
+        )
+        self.broadcast = BroadcastWeightSink(
+            proxy.url,
+            admin_token=proxy.admin_token,
+            settings=settings,
+            timeout_s=600,
+            source=lambda: model.state_dict().items(),
+            dtype=torch.float32,  # what the embedded engines serve
+        )
+        self.engines = [
+            b["url"] for b in httpx.get(proxy.url + "/health", timeout=30).json()["backends"]
+        ]
+
+    def _write(self, out: Path) -> None:  # what the torch backend's export_hf writes
+        self.model.save_pretrained(out, safe_serialization=True)
+        copy_tokenizer_files(self.model_dir, out)
+
+    async def push(self, arm: str, version: int) -> dict[str, Any]:
+        with torch.no_grad():  # every version is new weights
+            next(self.model.parameters()).add_(1e-3)
+        load = os.getloadavg()[0]
+        started = time.monotonic()
+        row: dict[str, Any] = {"arm": arm, "version": version, "load_1min": load}
+        if arm == "disk":
+            path = await asyncio.to_thread(export_weights, self.out, version, self._write)
+            row["export_s"] = time.monotonic() - started
+            result = await self.disk.push(version=version, path=path)
+        else:
+            path = self.out / "weights" / f"v{version}"  # recorded, never written
+            row["export_s"] = 0.0
+            result = await self.broadcast.push(version=version, path=path)
+            row.update(result.breakdown or {})
+            if path.exists():
+                raise RuntimeError(f"a broadcast push wrote {path}")
+        row["total_s"] = time.monotonic() - started
+        row["push_s"] = row["total_s"] - row["export_s"]
+        row["proxy_s"] = result.proxy_seconds
+        if result.transport != arm:
+            raise RuntimeError(f"version {version} went by {result.transport}")
+        if arm == "broadcast":
+            infos = [httpx.get(u + "/server_info", timeout=30).json() for u in self.engines]
+            updates = [i["last_weight_update"] for i in infos]
+            if any(u is None or u["weight_version"] != str(version) for u in updates):
+                raise RuntimeError(f"an engine did not report version {version}: {updates}")
+            row["engines"] = [{k: u[k] for k in ENGINE_KEYS} for u in updates]
+        for old in (self.out / "weights").glob("v*"):  # the disk arm's older exports
+            if old.name != f"v{version}":
+                shutil.rmtree(old, ignore_errors=True)
+        return row
+
+    async def close(self) -> None:
+        await self.disk.aclose()
+        await self.broadcast.aclose()
 
 
-def compare_model(name: str, model_dir: Path, work: Path, n: int) -> dict[str, list[Timing]]:
-    """Disk then broadcast pushes of one model to ``proxima serve --engines 2``."""
+WARMUP_ROUNDS = 2  # an engine receives into spare buffers from its third broadcast push on
+
+
+async def _rounds(arms: Arms, n: int) -> list[dict[str, Any]]:
+    """Warm-up rounds, then ``n`` timed ones, the arms' order flipping every round."""
+    rows = []
+    version = 1
+    for round_ in range(n + WARMUP_ROUNDS):
+        order = ("disk", "broadcast") if round_ % 2 == 0 else ("broadcast", "disk")
+        for arm in order:
+            row = await arms.push(arm, version)
+            row.update(round=round_, warmup=round_ < WARMUP_ROUNDS)
+            rows.append(row)
+            version += 1
+    return rows
+
+
+def compare_model(
+    name: str, model_dir: Path, work: Path, n: int, bucket_mb: float
+) -> list[dict[str, Any]]:
+    """Interleaved disk and broadcast pushes of one model to ``proxima serve --engines 2``."""
     proxy = LiveProxy(
         model_dir,
         db_url=f"sqlite:///{work / f'{name}.db'}",
@@ -148,49 +193,83 @@ def compare_model(name: str, model_dir: Path, work: Path, n: int) -> dict[str, l
     proxy.start(timeout=600)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        out = work / f"{name}-trainer"
-        results: dict[str, list[Timing]] = {}
-        version = 1
-        for transport in ("disk", "broadcast"):
-            results[transport] = asyncio.run(
-                _pushes(proxy, model, model_dir, out, transport, version, n)
-            )
-            version += n + 1
+
+        async def run() -> list[dict[str, Any]]:
+            arms = Arms(proxy, model, model_dir, work / f"{name}-trainer", bucket_mb)
+            try:
+                return await _rounds(arms, n)
+            finally:
+                await arms.close()
+
+        rows = asyncio.run(run())
         health = httpx.get(proxy.url + "/health", timeout=30).json()
         served = {b["version"] for b in health["backends"]}
-        if served != {version - 1}:
-            raise RuntimeError(f"the engines serve {served}, not version {version - 1}")
+        if served != {rows[-1]["version"]}:
+            raise RuntimeError(f"the engines serve {served}, not version {rows[-1]['version']}")
     finally:
         proxy.stop()
-    return results
+    return rows
 
 
-def _ms(values: list[float]) -> float:
-    return 1000 * statistics.median(values)
+def _ms(rows: list[dict[str, Any]], key: str) -> float:
+    return 1000 * statistics.median(r[key] for r in rows)
 
 
-def report(name: str, model_dir: Path, results: dict[str, list[Timing]]) -> None:
-    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
-    print(f"{name}: {size:.0f} MiB float32 safetensors, 2 engines")
-    for transport, timings in results.items():
-        print(
-            f"  {transport:9s} export {_ms([t.export_s for t in timings]):7.0f} ms + "
-            f"transfer and load {_ms([t.push_s for t in timings]):7.0f} ms = "
-            f"{_ms([t.total_s for t in timings]):7.0f} ms "
-            f"(generation paused {_ms([t.proxy_s for t in timings]):6.0f} ms; "
-            f"median of {len(timings)})"
-        )
+def _engine_ms(rows: list[dict[str, Any]], key: str) -> float:
+    return 1000 * statistics.median(max(e[key] for e in r["engines"]) for r in rows)
+
+
+def report(label: str, size_mib: float, rows: list[dict[str, Any]]) -> None:
+    timed = [r for r in rows if not r["warmup"]]
+    disk = [r for r in timed if r["arm"] == "disk"]
+    bcast = [r for r in timed if r["arm"] == "broadcast"]
+    loads = [r["load_1min"] for r in timed]
+    print(
+        f"{label}: {size_mib:.0f} MiB float32, 2 engines; medians of {len(disk)} interleaved "
+        f"pushes per arm; load average {min(loads):.1f}-{max(loads):.1f} (1 min)"
+    )
+    print(
+        f"  disk       {_ms(disk, 'total_s'):7.0f} ms = export {_ms(disk, 'export_s'):.0f} + "
+        f"engines read, screen and copy {_ms(disk, 'push_s'):.0f} "
+        f"(generation paused {_ms(disk, 'proxy_s'):.0f})"
+    )
+    print(
+        f"  broadcast  {_ms(bcast, 'total_s'):7.0f} ms = no export; push "
+        f"{_ms(bcast, 'push_s'):.0f} (generation paused {_ms(bcast, 'proxy_s'):.0f}): trainer "
+        f"fill {_ms(bcast, 'fill_s'):.0f} (waited for {_ms(bcast, 'wait_fill_s'):.0f}), wire "
+        f"{_ms(bcast, 'wire_s'):.0f}; slowest engine receive {_engine_ms(bcast, 'receive_s'):.0f}, "
+        f"screen {_engine_ms(bcast, 'check_s'):.0f}, swap {_engine_ms(bcast, 'swap_s'):.0f}"
+    )
+    reused = sum(e["buffers_reused"] for r in bcast for e in r["engines"])
+    allocated = sum(e["buffers_allocated"] for r in bcast for e in r["engines"])
+    rounds = ", ".join(
+        f"{b['total_s'] / d['total_s']:.2f}" for d, b in zip(disk, bcast, strict=True)
+    )
+    print(
+        f"  ratio broadcast/disk {_ms(bcast, 'total_s') / _ms(disk, 'total_s'):.2f} "
+        f"(each round's: {rounds}); engine receive buffers reused {reused}, "
+        f"allocated {allocated}"
+    )
 
 
 def compare_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="disk vs broadcast weight pushes")
-    parser.add_argument("--pushes", type=int, default=3, help="timed pushes per transport")
+    parser.add_argument("--pushes", type=int, default=3, help="timed pushes per arm")
     parser.add_argument("--models", default="smollm2,0.5b", help="smollm2 and/or 0.5b")
+    parser.add_argument("--bucket-mb", type=float, default=256.0, help="broadcast bucket size")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "models")
+    parser.add_argument("--jsonl", type=Path, help="raw results (default bench/results/...)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.jsonl or ROOT / "bench" / "results" / f"weight_push-{stamp}.jsonl"
+    commit = git_commit()
+    print(
+        f"commit {commit}; {os.cpu_count()} cores; load average "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at start"
+    )
     medians: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="proxima-bench-push-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="proxima-bench-push-") as tmp, open(out, "a") as raw:
         work = Path(tmp)
         for name in args.models.split(","):
             if name == "smollm2":
@@ -200,10 +279,27 @@ def compare_main(argv: list[str]) -> int:
                 label = "Qwen2 0.5B (random, Qwen2.5-0.5B's shapes)"
             else:
                 parser.error(f"unknown model {name!r}")
-            results = compare_model(name, model_dir, work, args.pushes)
-            report(label, model_dir, results)
-            for transport, timings in results.items():
-                medians[f"{name}/{transport}"] = _ms([t.total_s for t in timings])
+            rows = compare_model(name, model_dir, work, args.pushes, args.bucket_mb)
+            size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+            for row in rows:
+                raw.write(
+                    json.dumps(
+                        {
+                            "bench": "weight_push",
+                            "time": stamp,
+                            "commit": commit,
+                            "model": name,
+                            "bucket_mb": args.bucket_mb,
+                            **row,
+                        }
+                    )
+                    + "\n"
+                )
+            report(label, size, rows)
+            for arm in ("disk", "broadcast"):
+                timed = [r for r in rows if r["arm"] == arm and not r["warmup"]]
+                medians[f"{name}/{arm}"] = _ms(timed, "total_s")
+    print(f"raw results: {out}")
     if "0.5b/disk" in medians:
         print(
             f"weight push: disk {medians['0.5b/disk']:.0f} ms, "

@@ -1,20 +1,24 @@
 """Benchmark: getting a new weight version to the backends, by disk and by broadcast.
 
-Default run: for the demo model (SmolLM2-135M-Instruct, prepared into
-``.cache/models`` as ``make demo`` does) and a randomly initialised Qwen2 with
+Default run (``bench/_push_compare.py``): for the demo model (SmolLM2-135M-Instruct,
+prepared into ``.cache/models`` as ``make demo`` does) and a randomly initialised Qwen2 with
 Qwen2.5-0.5B's shapes (494M parameters, built here from a config), ``proxima serve`` with
-two embedded engines (``--engines 2``) and, in this process, the trainer's side: the model
-in float32, exported as each new version (HF safetensors, atomic, as the trainer does) and
-pushed, ``--pushes`` times per transport after one warm-up push (a broadcast push's first
-also opens the weight-update group):
+two embedded engines (``--engines 2``) and, in this process, the trainer's side with the
+model in float32. The two arms push to the same proxy in alternation, two warm-up rounds
+then ``--pushes`` rounds, so other load on the machine hits both alike:
 
-- disk: ``POST /admin/weights`` and every engine loads the exported directory;
-- broadcast: ``BroadcastWeightSink``, the trainer rank 0 of a gloo group with both engines,
-  the export's tensors in 512 MiB buckets while the proxy relays the receive to each.
+- disk: the version exported (HF safetensors, fsynced, atomic, as the trainer does), then
+  ``POST /admin/weights`` and every engine loads the exported directory;
+- broadcast: ``BroadcastWeightSink`` straight from the model's tensors (nothing written or
+  read on disk), the trainer rank 0 of a gloo group with both engines, ``--bucket-mb``
+  buckets, the next filled while one is on the wire; the engines receive into spare
+  buffers and swap the tensors in.
 
-Each push's wall time is export + transfer + load (until every engine serves it); the proxy's
-own time (generation paused) is printed beside it. The last line is ``weight push: disk X
-ms, broadcast Y ms (0.5B model)`` (medians).
+Each push's wall time is export (disk only) + transfer + load, until every engine serves it,
+broken down (the proxy's own time with generation paused; the trainer's fill and wire time;
+each engine's receive, screen and swap). Each push is a line of
+``bench/results/weight_push-TIME.jsonl`` with the commit and the load average. The last
+line is ``weight push: disk X ms, broadcast Y ms (0.5B model)`` (medians).
 
 ``--share``: what share of the trainer's step wall time goes to weight sync (export + push,
 target <= 3%) in a short real run: ``proxima serve`` on a random Qwen2 (``--hidden``,
@@ -22,7 +26,8 @@ target <= 3%) in a short real run: ``proxima serve`` on a random Qwen2 (``--hidd
 by its vowels), and ``run_trainer`` running ``--steps`` steps here; from the trainer's time
 split in ``train_log.jsonl``, also as a share of its busy time (without waiting for data).
 
-Run: ``.venv/bin/python bench/weight_push.py [--pushes 3] [--models smollm2,0.5b]``.
+Run: ``.venv/bin/python bench/weight_push.py [--pushes 3] [--models smollm2,0.5b]
+[--bucket-mb 256]``.
 """
 
 from __future__ import annotations
