@@ -108,7 +108,12 @@ class Settings(BaseSettings):
         description="Context window; default: the model config's max_position_embeddings.",
     )
     default_max_tokens: int = Field(
-        1024, ge=1, description="max_tokens when a request gives none (capped by the context)."
+        1024,
+        ge=1,
+        description="Output cap of a request that sends none (max_tokens, max_output_tokens), "
+        "on every surface, capped by what the context leaves; completions record it with "
+        "sampling['max_tokens_default']. Codex CLI sends none: a reply that never ends stops "
+        "here instead of holding the harness until the context is full.",
     )
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens accepted.")
     clamp_max_tokens: bool = Field(

@@ -51,6 +51,9 @@ class Sampling:
     max_tokens: int | None = None
     """Asked: the request's completion budget, None for the server's default; once
     prepared, the tokens each choice may generate (:attr:`max_new_tokens`)."""
+    max_tokens_default: bool = False
+    """Prepared: the request sent no budget, so ``max_tokens`` is the server's
+    ``default_max_tokens`` (capped by the context); recorded as such."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: every token
@@ -152,6 +155,8 @@ class Sampling:
             "top_k": self.top_k,
             **({"min_p": self.min_p} if self.min_p else {}),
             "max_tokens": self.max_tokens,
+            # The request sent none: the server's default output cap applied.
+            **({"max_tokens_default": True} if self.max_tokens_default else {}),
             "seed": self.seed,
             "stop": self.stop,
             # Grammar / logit_bias / penalties: logprobs the trainer cannot recompute.

@@ -91,9 +91,6 @@ class CanonicalRequest:
     top_logprobs: int = 0
     user: str | None = None
     model: str | None = None
-    max_tokens_fills_context: bool = False
-    """Without ``sampling.max_tokens``: True, what the context leaves (the Responses API,
-    as OpenAI's); False, the server's ``default_max_tokens`` (capped by the context)."""
 
 
 def assistant_message(parsed: ParsedOutput) -> AssistantReply:

@@ -253,11 +253,9 @@ class PromptPreparer:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}).", param="prompt")
         return ids
 
-    def max_tokens(
-        self, requested: int | None, prompt_len: int, *, fill_context: bool = False
-    ) -> int:
-        """The completion budget: ``requested``; without it the server's default (or, with
-        ``fill_context``, what the context leaves). Too large: an error, or with
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The completion budget: ``requested``; without it the server's ``default_max_tokens``
+        (every surface alike, capped by what the context leaves). Too large: an error, or with
         ``clamp_max_tokens`` what the context and the limit leave."""
         ctx = self.context_length
         if prompt_len >= ctx:
@@ -271,7 +269,7 @@ class PromptPreparer:
             )
         left = min(ctx - prompt_len, self.settings.max_tokens_limit)
         if requested is None:
-            return left if fill_context else min(self.settings.default_max_tokens, left)
+            return min(self.settings.default_max_tokens, left)
         if self.settings.clamp_max_tokens:
             return min(requested, left)
         if requested > self.settings.max_tokens_limit:
@@ -302,6 +300,7 @@ class PromptPreparer:
         return replace(
             sampling,
             max_tokens=max_tokens,
+            max_tokens_default=sampling.max_tokens is None,
             top_logprobs=top_logprobs,
             logit_bias=self._logit_bias(sampling.logit_bias),
             grammar=grammar,
@@ -330,11 +329,7 @@ class PromptPreparer:
         session: SessionRecord | None,
         grammar: Grammar | None = None,
     ) -> Prepared:
-        max_tokens = self.max_tokens(
-            request.sampling.max_tokens,
-            len(prompt_ids),
-            fill_context=request.max_tokens_fills_context,
-        )
+        max_tokens = self.max_tokens(request.sampling.max_tokens, len(prompt_ids))
         params = self._params(request.sampling, max_tokens, request.top_logprobs, grammar)
         return Prepared(
             response_id=request.id_prefix + uuid.uuid4().hex,

@@ -458,9 +458,8 @@ def canonical_request(
         top_logprobs=req.top_logprobs or 0,
         user=req.user,
         model=req.model,
-        # No max_output_tokens: the reply may use what the context leaves, as OpenAI's API
-        # does (Codex CLI never sends it, and a reply cut short is an error to it).
-        max_tokens_fills_context=True,
+        # No max_output_tokens (Codex CLI never sends one): the server's default_max_tokens
+        # (service.prepare), so a reply that never ends cannot hold a harness for minutes.
     )
 
 

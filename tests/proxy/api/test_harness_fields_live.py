@@ -4,7 +4,7 @@ Raw HTTP, as the harnesses send it (``test_harness_requests`` has their bodies):
 ``HEAD /``, ``POST /v1/messages?beta=true`` with ``anthropic-beta`` and every
 thinking option, a ``max_tokens`` over the context (Anthropic's 400, or clamped
 with ``--clamp-max-tokens``), and a Responses request without
-``max_output_tokens`` (what the context leaves).
+``max_output_tokens`` (the server's default output cap, recorded as such).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_max_tokens_over_the_context_is_anthropics_400(live_proxy: LiveProxy) ->
     assert live_proxy.trajectory(s["session_id"])["completions"] == []
 
 
-def test_responses_without_max_output_tokens_may_fill_the_context(live_proxy: LiveProxy) -> None:
+def test_responses_without_max_output_tokens_get_the_default_cap(live_proxy: LiveProxy) -> None:
     s = live_proxy.new_session(group_id="codex-fields")
     body = {
         **CODEX_TURN_1,
@@ -110,8 +110,11 @@ def test_responses_without_max_output_tokens_may_fill_the_context(live_proxy: Li
     assert r.json()["status"] == "completed"
     (stored,) = live_proxy.trajectory(s["session_id"])["completions"]
     assert stored["response_text"] == CALL_TEXT
-    # No max_output_tokens: the budget was all the context left, not a server default.
-    assert stored["sampling"]["max_tokens"] == 2048 - len(stored["prompt_ids"])
+    # No max_output_tokens: the server's default_max_tokens (1024, under the 2048 context's
+    # room), recorded as the default.
+    assert 2048 - len(stored["prompt_ids"]) > 1024
+    assert stored["sampling"]["max_tokens"] == 1024
+    assert stored["sampling"]["max_tokens_default"] is True
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,7 @@ def test_clamp_max_tokens_lowers_a_fixed_max_tokens(clamping_proxy: LiveProxy) -
     (stored,) = clamping_proxy.trajectory(s["session_id"])["completions"]
     assert stored["response_text"] == CALL_TEXT
     assert stored["sampling"]["max_tokens"] == 2048 - len(stored["prompt_ids"])
+    assert "max_tokens_default" not in stored["sampling"]  # asked for, then clamped
 
 
 def test_a_reply_cut_inside_a_tool_call_returns_its_text_and_no_call(

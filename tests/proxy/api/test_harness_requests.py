@@ -144,8 +144,8 @@ def test_codex_first_request_is_accepted_whole() -> None:
     # The namespace's function is a function tool; web_search is not offered to the model.
     assert [t["function"]["name"] for t in chat.tools] == ["exec_command", "close_agent"]
     assert chat.tools[1]["function"]["parameters"] == CLOSE_AGENT["parameters"]
-    # No max_output_tokens: the reply may use what the context leaves.
-    assert canonical.max_tokens_fills_context and canonical.sampling.max_tokens is None
+    # No max_output_tokens: the server's default output cap applies (service.prepare).
+    assert canonical.sampling.max_tokens is None
 
 
 def test_a_namespaced_call_names_its_namespace_in_the_output_item() -> None:
