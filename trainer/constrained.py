@@ -44,13 +44,12 @@ Where this departs from the paper (decoupled PPO, ``trainer/loss.py``):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from proxima.proxy.store.records import CompletionRecord
 
@@ -58,9 +57,6 @@ if TYPE_CHECKING:  # torch and xgrammar load on first use: ``samples`` imports t
     import xgrammar as xgr
     from proxima.proxy.embedded.grammar import RowGrammar
     from torch import Tensor
-
-    from .batching import PackedBatch
-    from .samples import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +85,26 @@ class GrammarMask:
 
     positions: tuple[int, ...]
     bitmask: Tensor
+
+
+class ConstrainedSample(Protocol):
+    """What the replay reads of a training sample (``proxima.trainer.samples.Sample``)."""
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def input_ids(self) -> list[int]: ...
+    @property
+    def loss_mask(self) -> list[int]: ...
+    @property
+    def constraints(self) -> tuple[ConstrainedSpan, ...]: ...
+
+    def with_grammar_mask(self, loss_mask: list[int], mask: GrammarMask | None) -> Self:
+        """A copy with ``loss_mask``, ``mask`` as its grammar mask and no spans left."""
+        ...
+
+
+S = TypeVar("S", bound=ConstrainedSample)
 
 
 def replayable(completion: CompletionRecord) -> bool:
@@ -137,35 +153,37 @@ def masked_token_logprobs(
 def with_grammar_masks(
     logprobs: Tensor,
     logits: Tensor,
-    packed: PackedBatch,
+    targets: Tensor,
+    grammar: tuple[Tensor | None, Tensor | None],
     temperature: float | Tensor,
     keep: Tensor | None,
 ) -> Tensor:
     """``logprobs`` ``(T,)`` with every constrained position's entry the masked one.
 
+    ``targets`` ``(T,)`` are a packed micro-batch's and ``grammar`` its
+    ``(grammar_positions, grammar_bitmask)`` (``proxima.trainer.batching.PackedBatch``).
     ``logits`` are ``(T, V)``, or ``(K, V)`` at the positions ``keep`` (the loss
     positions); constrained positions outside ``keep`` carry no loss and are left as
     they are. Differentiable through ``logits``.
     """
     import torch
 
-    positions, bitmask = packed.grammar_positions, packed.grammar_bitmask
+    positions, bitmask = grammar
     if positions is None or bitmask is None or positions.numel() == 0:
         return logprobs
     if keep is None:
         rows = positions
     else:
-        row_of = torch.full_like(packed.targets, -1)  # (T,)
+        row_of = torch.full_like(targets, -1)  # (T,)
         row_of[keep] = torch.arange(keep.numel(), device=keep.device)
         rows = row_of[positions]  # (G,)
         kept = rows >= 0
         rows, positions, bitmask = rows[kept], positions[kept], bitmask[kept]
     temps = torch.broadcast_to(
-        torch.as_tensor(temperature, dtype=torch.float32, device=logits.device),
-        packed.targets.shape,
+        torch.as_tensor(temperature, dtype=torch.float32, device=logits.device), targets.shape
     )[positions]  # (G,)
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])  # (G, V)
-    values = masked_token_logprobs(logits[rows], packed.targets[positions], temps, allowed)
+    values = masked_token_logprobs(logits[rows], targets[positions], temps, allowed)
     return logprobs.index_put((positions,), values)
 
 
@@ -232,8 +250,8 @@ class GrammarReplay:
             xgr.GrammarMatcher(_sglang_compile(compiler, kind, value)), self.vocab_size
         )
 
-    def attach(self, samples: Sequence[Sample]) -> list[Sample]:
-        """``samples`` with the masks of their constrained spans (:attr:`Sample.grammar_mask`).
+    def attach(self, samples: Sequence[S]) -> list[S]:
+        """``samples`` with the masks of their constrained spans (``Sample.grammar_mask``).
 
         A span whose replay fails leaves the loss (mask 0: context, logged); a sample left
         without a loss token is dropped.
@@ -263,9 +281,7 @@ class GrammarReplay:
             if not any(loss_mask):
                 continue
             mask = GrammarMask(tuple(positions), torch.cat(rows)) if rows else None
-            out.append(
-                dataclasses.replace(sample, loss_mask=loss_mask, grammar_mask=mask, constraints=())
-            )
+            out.append(sample.with_grammar_mask(loss_mask, mask))
         return out
 
 

@@ -185,12 +185,13 @@ def forward_logprobs(
         **attention,
     )
     logits = outputs.logits[0]  # (T, V), or (K, V) at the kept positions
+    grammar = (packed.grammar_positions, packed.grammar_bitmask)
     if keep is None:
         plain = token_logprobs(logits, packed.targets, temps)  # (T,)
-        return with_grammar_masks(plain, logits, packed, temps, keep)
+        return with_grammar_masks(plain, logits, packed.targets, grammar, temps, keep)
     kept_temps = temps
     if isinstance(temps, Tensor):
         kept_temps = torch.broadcast_to(temps, packed.targets.shape)[keep]  # (K,)
     kept = token_logprobs(logits, packed.targets[keep], kept_temps)  # (K,)
     plain = kept.new_zeros(packed.targets.shape).index_put((keep,), kept)  # (T,)
-    return with_grammar_masks(plain, logits, packed, temps, keep)
+    return with_grammar_masks(plain, logits, packed.targets, grammar, temps, keep)

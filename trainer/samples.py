@@ -127,6 +127,11 @@ class Sample:
                     f"Sample {self.session_id}: {name} has {len(values)} entries, expected {n}"
                 )
 
+    def with_grammar_mask(self, loss_mask: list[int], mask: GrammarMask | None) -> Sample:
+        """A copy with ``loss_mask``, ``mask`` as its grammar mask and no spans left to replay
+        (``proxima.trainer.constrained.GrammarReplay.attach``)."""
+        return dataclasses.replace(self, loss_mask=loss_mask, grammar_mask=mask, constraints=())
+
     @property
     def num_tokens(self) -> int:
         """Sequence length L."""
