@@ -53,13 +53,16 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# appended, not first: run from a `bench/_code_at.py` tree (PYTHONPATH), ``proxima`` must come
+# from there, not from ROOT's own ``proxima/`` folder
+sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 
 from bench.testbed import (  # noqa: E402
     Arm,
     ArmResult,
+    TaskSettings,
     as_json,
     prepare_model,
     run_arm,
@@ -92,9 +95,11 @@ def key(arm: dict) -> tuple:
 
 
 def commit() -> str:
-    """HEAD's short hash, ``-dirty`` when the code the runs exercise has local changes."""
-    root = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(root)]
+    """HEAD's short hash, ``-dirty`` when the code the runs exercise has local changes;
+    ``$PROXIMA_CODE_COMMIT`` when set (a run from a ``bench/_code_at.py`` tree, no git)."""
+    if os.environ.get("PROXIMA_CODE_COMMIT"):
+        return os.environ["PROXIMA_CODE_COMMIT"]
+    git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     code = ["proxy", "trainer", "bench/testbed.py", "bench/testbed_policy.py", __file__]
     dirty = subprocess.run(
@@ -145,9 +150,8 @@ def by_version(row: dict) -> float:
 
 
 def _order(names: list[str]) -> list[str]:
-    return sorted(
-        names, key=lambda n: (n != "sync", int(n.split()[0][3:]) if n != "sync" else 0, n)
-    )
+    """sync first, then by staleness."""
+    return sorted(names, key=lambda n: (0 if n.startswith("sync") else int(n.split()[0][3:]), n))
 
 
 def table(rows: list[dict], threshold: float) -> tuple[list[str], dict[str, tuple[float, float]]]:
@@ -181,8 +185,10 @@ def table(rows: list[dict], threshold: float) -> tuple[list[str], dict[str, tupl
         )
         finals[name] = final
     lines += ["", "paired with sync on the same seed (arm - sync; mean [95% CI, t with n-1 dof]):"]
-    sync = {r["arm"]["seed"]: r for r in by_name.get("sync", [])}
-    for name in _order([n for n in by_name if n != "sync"]):
+    for name in _order([n for n in by_name if not n.startswith("sync")]):
+        width = by_name[name][0]["arm"].get("width", 1)  # paired with sync on its task
+        ref = Arm(k=0, decoupled=True, seed=0, width=width).name
+        sync = {r["arm"]["seed"]: r for r in by_name.get(ref, [])}
         runs = [r for r in by_name[name] if r["arm"]["seed"] in sync]
         if not runs:
             continue
@@ -289,7 +295,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def _run(args: argparse.Namespace, arms: list[Arm], results: Path) -> None:
     """Run the arms not yet in ``results``, appending one line (with the commit) per run."""
-    model = prepare_model(args.cache)
+    model = prepare_model(args.cache, TaskSettings(width=args.width))
     print(f"starting policy: {model}", flush=True)
     done = {key(r["arm"]) for r in load(results)}
     todo = [a for a in arms if key(a.__dict__) not in done]
@@ -314,6 +320,27 @@ def _run(args: argparse.Namespace, arms: list[Arm], results: Path) -> None:
         )
 
 
+def _rerun_at(ref: str, argv: list[str]) -> int:
+    """Run this script as it is at ``ref``, importing ``proxima`` from ``ref`` too."""
+    from bench._code_at import code_at, code_env
+
+    pkg, sha = code_at(ref, ROOT / ".cache" / "code_at")
+    rest, skip = [], False
+    for arg in argv:  # drop --at REF / --at=REF
+        if skip or arg.startswith("--at="):
+            skip = False
+            continue
+        skip = arg == "--at"
+        if not skip:
+            rest.append(arg)
+    if not any(a == "--results" or a.startswith("--results=") for a in rest):
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        rest += ["--results", str(ROOT / "bench" / "results" / f"staleness_ablation-{day}.jsonl")]
+    script = pkg.parent / f"src-{sha}" / "bench" / "staleness_ablation.py"
+    env = {**os.environ, **code_env(pkg), "PROXIMA_CODE_COMMIT": sha}
+    return subprocess.run([sys.executable, str(script), *rest], env=env).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -336,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add 'etaK decoupled interrupted': the push lands mid-batch (mixed-version completions)",
     )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=1,
+        help="answers zero-padded to this many digits (2: 3-token replies, its own starting "
+        "policy; a push can interrupt a reply only after its second token)",
+    )
     p.add_argument("--threshold", type=float, default=0.35)
     p.add_argument("--out", type=Path, default=Path("runs/staleness_ablation"), help="run folders")
     p.add_argument(
@@ -352,7 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         "--run-seeds", type=int, nargs="+", default=None, help="run only these seeds' runs"
     )
     p.add_argument("--report-only", action="store_true", help="table and plot from --results")
+    p.add_argument(
+        "--at",
+        default=None,
+        help="run the code of this commit (git archive under .cache/code_at), not the "
+        "working tree's, which others may be editing; rows record its hash",
+    )
     args = p.parse_args(argv)
+    if args.at:
+        return _rerun_at(args.at, sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
 
     etas = args.etas or ([4] if args.quick else [1, 2, 4, 8])
@@ -365,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         zero_signal=args.zero_signal,
         digits=args.digits,
         eval_samples=args.eval_samples,
+        width=args.width,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.results or ROOT / "bench" / "results" / (

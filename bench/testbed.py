@@ -65,6 +65,7 @@ from bench.testbed_policy import (  # noqa: F401  (re-exported: the task and its
     DIGITS,
     MAX_SUM,
     TaskSettings,
+    answer_of,
     pairs,
     prepare_model,
     prompt_of,
@@ -164,12 +165,14 @@ class Arm:
     digits: int = 3  # RL prompts: a, b in 0..digits-1 (the fine-tuning saw 0..DIGITS-1)
     eval_samples: int = 8  # samples per pair of the final evaluation
     interrupt: bool = False  # the served version changes mid-batch (mixed-version completions)
+    width: int = 1  # answers zero-padded to this many digits (its own starting policy)
 
     @property
     def name(self) -> str:
         objective = "decoupled" if self.decoupled else "naive"
-        base = "sync" if self.k == 0 else f"eta{self.k} {objective}"
-        return base + " interrupted" if self.interrupt else base
+        name = "sync" if self.k == 0 else f"eta{self.k} {objective}"
+        name += " interrupted" if self.interrupt else ""
+        return name + (f" w{self.width}" if self.width != 1 else "")
 
 
 @dataclass
@@ -187,7 +190,12 @@ class ArmResult:
 
 
 async def _agent(
-    proxy: ProxyProcess, http: httpx.AsyncClient, pair: tuple[int, int], group: str, seed: int
+    proxy: ProxyProcess,
+    http: httpx.AsyncClient,
+    pair: tuple[int, int],
+    group: str,
+    seed: int,
+    width: int = 1,
 ) -> float:
     """One agent run: a session, one chat completion, reward, finish."""
     resp = await http.post(
@@ -207,7 +215,7 @@ async def _agent(
         temperature=1.0,
         seed=seed,
     )
-    reward = reward_of(*pair, reply.choices[0].message.content)
+    reward = reward_of(*pair, reply.choices[0].message.content, width)
     key = {"Authorization": f"Bearer {session['api_key']}"}
     sid = session["session_id"]
     for route, body in (("reward", {"reward": reward}), ("finish", None)):
@@ -217,7 +225,11 @@ async def _agent(
 
 
 async def _evaluate(
-    proxy: ProxyProcess, http: httpx.AsyncClient, prompts: list[tuple[int, int]], seed: int
+    proxy: ProxyProcess,
+    http: httpx.AsyncClient,
+    prompts: list[tuple[int, int]],
+    seed: int,
+    width: int = 1,
 ) -> float:
     """Mean reward over ``prompts``, one sample each at T = 1 (admin token: unrecorded)."""
     client = AsyncOpenAI(
@@ -237,7 +249,7 @@ async def _evaluate(
                 temperature=1.0,
                 seed=seed * 1000 + i,
             )
-        return reward_of(*pair, reply.choices[0].message.content)
+        return reward_of(*pair, reply.choices[0].message.content, width)
 
     jobs = [one(p, i) for i, p in enumerate(prompts)]
     rewards = await asyncio.gather(*jobs)
@@ -372,7 +384,14 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
             for step in range(arm.steps):
                 batch_pairs = [rng.choice(pairs_of_arm) for _ in range(arm.prompts_per_step)]
                 jobs = [
-                    _agent(proxy, http, pair, f"s{step}-p{p}", arm.seed * 10**6 + step * 1000 + i)
+                    _agent(
+                        proxy,
+                        http,
+                        pair,
+                        f"s{step}-p{p}",
+                        arm.seed * 10**6 + step * 1000 + i,
+                        arm.width,
+                    )
                     for p, pair in enumerate(batch_pairs)
                     for i in range(p * arm.group_size, (p + 1) * arm.group_size)
                 ]
@@ -390,7 +409,7 @@ async def run_arm(arm: Arm, model_dir: Path, work_dir: Path) -> ArmResult:
                     await sink.catch_up()
             await sink.flush()
             result.final_reward = await _evaluate(
-                proxy, http, pairs_of_arm * arm.eval_samples, arm.seed
+                proxy, http, pairs_of_arm * arm.eval_samples, arm.seed, arm.width
             )
     finally:
         await trainer.close()

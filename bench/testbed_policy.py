@@ -38,6 +38,7 @@ class TaskSettings:
     """How the testbed's starting policy is fine-tuned (part of its cache key)."""
 
     p_correct: float = 0.3  # share of fine-tuning answers that are right
+    width: int = 1  # answers zero-padded to this many digits (2: "07", a 3-token reply)
     noise: str = "near"  # wrong answers: "near" (sum +- 1 or 2) or "uniform" (any of 0..MAX_SUM)
     sft_steps: int = 600
     sft_batch: int = 64
@@ -52,9 +53,14 @@ def prompt_of(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
-def reward_of(a: int, b: int, reply: str | None) -> float:
-    """1.0 when the reply is exactly the sum's decimal digits, else 0.0."""
-    return 1.0 if (reply or "") == str(a + b) else 0.0
+def answer_of(a: int, b: int, width: int = 1) -> str:
+    """The sum's decimal digits, zero-padded to ``width``."""
+    return str(a + b).zfill(width)
+
+
+def reward_of(a: int, b: int, reply: str | None, width: int = 1) -> float:
+    """1.0 when the reply is exactly the sum's decimal digits (``answer_of``), else 0.0."""
+    return 1.0 if (reply or "") == answer_of(a, b, width) else 0.0
 
 
 def pairs(digits: int) -> list[tuple[int, int]]:
@@ -97,7 +103,9 @@ def starting_policy_key(
         ).hexdigest(),
         "max_sum": MAX_SUM,
         "code": hashlib.sha256(
-            "".join(inspect.getsource(f) for f in (_fine_tune, _wrong, prompt_of)).encode()
+            "".join(
+                inspect.getsource(f) for f in (_fine_tune, _wrong, prompt_of, answer_of)
+            ).encode()
         ).hexdigest(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -177,7 +185,7 @@ def _fine_tune(model_dir: Path, settings: TaskSettings) -> None:
         for _ in range(settings.sft_batch):
             a, b = rng.choice(ALL_PAIRS)
             answer = a + b if rng.random() < settings.p_correct else _wrong(a + b, settings, rng)
-            reply = tokenizer.encode(str(answer), add_special_tokens=False)
+            reply = tokenizer.encode(str(answer).zfill(settings.width), add_special_tokens=False)
             reply.append(tokenizer.eos_token_id)
             rows.append((prompts[a, b], reply))
         width = max(len(p) + len(r) for p, r in rows)

@@ -36,6 +36,15 @@ def test_reward_is_exact(pair: tuple[int, int], reply: str | None, reward: float
     assert reward_of(*pair, reply) == reward
 
 
+def test_padded_answers_and_arm_names() -> None:
+    assert reward_of(3, 4, "07", width=2) == 1.0 and reward_of(3, 4, "7", width=2) == 0.0
+    assert reward_of(5, 5, "10", width=2) == 1.0
+    assert Arm(k=0, decoupled=True, seed=0).name == "sync"
+    assert Arm(k=4, decoupled=False, seed=0).name == "eta4 naive"
+    interrupted = Arm(k=4, decoupled=True, seed=0, interrupt=True, width=2)
+    assert interrupted.name == "eta4 decoupled interrupted w2"
+
+
 class _Inner:
     def __init__(self) -> None:
         self.pushed: list[tuple[int, Path]] = []
