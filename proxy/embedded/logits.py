@@ -13,10 +13,11 @@ before temperature:
 3. ``logit_bias``: ``logit[j] += bias[j]`` (a forbidden token stays ``-inf``).
 
 The sampler then draws from, and reports logprobs of, the transformed
-distribution, as SGLang does. Those logprobs are not what the trainer
-recomputes from the plain model (it sees neither the grammar state nor the
-penalties), so the proxy marks such completions (``sampling["logit_transforms"]``)
-and the trainer leaves them out of the loss (``trainer/samples.py``).
+distribution, as SGLang does. The proxy marks such completions
+(``sampling["logit_transforms"]``). A grammar's mask the trainer replays (the
+grammar is recorded with the completion), so it recomputes these very logprobs
+and trains the tokens (``trainer/constrained.py``); penalties and bias it does
+not, and leaves those completions out of the loss (``trainer/logit_transforms.py``).
 
 Rows without any transform are left untouched, so an unconstrained request
 samples the same tokens whatever batch it shares.

@@ -132,9 +132,9 @@ class Sampling:
     def logit_transforms(self) -> list[str]:
         """What changes the sampled distribution beyond temperature and truncation.
 
-        The backend reports logprobs of the transformed distribution, which the
-        trainer cannot recompute; recorded with each completion (see
-        ``trainer/samples.py``).
+        The backend reports logprobs of the transformed distribution; recorded with
+        each completion. The trainer recomputes a grammar's (it replays the recorded
+        grammar: ``trainer/constrained.py``), not the others' (``trainer/samples.py``).
         """
         transforms = []
         if self.grammar is not None:
@@ -159,6 +159,6 @@ class Sampling:
             **({"max_tokens_default": True} if self.max_tokens_default else {}),
             "seed": self.seed,
             "stop": self.stop,
-            # Grammar / logit_bias / penalties: logprobs the trainer cannot recompute.
+            # Grammar / logit_bias / penalties: the transformed distribution's logprobs.
             **({"logit_transforms": self.logit_transforms} if self.logit_transforms else {}),
         }

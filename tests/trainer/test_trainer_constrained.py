@@ -11,6 +11,7 @@ and a packed forward): 1e-4, as the trainer's live fidelity test.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -244,6 +245,24 @@ def test_replay_allows_each_recorded_token_and_refuses_a_foreign_one(tiny_model_
     bad = _record([1, 2], tokenizer.encode("maybe"), [-0.1] * 5, grammar=REGEX)
     (sample,) = build_samples([(_session(), [bad])], AdvantageConfig(), constrained=True)
     assert replay.attach([sample]) == []
+
+
+def test_the_record_names_whose_mask_to_replay(tiny_model_dir: Path) -> None:
+    # The engine writes JSON with tojson's whitespace only; SGLang's backend (default flags)
+    # allows any whitespace. After '{' the engine's mask holds the quote alone, SGLang's also
+    # blanks: the same tokens replay under both, with different masks (so different log q).
+    replay = GrammarReplay(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammar = Grammar("json_schema", json.dumps(SCHEMA))
+    tokens = tokenizer.encode('{"sure": true, "unit": "m"}')
+    masks = {}
+    for rules in ("proxima-engine", "sglang"):
+        bitmask = replay.bitmask({**grammar.record("proxima-engine"), "rules": rules}, tokens)
+        assert bitmask is not None, rules
+        masks[rules] = unpack_bitmask(bitmask, replay.vocab_size)
+    quote, blank, newline = (tokenizer.encode(c)[0] for c in ('"', " ", "\n"))
+    assert masks["proxima-engine"][1].nonzero().squeeze(-1).tolist() == [quote]
+    assert masks["sglang"][1][[quote, blank, newline]].tolist() == [True, True, True]
 
 
 # --------------------------------------------------------------------------- the engine
