@@ -34,6 +34,7 @@ async def test_record_and_read_back_everything(store: Store) -> None:
         time_to_first_token=0.01,
         duration=1.25,
         backend="http://127.0.0.1:30000",
+        grammar={"kind": "regex", "value": "(yes|no)\\n", "rules": "sglang"},
     )
     await store.record_completion(completion=record)
     loaded = await store.get_completion(completion_id=record.id)
