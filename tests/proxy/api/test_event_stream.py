@@ -84,6 +84,97 @@ async def test_the_first_piece_does_not_wait_for_later_ones() -> None:
     assert client.bodies() == [(b"first", True), (b"secondthird", False)]
 
 
+async def test_pieces_made_together_mid_stream_leave_together() -> None:
+    """After the first write, each wait of the stream ends a write of what came before it."""
+    steps = [asyncio.Event() for _ in range(2)]
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"a"
+        await steps[0].wait()
+        yield b"b"
+        yield b"c"
+        await steps[1].wait()
+        yield b"d"
+
+    client = Client()
+    task = asyncio.create_task(run(pieces(), client))
+    await client.until_sent(2)
+    steps[0].set()
+    await client.until_sent(3)
+    assert client.bodies() == [(b"a", True), (b"bc", True)]
+    steps[1].set()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies() == [(b"a", True), (b"bc", True), (b"d", False)]
+
+
+class SlowClient(Client):
+    """A client whose reads lag: a body send after the first waits until ``drained``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drained = asyncio.Event()
+        self.waiting = asyncio.Event()  # a send waits
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and len(self.messages) >= 2:
+            self.waiting.set()
+            await self.drained.wait()  # the transport's buffer is full
+        await super().send(message)
+
+
+async def test_a_send_that_waits_is_finished_and_what_came_meanwhile_follows() -> None:
+    more, made, last = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"a"
+        await asyncio.sleep(0)
+        yield b"b"  # its send waits for the client
+        await more.wait()
+        yield b"c"  # made while that send waits
+        yield b"d"
+        made.set()
+        await last.wait()
+        yield b"e"
+
+    client = SlowClient()
+    task = asyncio.create_task(run(pieces(), client))
+    await asyncio.wait_for(client.waiting.wait(), 5)
+    more.set()
+    await asyncio.wait_for(made.wait(), 5)
+    assert client.bodies() == [(b"a", True)]  # "b" waits, "cd" behind it
+    client.drained.set()
+    await client.until_sent(4)
+    assert client.bodies() == [(b"a", True), (b"b", True), (b"cd", True)]
+    last.set()
+    await asyncio.wait_for(task, 5)
+    assert client.bodies() == [(b"a", True), (b"b", True), (b"cd", True), (b"e", False)]
+
+
+async def test_a_send_that_fails_mid_stream_ends_the_response_and_the_stream() -> None:
+    cleaned_up = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            yield b"a"
+            await asyncio.sleep(0)
+            yield b"b"
+            await asyncio.Event().wait()
+        finally:
+            cleaned_up.set()
+
+    class Broken(Client):
+        async def send(self, message: dict[str, Any]) -> None:
+            if len(self.messages) >= 2:
+                raise OSError("the connection broke")
+            await super().send(message)
+
+    client = Broken()
+    with pytest.raises(OSError, match="the connection broke"):
+        await asyncio.wait_for(run(pieces(), client), 5)
+    assert cleaned_up.is_set()
+    assert client.bodies() == [(b"a", True)]
+
+
 async def test_a_client_that_leaves_cancels_the_stream_and_ends_nothing() -> None:
     cleaned_up = asyncio.Event()
 
