@@ -23,8 +23,11 @@ is the gradient of the policy that was sampled.
 The mask is the backend's: the record names whose rules applied
 (``CompletionRecord.grammar["rules"]``). ``proxima-engine`` replays with the engine's
 own ``GrammarCompiler`` (special tokens never allowed, ``tojson`` JSON whitespace, the
-model's eos tokens as stops); ``sglang`` with SGLang's xgrammar backend's settings
-(xgrammar's own tokenizer detection, any JSON whitespace, the eos tokens as stops).
+model's eos tokens as stops); ``sglang`` with SGLang's xgrammar backend's settings at
+its default flags (xgrammar's own tokenizer detection, any JSON whitespace, the model
+and generation configs' eos tokens as stops). An SGLang server started with other
+grammar flags (``--constrained-json-disable-any-whitespace``, a whitespace pattern or
+count, strict thinking) masks otherwise than the replay.
 
 Where this departs from the paper (decoupled PPO, ``trainer/loss.py``):
 
@@ -205,6 +208,9 @@ class GrammarReplay:
         config = AutoConfig.from_pretrained(model_dir)
         self.vocab_size = int(config.get_text_config().vocab_size)
         self.eos_token_ids = eos_token_ids(model_dir, config, self.tokenizer)
+        # SGLang's grammar stops: the model config's and generation config's eos, not the
+        # tokenizer's (``ModelConfig.hf_eos_token_id``).
+        self.sglang_eos_token_ids = eos_token_ids(model_dir, config, None)
         self._compilers: dict[str, Any] = {}
 
     def bitmask(self, grammar: Mapping[str, Any], output_ids: Sequence[int]) -> Tensor | None:
@@ -242,7 +248,7 @@ class GrammarReplay:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer,
                 vocab_size=self.vocab_size,
-                stop_token_ids=sorted(self.eos_token_ids),
+                stop_token_ids=sorted(self.sglang_eos_token_ids) or None,
             )
             compiler = xgr.GrammarCompiler(info)
             self._compilers[rules] = compiler
@@ -298,9 +304,10 @@ def _sglang_compile(compiler: xgr.GrammarCompiler, kind: str, value: str) -> xgr
     return compiler.compile_structural_tag(value)
 
 
-def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any | None) -> frozenset[int]:
     """The model's eos tokens as the embedded engine gathers them: the generation
-    config's, the model config's and the tokenizer's (the grammar's stop tokens)."""
+    config's, the model config's and the tokenizer's (the grammar's stop tokens);
+    without ``tokenizer``, as SGLang does (the two configs' only)."""
     ids: set[int] = set()
     sources = [getattr(config, "eos_token_id", None)]
     path = Path(model_dir) / "generation_config.json"
@@ -311,6 +318,6 @@ def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> frozenset[int
             ids.add(source)
         elif source:
             ids.update(int(i) for i in source)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)

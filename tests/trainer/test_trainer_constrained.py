@@ -231,6 +231,9 @@ def test_replay_allows_each_recorded_token_and_refuses_a_foreign_one(tiny_model_
     replay = GrammarReplay(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    # the engine's stops: config, generation config and tokenizer; SGLang's: the two configs
+    assert replay.eos_token_ids == replay.sglang_eos_token_ids == {end, endoftext}
     grammar = REGEX.record("proxima-engine")
     tokens = [*tokenizer.encode("no"), end]
     bitmask = replay.bitmask(grammar, tokens)
