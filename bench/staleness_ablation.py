@@ -320,19 +320,25 @@ def _run(args: argparse.Namespace, arms: list[Arm], results: Path) -> None:
         )
 
 
-def _rerun_at(ref: str, argv: list[str]) -> int:
-    """Run this script as it is at ``ref``, importing ``proxima`` from ``ref`` too."""
-    from bench._code_at import code_at, code_env
-
-    pkg, sha = code_at(ref, ROOT / ".cache" / "code_at")
+def without_at(argv: list[str]) -> list[str]:
+    """``argv`` less ``--at REF`` and ``--at=REF``."""
     rest, skip = [], False
-    for arg in argv:  # drop --at REF / --at=REF
+    for arg in argv:
         if skip or arg.startswith("--at="):
             skip = False
             continue
         skip = arg == "--at"
         if not skip:
             rest.append(arg)
+    return rest
+
+
+def _rerun_at(ref: str, argv: list[str]) -> int:
+    """Run this script as it is at ``ref``, importing ``proxima`` from ``ref`` too."""
+    from bench._code_at import code_at, code_env
+
+    pkg, sha = code_at(ref, ROOT / ".cache" / "code_at")
+    rest = without_at(argv)
     if not any(a == "--results" or a.startswith("--results=") for a in rest):
         day = time.strftime("%Y-%m-%d", time.gmtime())
         rest += ["--results", str(ROOT / "bench" / "results" / f"staleness_ablation-{day}.jsonl")]

@@ -12,7 +12,7 @@ import pytest
 from proxima.trainer.log import read_log
 from proxima.trainer.weights import PushResult
 
-from bench.staleness_ablation import ci95, mean_se, t95
+from bench.staleness_ablation import ci95, mean_se, t95, versions, without_at
 from bench.testbed import (
     ALL_PAIRS,
     Arm,
@@ -204,3 +204,10 @@ async def test_an_interrupted_batch_is_held_then_released_while_its_agents_are_i
     # held before any agent started; released with all 8 started and none finished
     assert interrupter.seen == [("hold", 0, 0), ("release", 8, 0)]
     assert await _generate([agent(0)]) == [0.0]
+
+
+def test_the_rerun_drops_at_and_the_version_window_follows_the_steps() -> None:
+    assert without_at(["--at", "HEAD", "--quick"]) == ["--quick"]
+    assert without_at(["--seeds", "5", "--at=abc123", "--only", "sync"]) == [
+        "--seeds", "5", "--only", "sync"]  # fmt: skip
+    assert versions(60) == range(31, 51) and versions(40) == range(11, 31)
