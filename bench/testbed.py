@@ -228,9 +228,27 @@ async def _agent(
     key = {"Authorization": f"Bearer {session['api_key']}"}
     sid = session["session_id"]
     for route, body in (("reward", {"reward": reward}), ("finish", None)):
-        r = await http.post(f"{proxy.url}/rl/sessions/{sid}/{route}", json=body, headers=key)
-        r.raise_for_status()
+        await _post_retrying(http, f"{proxy.url}/rl/sessions/{sid}/{route}", body, key)
     return reward
+
+
+async def _post_retrying(
+    http: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    delay_s: float = 1.0,
+) -> None:
+    """POST, sent again (up to 5 times, 1-5 s apart) while the proxy answers 503: on loaded
+    cores SQLite's write lock can outlast the proxy's busy timeout (the store is then
+    "unavailable", a retryable answer). A reward and a finish are safe to send twice."""
+    for attempt in range(6):
+        r = await http.post(url, json=body, headers=headers)
+        if r.status_code != 503 or attempt == 5:
+            r.raise_for_status()
+            return
+        logger.warning("%s answered 503 (attempt %d); sending it again", url, attempt + 1)
+        await asyncio.sleep(delay_s * (1 + attempt))
 
 
 async def _evaluate(

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 from proxima.trainer.log import read_log
 from proxima.trainer.weights import PushResult
@@ -19,6 +20,7 @@ from bench.testbed import (
     DelayedSink,
     TaskSettings,
     _generate,
+    _post_retrying,
     prepare_model,
     reward_of,
     run_arm,
@@ -211,3 +213,22 @@ def test_the_rerun_drops_at_and_the_version_window_follows_the_steps() -> None:
     assert without_at(["--seeds", "5", "--at=abc123", "--only", "sync"]) == [
         "--seeds", "5", "--only", "sync"]  # fmt: skip
     assert versions(60) == range(31, 51) and versions(40) == range(11, 31)
+
+
+async def test_a_503_is_sent_again_and_other_errors_are_raised() -> None:
+    answers = [503, 503, 200, 503, 503, 503, 503, 503, 503, 404]
+    calls: list[str] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(answers[len(calls) - 1])
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as http:
+        await _post_retrying(http, "http://proxy/reward", {"reward": 1.0}, {}, delay_s=0.0)
+        assert len(calls) == 3  # two 503s, then the 200
+        with pytest.raises(httpx.HTTPStatusError, match="503"):  # six 503s: given up
+            await _post_retrying(http, "http://proxy/finish", None, {}, delay_s=0.0)
+        assert len(calls) == 9
+        with pytest.raises(httpx.HTTPStatusError, match="404"):  # not retried
+            await _post_retrying(http, "http://proxy/finish", None, {}, delay_s=0.0)
+        assert len(calls) == 10
