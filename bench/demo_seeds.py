@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,47 @@ def as_adapter_run(config: dict[str, Any], adapter: str) -> None:
     config.setdefault("trainer", {}).setdefault("lora", {})["adapters"] = [adapter]
 
 
+def trained_first_answers(db: Path, advantage: dict[str, Any]) -> dict[str, Any]:
+    """The advantages the trainer gave its trained sessions' first answers, recomputed from a
+    run's SQLite store (``proxima.trainer.advantages`` with the run's discount, baseline and
+    std): count and mean advantage of wrong first answers (the session went on, or ended on
+    reward 0) and of right ones. A reward design that reinforces a wrong first answer gives
+    the wrong ones a positive mean."""
+    from proxima.trainer.advantages import discounted_returns, group_advantages
+
+    with closing(sqlite3.connect(db)) as conn:
+        sessions = conn.execute(
+            "SELECT id, group_id, reward FROM sessions WHERE status = 'trained'"
+        ).fetchall()
+        turns = dict(
+            conn.execute(
+                "SELECT session_id, COUNT(*) FROM completions c JOIN sessions s "
+                "ON s.id = c.session_id WHERE s.status = 'trained' GROUP BY session_id"
+            ).fetchall()
+        )
+    returns, group_of, wrong = {}, {}, {}
+    for sid, group, reward in sessions:
+        n = int(turns.get(sid, 0))
+        if n == 0:
+            continue
+        rewards = [0.0] * (n - 1) + [float(reward or 0.0)]
+        returns[sid] = discounted_returns(rewards, float(advantage.get("discount", 1.0)))
+        group_of[sid] = group or sid
+        wrong[sid] = n > 1 or not reward
+    adv = group_advantages(
+        returns,
+        group_of,
+        baseline=advantage.get("baseline", "group_mean"),
+        normalize_std=bool(advantage.get("normalize_std", True)),
+    )
+    out: dict[str, Any] = {}
+    for name, flag in (("wrong", True), ("right", False)):
+        firsts = [adv[sid][0] for sid in adv if wrong[sid] is flag]
+        out[f"{name}_first_answers"] = len(firsts)
+        out[f"{name}_first_mean_advantage"] = statistics.fmean(firsts) if firsts else None
+    return out
+
+
 def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
     result = json.loads((run_dir / "summary.json").read_text())
     tenants = result.pop("tenants", None)
@@ -143,6 +186,10 @@ def read_result(seed: int, run_dir: Path) -> dict[str, Any]:
         raise SystemExit(f"{run_dir}: no unseen-phrasings figures; set data.unseen_items")
     result["seed"] = seed
     result["step_rewards"] = step_rewards(run_dir)
+    if (run_dir / "store.db").exists() and (run_dir / "run_config.json").exists():
+        config = json.loads((run_dir / "run_config.json").read_text())
+        advantage = config.get("trainer", {}).get("advantage", {})
+        result["trained_first_answers"] = trained_first_answers(run_dir / "store.db", advantage)
     return result
 
 

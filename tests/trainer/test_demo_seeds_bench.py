@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -52,9 +54,9 @@ def test_results_and_summary_line(tmp_path: Path) -> None:
         )
         runs.append(bench.read_result(seed, run_dir))
     assert runs[0]["step_rewards"] == [0.25, 0.0]
-    assert "held-out 20% -> 50% (+30 pt); unseen phrasings 10% -> 30% (+20 pt)" in bench.seed_line(
-        runs[0]
-    )
+    line = bench.seed_line(runs[0])
+    assert "first try 20% -> 50% (+30 pt); within the eval's tries n/a; " in line
+    assert "unseen phrasings 10% -> 30% (+20 pt); first answers cut n/a; " in line
     assert bench.final_line(runs) == (
         "demo seeds: gains +30, +16 points; mean +23.0; unseen phrasings mean +10.0"
     )
@@ -107,3 +109,47 @@ def test_tenants_demo_config_trains_two_adapters_on_two_tasks() -> None:
     assert tasks == {"tenant-a": "add", "tenant-b": "sub"}
     assert cfg.trainer.lora.adapters == ("tenant-a", "tenant-b")
     assert (cfg.trainer.lora.rank, cfg.trainer.lora.alpha) == (16, 32.0)
+
+
+def _store(path: Path, sessions: list[tuple[str, str, float, int]]) -> Path:
+    """A SQLite file with the columns ``trained_first_answers`` reads: (id, group, reward,
+    turns) per trained session."""
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE sessions (id TEXT, group_id TEXT, reward REAL, status TEXT)")
+        conn.execute("CREATE TABLE completions (id TEXT, session_id TEXT)")
+        for sid, group, reward, turns in sessions:
+            conn.execute("INSERT INTO sessions VALUES (?, ?, ?, 'trained')", (sid, group, reward))
+            for t in range(turns):
+                conn.execute("INSERT INTO completions VALUES (?, ?)", (f"{sid}-{t}", sid))
+        conn.execute("INSERT INTO sessions VALUES ('x', 'g', 1.0, 'dropped')")
+        conn.commit()
+    return path
+
+
+def test_trained_first_answers_show_whether_a_wrong_first_answer_is_reinforced(
+    tmp_path: Path,
+) -> None:
+    bench = _bench()
+    # One group: wrong then right (2 turns, reward 1), right at once, wrong twice (reward 0).
+    db = _store(tmp_path / "store.db", [("a", "g", 1.0, 2), ("b", "g", 1.0, 1), ("c", "g", 0.0, 2)])
+    # Discount 0.9 (the old demo): the first turn of "a" returns 0.9, above the group mean
+    # (0.65): the wrong first answer gets a positive advantage, on average over a and c too.
+    old = bench.trained_first_answers(db, {"discount": 0.9, "normalize_std": True})
+    assert old["wrong_first_answers"] == 2 and old["right_first_answers"] == 1
+    # Returns: a [0.9, 1.0], b [1.0], c [0.0, 0.0]; session-weighted mean and std.
+    mu = (0.95 + 1.0 + 0.0) / 3
+    sigma = (((0.9 - mu) ** 2 + (1 - mu) ** 2) / 6 + (1 - mu) ** 2 / 3 + mu**2 / 3) ** 0.5
+    assert old["wrong_first_mean_advantage"] == pytest.approx(((0.9 - mu) + (0 - mu)) / 2 / sigma)
+    assert (0.9 - mu) / sigma > 0  # "a"'s first answer reinforced
+    # Discount 0: a wrong first answer returns 0 whatever follows: below the mean.
+    new = bench.trained_first_answers(db, {"discount": 0.0, "normalize_std": True})
+    assert new["wrong_first_mean_advantage"] < 0 < new["right_first_mean_advantage"]
+    # One turn per session (make demo now): every wrong answer is below its group's mean.
+    single = _store(
+        tmp_path / "one.db",
+        [("a", "g", 0.0, 1), ("b", "g", 1.0, 1), ("c", "h", 0.0, 1), ("d", "h", 1.0, 1)],
+    )
+    assert bench.trained_first_answers(single, {"discount": 0.0}) == {
+        "wrong_first_answers": 2, "wrong_first_mean_advantage": -1.0,
+        "right_first_answers": 2, "right_first_mean_advantage": 1.0,
+    }  # fmt: skip
