@@ -6,11 +6,13 @@ not. This runs the middle process (``proxima serve``, or the bare relay of
 through it from a backend paced at ``--tokens-per-s`` per stream (slow enough that every
 token arrives in a read of its own, as a GPU's decode steps come), and counts the
 instructions (``Ir``) of a window of ``--requests`` requests at each length, twice (the
-lower is kept, with its SSE events per request). The slope between the two lengths, per
-event, is the cost of one streamed token: one backend read, one SSE event, one write to the
-client (tokens that a stall of the process left in one read are one event: the slope per
-event stays the cost of one pass). Kernel time is not counted (both
-arms make the same system calls per token).
+lower is kept, with its SSE events per request), less what the process spends in as long
+a time without requests (measured over ``--idle-s`` after the warm-up: health probes,
+polling, timers; a window lasts as long as the backend's pace makes it). The slope between
+the two lengths, per event, is the cost of one streamed token: one backend read, one SSE
+event, one write to the client (tokens that a stall of the process left in one read are
+one event: the slope per event stays the cost of one pass). Kernel time is not counted
+(both arms make the same system calls per token).
 
     .venv/bin/python bench/proxy_instructions.py                 # the working tree's proxy
     .venv/bin/python bench/proxy_instructions.py --arm relay
@@ -130,6 +132,16 @@ async def measure(args: argparse.Namespace, work: Path, model: Path, proc, url: 
         return await asyncio.gather(*(limited(i) for i in range(n)))
 
     await batch(4, 16)  # warm-up, not counted
+    # What the process does per second with no request (health probes, polling, timers):
+    # taken out of every window, whose length is set by the backend's pace, not the proxy.
+    before = set(glob.glob(f"{work}/cg.*.out*"))
+    control("-z", str(proc.pid))
+    control("-i", "on", str(proc.pid))
+    started = time.monotonic()
+    await asyncio.sleep(args.idle_s)
+    control("-i", "off", str(proc.pid))
+    idle_rate = window_instructions(work, proc.pid, before) / (time.monotonic() - started)
+    print(f"  idle: {idle_rate / 1e3:.0f} k instructions per second", file=sys.stderr)
     out: dict[int, tuple[float, float]] = {}
     for tokens in sorted(set(args.tokens)):
         best = None
@@ -137,9 +149,11 @@ async def measure(args: argparse.Namespace, work: Path, model: Path, proc, url: 
             before = set(glob.glob(f"{work}/cg.*.out*"))
             control("-z", str(proc.pid))
             control("-i", "on", str(proc.pid))
+            started = time.monotonic()
             events = await batch(args.requests, tokens)
             control("-i", "off", str(proc.pid))
-            ir = window_instructions(work, proc.pid, before) / args.requests
+            idle = idle_rate * (time.monotonic() - started)
+            ir = (window_instructions(work, proc.pid, before) - idle) / args.requests
             print(f"  {tokens} tokens: {ir / 1e6:.2f} M instructions per request, "
                   f"{sum(events) / len(events):.1f} events", file=sys.stderr)  # fmt: skip
             if best is None or ir < best[0]:
@@ -157,6 +171,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4, help="requests per window")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--tokens-per-s", type=float, default=20.0)
+    p.add_argument("--idle-s", type=float, default=10.0, help="the idle window's length")
     p.add_argument("--tokens", type=int, action="append", help="default: 16 and 256")
     p.add_argument("--text", action="store_true", help="English text, not random byte tokens")
     args = p.parse_args()
