@@ -41,7 +41,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing, nullcontext
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import dataclass, field
 
 from proxima.proxy.backends.errors import (
@@ -140,11 +140,9 @@ async def generate(
     """Generate one completion with the policy ``adapter`` (None: the base), yielding its
     tokens as they arrive. An adapter version that yields a non-finite logprob is handed
     to ``on_broken_adapter`` (which may fall the adapter back); the completion resumes on
-    the version the adapter serves then, or fails with a 503.
-
-    ``result`` accumulates everything (tokens, logprobs, versions, finish
-    reason); when the iterator ends normally the completion is finished.
-    Cancelling the iterator aborts the backend request.
+    the version the adapter serves then, or fails with a 503. ``result`` accumulates
+    everything (tokens, logprobs, versions, finish reason); when the iterator ends normally
+    the completion is finished. Cancelling the iterator aborts the backend request.
     """
     base_rid = request_id or uuid.uuid4().hex
     attempt = 0
@@ -166,26 +164,30 @@ async def generate(
         if chosen is None:
             continue
         backend, version = chosen
-        # Read with no await between it and the registration below: a push switches the
-        # name first, then aborts every registered request still on the old one.
-        label, lora = pool.policy(adapter) if adapter is not None else (None, None)
-        rid = backend_rid(base_rid, attempt)
+        state, request, registered, lora = _begin(
+            pool, adapter, backend, version, backend_rid(base_rid, attempt), prompt_ids, params,
+            result, remaining)  # fmt: skip
         attempt += 1
-        request = _attempt_request(prompt_ids, params, result, remaining, rid, lora)
-        state = Attempt(backend, rid, _boundary_stops(params, result), version=version, label=label)
-        result.backend = backend.url
-        registered = (
-            pool.adapter_request(adapter, backend, rid, lora)
-            if adapter is not None
-            else nullcontext()
-        )
         with pool.lease(backend), registered:
-            # ``_stream`` aborts the backend request when this iterator is cancelled or closed.
-            can_fall_back = bool(label and on_broken_adapter)
-            tokens = _stream(pool, state, request, params, result, base_rid, lora, can_fall_back)
-            async with aclosing(tokens) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            # The attempt's tokens, read here (no generator of their own: a layer less per
+            # token); a constrained attempt's held until it ends. Closed: it is aborted.
+            try:
+                async with aclosing(backend.client.generate_stream(request)) as stream:
+                    async for delta in stream:
+                        chunk = state.take(delta, params)
+                        if chunk is not None:
+                            if params.grammar is None:
+                                result.extend(chunk)
+                                yield chunk
+                            else:
+                                state.held.append(chunk)
+                        if state.stale is not None or state.straddled:
+                            await asyncio.shield(_abort_quietly(backend, state.rid))
+                            break
+            except BaseException as exc:
+                await _attempt_failed(
+                    pool, state, exc, params, result, base_rid, lora, on_broken_adapter
+                )
         if state.resume:
             continue
         if state.broken is not None:
@@ -219,55 +221,62 @@ async def _next_backend(pool: BackendPool, sticky_key: str | None) -> tuple[Back
     return backend, version
 
 
-async def _stream(
+def _begin(
+    pool: BackendPool,
+    adapter: str | None,
+    backend: Backend,
+    version: int,
+    rid: str,
+    prompt_ids: list[int],
+    params: Sampling,
+    result: GenerationResult,
+    remaining: int,
+) -> tuple[Attempt, GenerateRequest, AbstractContextManager[object], str | None]:
+    """One attempt's state, request, registration (an adapter's request, for pushes to
+    abort) and ``lora_path``. The adapter's name is read with no await between it and the
+    registration: a push switches the name first, then aborts every registered request
+    still on the old one."""
+    label, lora = pool.policy(adapter) if adapter is not None else (None, None)
+    request = _attempt_request(prompt_ids, params, result, remaining, rid, lora)
+    state = Attempt(backend, rid, _boundary_stops(params, result), version=version, label=label)
+    result.backend = backend.url
+    registered: AbstractContextManager[object] = (
+        pool.adapter_request(adapter, backend, rid, lora) if adapter is not None else nullcontext()
+    )
+    return state, request, registered, lora
+
+
+async def _attempt_failed(
     pool: BackendPool,
     state: Attempt,
-    request: GenerateRequest,
+    exc: BaseException,
     params: Sampling,
     result: GenerationResult,
     base_rid: str,
     lora: str | None,
-    can_fall_back: bool,
-) -> AsyncGenerator[TokenDelta]:
-    """One backend request's tokens as they arrive, added to ``result`` (a constrained
-    attempt's are held in ``state.held`` until it finishes).
-
-    A failure the completion resumes from (a lost backend, one that lacks the adapter) sets
-    ``state.resume``; a non-finite logprob of an adapter that can fall back, ``state.broken``;
-    any other failure is raised as its OpenAI error. Cancelled or closed, it aborts the
-    backend request.
-    """
-    backend, rid = state.backend, state.rid
-    try:
-        async with aclosing(backend.client.generate_stream(request)) as stream:
-            async for delta in stream:
-                chunk = state.take(delta, params)
-                if state.stale is not None:
-                    await asyncio.shield(_abort_quietly(backend, rid))
-                    break
-                if chunk is not None and params.grammar is not None:
-                    state.held.append(chunk)
-                elif chunk is not None:
-                    result.extend(chunk)
-                    yield chunk
-                if state.straddled:
-                    await asyncio.shield(_abort_quietly(backend, rid))
-                    break
-    except BackendConnectionError as exc:
+    on_broken_adapter: OnBrokenAdapter | None,
+) -> None:
+    """What ended a backend request early. A failure the completion resumes from (a lost
+    backend, one that lacks the adapter) sets ``state.resume``; a non-finite logprob of an
+    adapter that can fall back, ``state.broken``; any other failure is raised as its
+    OpenAI error. Cancelled or closed, the backend request is aborted (and it is raised)."""
+    backend = state.backend
+    if isinstance(exc, BackendConnectionError):
         pool.mark_failed(backend, exc)
         logger.warning("completion %s lost backend %s; resuming", base_rid, backend.url)
         _count_interruption(result, exc)
         state.resume = True
-    except BackendRejected as exc:
+    elif isinstance(exc, BackendRejected):
         _rejected(pool, backend, exc, lora, params, result)
         state.resume = True
-    except BackendOperationFailed as exc:
-        if not (isinstance(exc, NonFiniteLogprob) and can_fall_back):
+    elif isinstance(exc, BackendOperationFailed):
+        if not (isinstance(exc, NonFiniteLogprob) and state.label and on_broken_adapter):
             raise BackendUnavailable(f"The inference backend failed: {exc}") from exc
         state.broken = exc
-    except (asyncio.CancelledError, GeneratorExit):
-        await asyncio.shield(_abort_quietly(backend, rid))
-        raise
+    else:
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            await asyncio.shield(_abort_quietly(backend, state.rid))
+        raise exc
 
 
 async def _fall_back(
