@@ -146,7 +146,12 @@ class ChunkReader:
             if len(field) <= _SHORT and field.strip() == DONE:
                 self.done = True
                 return []
-            chunk = _parse(fields, self.url)[0]
+            try:
+                chunk = orjson.loads(field)  # ``_parse`` of one field, inline
+            except orjson.JSONDecodeError as exc:
+                raise BackendOperationFailed(
+                    f"malformed /generate chunk: {exc}", url=self.url
+                ) from exc
             try:
                 fast = self._one(chunk)
             except (KeyError, TypeError):  # an error chunk, a missing list
