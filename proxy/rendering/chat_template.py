@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ from proxima.proxy.rendering.chat_messages import InvalidMessages, Message
 from proxima.proxy.rendering.parents import Candidate, RenderedTexts, find_parent
 from proxima.proxy.store.chains import identical
 from proxima.proxy.store.records import CompletionRecord
-from proxima.proxy.tools.fallback import with_tools_in_system
+from proxima.proxy.tools.fallback import fallback_messages
 
 _ENCODE_CACHE_SIZE = 4096
 # Tokens of a parent's prompt decoded to check it ended with this request's generation prompt.
@@ -136,8 +136,14 @@ class ChatRenderer:
         *,
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None = None,
+        generated: Mapping[int, str] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` and the OpenAI ``tools`` list.
+
+        With a tool fallback, the fallback writes the tools, the calls and their
+        results into the messages first (``proxima.proxy.tools.fallback``);
+        ``generated`` holds the text the model generated for recorded replies
+        with calls, by message index (``generated_replies``).
 
         Not memoized: a cache key must keep key order (``tojson`` does), and
         building one costs about half a render (0.3-0.6 ms on a 40-turn
@@ -145,8 +151,8 @@ class ChatRenderer:
         text costs 10-50 times more and is memoized in ``encode``.
         """
         tool_list = list(tools) if tools else None
-        if tool_list and self.tool_fallback:
-            messages = with_tools_in_system(messages, tool_list, self.tool_fallback)
+        if self.tool_fallback:
+            messages = fallback_messages(messages, tool_list, self.tool_fallback, generated)
             tool_list = None
         try:
             # What ``apply_chat_template(..., tokenize=False)`` does, less the per-call
@@ -192,10 +198,13 @@ class ChatRenderer:
         variables of the template (``enable_thinking``).
         """
         kwargs = template_kwargs or None
-        full = self.render_text(messages, tools, add_generation_prompt=True, template_kwargs=kwargs)
         parent = find_parent(messages, tools, history)
+        generated = self.generated_replies(parent.record, history) if parent else None
+        full = self.render_text(
+            messages, tools, add_generation_prompt=True, template_kwargs=kwargs, generated=generated
+        )
         if parent is not None:
-            plan = self._extend(parent, messages, full, tools, kwargs)
+            plan = self._extend(parent, messages, full, tools, kwargs, generated)
             if plan is not None:
                 return plan
         prompt_ids = self.encode(full)
@@ -217,6 +226,7 @@ class ChatRenderer:
         request: list[Message],
         tools: Sequence[dict[str, Any]] | None,
         kwargs: dict[str, Any] | None = None,
+        generated: Mapping[int, str] | None = None,
     ) -> str:
         """The template's text of ``request`` with a generation prompt: the parent's prompt
         text. Kept from when the parent was prepared if ``request``, ``tools`` and the
@@ -230,7 +240,9 @@ class ChatRenderer:
             and identical(list(tools or []), list(record.request_tools or []))
         ):
             return kept[0]
-        return self.render_text(request, tools, add_generation_prompt=True, template_kwargs=kwargs)
+        return self.render_text(
+            request, tools, add_generation_prompt=True, template_kwargs=kwargs, generated=generated
+        )
 
     def _extend(
         self,
@@ -239,6 +251,7 @@ class ChatRenderer:
         full: str,
         tools: Sequence[dict[str, Any]] | None,
         kwargs: dict[str, Any] | None = None,
+        generated: Mapping[int, str] | None = None,
     ) -> PromptPlan | None:
         """Parent tokens plus the new messages' tokens, or None if the template forbids it.
 
@@ -257,7 +270,7 @@ class ChatRenderer:
         record = parent.record
         size = len(parent.request) + 1
         try:
-            opened = self._opened(record, list(messages[: size - 1]), tools, kwargs)
+            opened = self._opened(record, list(messages[: size - 1]), tools, kwargs, generated)
         except InvalidMessages:
             logger.debug("template rejects the parent's messages", extra={"parent": record.id})
             return None
@@ -284,6 +297,42 @@ class ChatRenderer:
             text=full,
         )
 
+    def generated_replies(
+        self, parent: CompletionRecord, history: Sequence[CompletionRecord]
+    ) -> dict[int, str] | None:
+        """With a tool fallback: the text each reply with tool calls of ``parent``'s chain
+        was generated as, by its message index (None without a fallback).
+
+        The chain is ``parent``, its parent, and so on (``parent_id``); a chat
+        completion's reply is the message after its request. The fallback writes these
+        replies as generated instead of re-serializing their calls (whose JSON the
+        model may have spaced or ordered otherwise), so every turn of a tool loop
+        renders its parent's reply as exactly the parent's output tokens.
+        """
+        if not self.tool_fallback:
+            return None
+        by_id: dict[str, CompletionRecord] | None = None
+        texts: dict[int, str] = {}
+        record: CompletionRecord | None = parent
+        for _ in range(len(history) + 1):  # a chain is at most the whole history
+            if record is None or not record.request_messages or record.response_message is None:
+                break
+            if record.response_message.get("tool_calls"):
+                texts[len(record.request_messages)] = self._generated_text(record)
+            if record.parent_id is None:
+                break
+            if by_id is None:
+                by_id = {r.id: r for r in history}
+            record = by_id.get(record.parent_id)
+        return texts
+
+    def _generated_text(self, record: CompletionRecord) -> str:
+        """The text of a completion's output tokens, less a generated end-of-turn marker."""
+        output = record.output_ids
+        if output and output[-1] == self.end_of_turn_id:
+            output = output[:-1]
+        return self._decode(output)
+
     def _renders_as_generated(self, record: CompletionRecord, opened: str, reply: str) -> bool:
         """Whether the parent's tokens are the text the template renders for its turn.
 
@@ -294,10 +343,7 @@ class ChatRenderer:
         that turns thinking on or off changes it). Only the prompt's last
         ``_PROMPT_TAIL`` tokens are decoded: the generation prompt is shorter.
         """
-        output = record.output_ids
-        if output and output[-1] == self.end_of_turn_id:
-            output = output[:-1]
-        if self._decode(output) != reply:
+        if self._generated_text(record) != reply:
             return False
         # A tail that starts inside a multi-byte character decodes to U+FFFD there.
         return opened.endswith(self._decode(record.prompt_ids[-_PROMPT_TAIL:]).lstrip("\ufffd"))

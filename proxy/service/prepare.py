@@ -195,8 +195,8 @@ class PromptPreparer:
             reasoning=first,
         )
         prepared = self._prepared(request, plan.prompt_ids, plan.parent_id, session, grammar)
-        if chat.tools and self.tool_fallback is not None:
-            # The template does not render tools: the system prompt carried them.
+        if self.tool_fallback is not None and (chat.tools or _has_tool_turns(chat.messages)):
+            # The template renders no tools: the fallback wrote them, the calls and results.
             prepared.sampling["tool_format"] = f"{self.tool_fallback} (--tool-fallback)"
         prepared.messages = chat.messages
         prepared.tools = chat.tools
@@ -349,6 +349,11 @@ def _chat_chars(chat: ChatInput) -> int:
     size = sum(len(m["content"]) for m in chat.messages)
     size += sum(len(str(m["tool_calls"])) for m in chat.messages if "tool_calls" in m)
     return size + (len(str(chat.tools)) if chat.tools else 0)
+
+
+def _has_tool_turns(messages: Sequence[CanonicalMessage]) -> bool:
+    """Whether a conversation holds tool calls or tool results."""
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
 def _text_parent(prompt_ids: list[int], history: Sequence[CompletionRecord]) -> str | None:

@@ -10,20 +10,28 @@ sampling record says so. A template that renders tools is left alone.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from proxima.proxy.config import Settings
 from proxima.proxy.errors import BadRequest
+from proxima.proxy.rendering.chat_messages import normalize_messages
 from proxima.proxy.rendering.chat_template import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.service.prepare import PromptPreparer
+from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
 from proxima.proxy.surfaces.chat.translate import chat_request
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.proxy.tools import get_tool_parser
-from proxima.proxy.tools.fallback import template_renders_tools, with_tools_in_system
+from proxima.proxy.tools.fallback import (
+    fallback_messages,
+    hermes_tools_text,
+    template_renders_tools,
+    with_tools_in_system,
+)
 
 # Messages only, as SmolLM2's template (which also ignores `tools`).
 NO_TOOLS_TEMPLATE = (
@@ -134,3 +142,145 @@ async def test_a_template_that_renders_tools_ignores_the_fallback() -> None:
     )
     assert tok.decode(prepared.prompt_ids) == expected
     p.close()
+
+
+# ------------------------------------------------------------ the template extension
+
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+
+
+def test_calls_and_results_are_written_in_the_declared_layout() -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [CALL, CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    out = fallback_messages(messages, [TOOL], "hermes")
+    assert out[0]["role"] == "system" and out[0]["content"] == hermes_tools_text([TOOL])
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert out[2] == {"role": "assistant", "content": f"Checking.\n{block}\n{block}"}
+    # Both results, in order, in one user turn; the section says so.
+    assert out[3] == {
+        "role": "user",
+        "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>",
+    }
+    assert "<tool_response></tool_response>" in out[0]["content"]
+    assert out[4] == messages[4] and len(out) == 5
+    # What the hermes parser reads back from the written turn is the turn.
+    parsed = get_tool_parser("hermes").parse(out[2]["content"])
+    assert (
+        parsed.content == "Checking." and [c.name for c in parsed.tool_calls] == ["get_weather"] * 2
+    )
+    # A recorded reply is written as generated, whatever the canonical layout.
+    raw = (
+        'Checking.\n<tool_call>\n{"arguments":{"city":"Paris"},"name":"get_weather"}\n</tool_call>'
+    )
+    assert fallback_messages(messages, [TOOL], "hermes", {1: raw})[2]["content"] == raw
+    # Calls and results are written even when the request no longer declares tools.
+    assert fallback_messages(messages, None, "hermes") == out[1:]
+
+
+def _record(
+    renderer: ChatRenderer, plan: Any, messages: list[Any], reply_text: str, n: int
+) -> CompletionRecord:
+    """What the proxy records when the model generates ``reply_text`` and stops."""
+    output_ids = renderer.encode(reply_text) + [renderer.end_of_turn_id]
+    parsed = get_tool_parser("hermes").parse(reply_text)
+    response: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        response["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    return CompletionRecord(
+        id=f"cmpl-{n}",
+        session_id="s",
+        parent_id=plan.parent_id,
+        prompt_ids=plan.prompt_ids,
+        output_ids=output_ids,
+        output_logprobs=[0.0] * len(output_ids),
+        output_versions=[0] * len(output_ids),
+        finish_reason="stop",
+        created_at=datetime.now(UTC),
+        request_messages=messages,
+        request_tools=[TOOL],
+        response_message=response,
+        response_text=reply_text,
+    )
+
+
+def _as_client_sends(record: CompletionRecord) -> dict[str, Any]:
+    """The reply as a framework sends it back: arguments re-serialized its own way."""
+    reply = dict(record.response_message or {})
+    reply["tool_calls"] = [
+        {
+            **c,
+            "function": {
+                **c["function"],
+                "arguments": json.dumps(json.loads(c["function"]["arguments"]), indent=1),
+            },
+        }
+        for c in reply.get("tool_calls", [])
+    ]
+    return reply
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["parent-text-kept", "rendered-again"])
+def test_a_tool_loop_through_the_fallback_is_one_token_exact_chain(kept: bool) -> None:
+    tok = tokenizer(NO_TOOLS_TEMPLATE)
+    renderer = ChatRenderer(tok, tool_fallback="hermes")
+    # Spaced and ordered unlike json.dumps: only the recorded text renders it back.
+    calls = [
+        'I will look.\n<tool_call>\n{"name":"get_weather", "arguments": {"city":"Paris"}}\n</tool_call>',
+        '<tool_call>\n{"arguments": {"city": "Rome"},  "name": "get_weather"}\n</tool_call>',
+    ]
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris, then Rome?"}]
+    history: list[CompletionRecord] = []
+    for turn, reply in enumerate([*calls, "Sunny in Paris, rain in Rome."]):
+        canonical = normalize_messages(messages)
+        plan = renderer.build_prompt(canonical, [TOOL], history)
+        if history:
+            parent = history[-1]
+            assert plan.parent_id == parent.id
+            assert plan.prompt_ids[: len(parent.prompt_ids) + len(parent.output_ids)] == [
+                *parent.prompt_ids,
+                *parent.output_ids,
+            ]
+            # The new tokens are the results' user turn and the generation prompt only.
+            appended = tok.decode(plan.appended_ids)
+            assert appended.startswith("\n<|im_start|>user\n<tool_response>\n")
+            assert appended.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        else:
+            assert plan.parent_id is None
+        # The whole conversation rendered fresh is the same text: one rendering, no drift.
+        assert tok.decode(plan.prompt_ids) == plan.text
+        if kept:
+            renderer.rendered.add([f"cmpl-{turn}"], plan.text)
+        record = _record(renderer, plan, canonical, reply, turn)
+        history.append(record)
+        messages += [
+            _as_client_sends(record),
+            {"role": "tool", "tool_call_id": "call_x", "content": ["sunny", "rain"][min(turn, 1)]},
+        ]
+    assert [r.parent_id for r in history] == [None, "cmpl-0", "cmpl-1"]
+
+
+def test_without_the_recorded_text_a_respaced_call_starts_a_new_branch() -> None:
+    """Why the generated text is kept: the canonical layout of the same call differs."""
+    tok = tokenizer(NO_TOOLS_TEMPLATE)
+    renderer = ChatRenderer(tok, tool_fallback="hermes")
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    plan = renderer.build_prompt(normalize_messages(messages), [TOOL], [])
+    reply = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    record = _record(renderer, plan, normalize_messages(messages), reply, 0)
+    messages += [
+        _as_client_sends(record),
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+    ]
+    canonical = normalize_messages(messages)
+    assert renderer.build_prompt(canonical, [TOOL], [record]).parent_id == record.id
+    renderer.generated_replies = lambda parent, history: None  # type: ignore[method-assign]
+    assert renderer.build_prompt(canonical, [TOOL], [record]).parent_id is None
