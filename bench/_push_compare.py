@@ -18,7 +18,7 @@ export for disk. The breakdown printed beside it: the proxy's own time (generati
 for broadcast the trainer's fill (copying tensors into the bucket buffers, overlapped with
 the wire but for the first bucket), wire (blocked in the broadcast) and the engines'
 receive, screen and swap (from their ``/server_info``). Each push is a line of
-``bench/results/weight_push-TIME.jsonl`` (``--jsonl``), with the commit and load average.
+a ``weight_push-TIME.jsonl`` file in ``bench/results/`` (``--jsonl``), with the commit and load average.
 """
 
 from __future__ import annotations

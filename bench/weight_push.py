@@ -17,7 +17,7 @@ then ``--pushes`` rounds, so other load on the machine hits both alike:
 Each push's wall time is export (disk only) + transfer + load, until every engine serves it,
 broken down (the proxy's own time with generation paused; the trainer's fill and wire time;
 each engine's receive, screen and swap). Each push is a line of
-``bench/results/weight_push-TIME.jsonl`` with the commit and the load average. The last
+a ``weight_push-TIME.jsonl`` file in ``bench/results/`` with the commit and the load average. The last
 line is ``weight push: disk X ms, broadcast Y ms (0.5B model)`` (medians).
 
 ``--share``: what share of the trainer's step wall time goes to weight sync (export + push,
