@@ -31,7 +31,7 @@ the seed-to-seed spread; and the line
 
     staleness ablation (final reward, mean +- SE): sync R0+-S0; eta4 decoupled ...; eta4 naive ...
 
-Written: ``--results`` (default ``bench/results/staleness_ablation-DATE.jsonl``;
+Written: ``--results`` (default: a dated ``staleness_ablation-YYYY-MM-DD.jsonl`` in ``bench/results/``;
 one line per finished run, with the commit, the date and the starting policy's
 cache key; a rerun skips runs already there) and ``<out>/learning_curves.png``.
 
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "--results",
         type=Path,
         default=None,
-        help="raw jsonl, one line per run (default bench/results/staleness_ablation-DATE.jsonl)",
+        help="raw jsonl, one line per run (default: a dated staleness_ablation-YYYY-MM-DD.jsonl in bench/results/)",
     )
     p.add_argument("--cache", type=Path, default=Path(".cache/testbed"))
     p.add_argument(
