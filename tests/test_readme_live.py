@@ -106,6 +106,7 @@ class Scratch:
             (root / name).symlink_to(REPO / name)
         (root / ".cache").mkdir()
         for name in ("models", "harnesses"):
+            (REPO / ".cache" / name).mkdir(parents=True, exist_ok=True)  # make fills them
             (root / ".cache" / name).symlink_to(REPO / ".cache" / name)
         self.port = free_port()
         self.db = f"sqlite:///{root / 'store.db'}"

@@ -24,10 +24,10 @@ from proxima.proxy.rendering.chat_template import ChatRenderer
 from proxima.proxy.service.canonical import ChatInput
 from proxima.proxy.surfaces.responses import translate as responses_translate
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
+from proxima.trainer.pipeline.demo_model import prepare_smollm2
 from transformers import AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_MODEL = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
 def test_create_task_is_done_only_when_the_file_holds_the_word(tmp_path: Path) -> None:
@@ -98,8 +98,7 @@ def test_codex_run_sends_a_prompt_that_fits_the_demo_models_context(
 ) -> None:
     if not harness_agent.CODEX_FROM_CHECKOUT.exists():  # a missing harness fails, never skips
         pytest.fail("Codex CLI is missing: `make harnesses` installs it (make test does)")
-    if not DEMO_MODEL.exists():
-        pytest.fail("the demo model is missing: `make demo-model` prepares it")
+    demo_model = prepare_smollm2(REPO / ".cache" / "models")  # converted once per checkout
     scratch = tmp_path / "tmp"  # where the run makes (and removes) its scratch directory
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
@@ -109,7 +108,7 @@ def test_codex_run_sends_a_prompt_that_fits_the_demo_models_context(
     data = {
         "base_url": f"http://127.0.0.1:{server.server_port}/v1",
         "api_key": "sk-capture",
-        "model": DEMO_MODEL.name,
+        "model": demo_model.name,
         "harness": "codex",
         "codex_bin": str(harness_agent.CODEX_FROM_CHECKOUT),
         "task": {"kind": "count", "lines": 5},
@@ -123,8 +122,8 @@ def test_codex_run_sends_a_prompt_that_fits_the_demo_models_context(
     body = server.bodies[0]  # type: ignore[attr-defined]
     chat = responses_translate.canonical_request(ResponsesRequest.model_validate(body)).input
     assert isinstance(chat, ChatInput) and chat.tools is not None
-    assert body["model"] == DEMO_MODEL.name and "max_output_tokens" not in body
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    assert body["model"] == demo_model.name and "max_output_tokens" not in body
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
     renderer = ChatRenderer(tokenizer, tool_fallback="hermes")
     text = renderer.render_text(chat.messages, chat.tools, add_generation_prompt=True)
     assert harness_agent.CODEX_INSTRUCTIONS in text
