@@ -42,6 +42,11 @@ class ProxySection(_Section):
         description="Embedded engines of the started proxy (its --engines): 2 on a 2-core "
         "machine run the rollouts about 1.4x faster while the trainer waits for them.",
     )
+    tool_fallback: Literal["hermes"] | None = Field(
+        None,
+        description="The started proxy's --tool-fallback: tools written into the system prompt "
+        "for a model whose chat template renders none (SmolLM2's; make demo-tools).",
+    )
 
 
 class DataSection(_Section):

@@ -51,6 +51,8 @@ class RunProxy:
         ]
         if self.lora:
             args.append("--enable-lora")
+        if self.cfg.proxy.tool_fallback:
+            args += ["--tool-fallback", self.cfg.proxy.tool_fallback]
         kw: dict[str, Any] = {"port": self.cfg.proxy.port} if self.cfg.proxy.port else {}
         self.proxy = ProxyProcess(
             self.model_dir,

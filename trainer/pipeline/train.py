@@ -60,6 +60,7 @@ from proxima.trainer.pipeline.evaluation import (
     accuracy_line,
     evaluate,
     scored_items,
+    tool_line,
     truncation_line,
 )
 from proxima.trainer.pipeline.plots import curve_points, plot_rewards, read_log
@@ -390,6 +391,10 @@ def _print_outcome(
             accuracy_line(cfg, policy, before[policy.adapter], after[policy.adapter]),
             flush=True,
         )
+    for policy in policies:
+        tools = tool_line(policy, before[policy.adapter], after[policy.adapter])
+        if tools is not None:
+            print(tools, flush=True)
 
 
 def _copy_final(cfg: TrainRunConfig, adapter: str | None = None) -> Path | None:

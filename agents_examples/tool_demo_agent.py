@@ -1,0 +1,128 @@
+"""The tool demo's agent (``make demo-tools``): an unmodified LangGraph ``create_react_agent``.
+
+The agent is LangGraph's prebuilt ReAct agent over LangChain's ``ChatOpenAI`` and the
+calculator tool of :mod:`proxima.agents_examples.tool_agent`, through the OpenAI tools API:
+nothing in it knows about training. On the demo model (its chat template renders no tools) the
+proxy runs with ``--tool-fallback hermes``: the tools go into the system prompt, the model's
+``<tool_call>`` text comes back as ``tool_calls`` and the loop is one token-exact chain.
+
+The task is a product of a 3-digit and a 2-digit number (difficulty ``tool``), which the demo
+model cannot do unaided. The reward is 1.0 when the final answer's last integer is the
+product, else 0.0 (running out of steps or a failed request is a wrong answer).
+
+With ``report`` (evaluation) it returns a mapping:
+
+- ``final``: the reward;
+- ``first_try``: 1.0 when the answer is right and the first model turn's reply was a
+  well-formed call (the calculator named, a string ``expression``), no retry needed;
+- ``well_formed``: 1.0 when that first turn's reply was a well-formed call;
+- ``turns``: the model turns the run took.
+
+Item fields: ``question``, ``answer``; optional ``max_steps`` (model calls, default 3),
+``temperature``, ``max_tokens`` (64), ``seed``, ``model``/``base_url``/``api_key``.
+
+Standalone: ``python -m proxima.agents_examples.tool_demo_agent --base-url URL --api-key K --model M``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_openai import ChatOpenAI
+from langgraph.errors import GraphRecursionError
+from langgraph.prebuilt import create_react_agent
+from proxima.agents_examples.common import (
+    cli_data,
+    cli_parser,
+    endpoint,
+    is_correct,
+    resolve_model,
+    sampling,
+)
+from proxima.agents_examples.tool_agent import calculator
+from pydantic import SecretStr
+
+SYSTEM_PROMPT = (
+    "You are a careful assistant. Use the calculator tool for any arithmetic, "
+    "then state the final answer as a number."
+)
+DEFAULT_MAX_STEPS = 3
+DEFAULT_MAX_TOKENS = 64
+
+
+def well_formed(message: BaseMessage | None) -> bool:
+    """``message`` is a model reply holding calls only to the calculator, each with a string
+    ``expression``, and no call the parser could not read."""
+    if not isinstance(message, AIMessage) or not message.tool_calls or message.invalid_tool_calls:
+        return False
+    return all(
+        call["name"] == "calculator" and isinstance(call["args"].get("expression"), str)
+        for call in message.tool_calls
+    )
+
+
+def score(messages: list[BaseMessage], answer: Any) -> dict[str, float]:
+    """The run's report (see the module docstring) from its messages."""
+    replies = [m for m in messages if isinstance(m, AIMessage)]
+    final = replies[-1] if replies else None
+    text = final.content if final is not None and isinstance(final.content, str) else ""
+    right = bool(final is not None and not final.tool_calls and is_correct(text, answer))
+    formed = well_formed(replies[0] if replies else None)
+    return {
+        "final": float(right),
+        "first_try": float(right and formed),
+        "well_formed": float(formed),
+        "turns": float(len(replies)),
+    }
+
+
+async def solve(data: dict[str, Any]) -> tuple[dict[str, float], list[BaseMessage]]:
+    """Run the ReAct agent on one problem; returns its report and messages."""
+    ep = endpoint(data)
+    llm = ChatOpenAI(
+        model=await resolve_model(ep),
+        base_url=ep.base_url,
+        api_key=SecretStr(ep.api_key),
+        max_retries=0,
+        **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
+    )
+    agent = create_react_agent(llm, [calculator], prompt=SYSTEM_PROMPT)
+    messages: list[BaseMessage] = [HumanMessage(str(data["question"]))]
+    # Each model call and each tool call is one graph step, and one to end.
+    limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS)) + 1
+    try:
+        state = await agent.ainvoke({"messages": messages}, {"recursion_limit": limit})
+        messages = list(state["messages"])
+    except GraphRecursionError:
+        report = score(messages, data["answer"])
+        report.update(final=0.0, first_try=0.0)
+        return report, messages
+    return score(messages, data["answer"]), messages
+
+
+async def run_agent_return_reward(data: dict[str, Any]) -> float | dict[str, float]:
+    """1.0 if the final answer is the product, else 0.0; with ``report`` the whole report."""
+    report, _ = await solve(data)
+    return report if data.get("report") else report["final"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Solve one product with the ReAct agent and print its report and messages."""
+    parser = cli_parser(main.__doc__ or "")
+    parser.set_defaults(question="What is 384 * 27?", answer=384 * 27)
+    args = parser.parse_args(argv)
+    report, messages = asyncio.run(solve(cli_data(args)))
+    print(
+        json.dumps(
+            {"report": report, "messages": [m.model_dump() for m in messages]},
+            indent=2,
+            default=str,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
