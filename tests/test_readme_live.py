@@ -28,6 +28,7 @@ at the cap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -177,19 +178,20 @@ def serve(scratch: Scratch, block: Block, name: str) -> Iterator[Server]:
         )
     url = f"http://127.0.0.1:{scratch.port}"
     deadline = time.monotonic() + 600  # make demo-model converts the model once (~90 s)
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "proxima serve did not become healthy"
-        try:
-            if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
     try:
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "proxima serve did not become healthy"
+            try:
+                if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
         yield Server(proc, log, url)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+    finally:  # also when it never became ready
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
