@@ -22,7 +22,10 @@ both paths give the same prompt tokens).
 
 It prints one line per variant and temperature::
 
-    shipped   T=0: well-formed 31/32 (97%), right 30/32 (94%)
+    shipped   T=0: well-formed 0/32 (0%), right 0/32 (0%)
+
+Measured 2026-11-28 (commit f1e6665, n=32): 0/32 for every variant at both temperatures
+(``docs/reference.md``).
 
 Run: ``nice -n 19 .venv/bin/python bench/tool_call_rate.py`` (``-n 32``; ``--variants
 shipped,plain``; ``--json FILE`` keeps the replies).
