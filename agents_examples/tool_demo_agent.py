@@ -18,7 +18,14 @@ With ``report`` (evaluation) it returns a mapping:
 - ``well_formed``: 1.0 when that first turn's reply was a well-formed call;
 - ``turns``: the model turns the run took.
 
+With ``first_tool_choice = "required"`` the first model turn is sent with ``tool_choice:
+required`` (LangGraph's dynamic model: the model bound to the calculator with it until a tool
+result is in the state, then with ``auto``): the proxy decodes that turn under the tool-call
+grammar, so it is well-formed by construction and the trainer recomputes its logprobs under the
+same mask; ``well_formed`` then measures the grammar, not the model, and later turns are free.
+
 Item fields: ``question``, ``answer``; optional ``max_steps`` (model calls, default 3),
+``first_tool_choice`` (``auto``, the default, or ``required``),
 ``temperature``, ``max_tokens`` (64), ``seed``, ``model``/``base_url``/``api_key``.
 
 Standalone: ``python -m proxima.agents_examples.tool_demo_agent --base-url URL --api-key K --model M``.
@@ -28,9 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
@@ -79,6 +88,18 @@ def score(messages: list[BaseMessage], answer: Any) -> dict[str, float]:
     }
 
 
+def _first_turn_forced(llm: ChatOpenAI) -> Callable[[Any, Any], Runnable[Any, BaseMessage]]:
+    """A dynamic model: ``tool_choice: required`` until a tool result is in the state."""
+    forced = llm.bind_tools([calculator], tool_choice="required")
+    free = llm.bind_tools([calculator])
+
+    def select(state: Any, runtime: Any) -> Runnable[Any, BaseMessage]:
+        seen = any(isinstance(m, ToolMessage) for m in state["messages"])
+        return free if seen else forced
+
+    return select
+
+
 async def solve(data: dict[str, Any]) -> tuple[dict[str, float], list[BaseMessage]]:
     """Run the ReAct agent on one problem; returns its report and messages."""
     ep = endpoint(data)
@@ -89,7 +110,11 @@ async def solve(data: dict[str, Any]) -> tuple[dict[str, float], list[BaseMessag
         max_retries=0,
         **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
     )
-    agent = create_react_agent(llm, [calculator], prompt=SYSTEM_PROMPT)
+    agent = create_react_agent(
+        _first_turn_forced(llm) if data.get("first_tool_choice") == "required" else llm,
+        [calculator],
+        prompt=SYSTEM_PROMPT,
+    )
     messages: list[BaseMessage] = [HumanMessage(str(data["question"]))]
     # Each model call and each tool call is one graph step, and one to end.
     limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS)) + 1

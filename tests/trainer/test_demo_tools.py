@@ -101,3 +101,17 @@ def test_demo_tools_config_trains_one_step_end_to_end(tiny_model_dir: Path, tmp_
         f"{summary['scores']['before']['test']['well_formed']:.1%} -> "
         f"{summary['scores']['after']['test']['well_formed']:.1%}"
     )
+
+
+def test_first_turn_forced_until_a_tool_result_is_in_the_state() -> None:
+    from langchain_openai import ChatOpenAI
+    from proxima.agents_examples.tool_demo_agent import _first_turn_forced
+    from pydantic import SecretStr
+
+    llm = ChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key=SecretStr("k"))
+    select = _first_turn_forced(llm)
+    q = HumanMessage("What is 384 * 27?")
+    first = select({"messages": [q]}, None)
+    later = select({"messages": [q, _call("384 * 27"), ToolMessage("1", tool_call_id="1")]}, None)
+    assert first.kwargs["tool_choice"] == "required"  # type: ignore[attr-defined]
+    assert "tool_choice" not in later.kwargs  # type: ignore[attr-defined]
