@@ -13,7 +13,7 @@ and last::
     tool demo seeds: gains +36, +20, +30 points; mean +28.7; min +20; well-formed after 96% (min 94%)
 
 It writes one ``run`` line per seed (its summary, step rewards, the commit) and a ``summary``
-line to ``bench/results/demo_tools_seeds-<date>.jsonl``, and the reward curves of the seeds
+line to a dated ``demo_tools_seeds`` jsonl in ``bench/results/``, and the reward curves of the seeds
 (mean +- std) beside it as a ``.png``. A seed whose run already finished with the same config
 is read, not run again; a run that failed is reported and left out.
 
