@@ -273,7 +273,7 @@ def test_eval_gate_and_versions_by_name(env: Env, tiny_model_dir: Path) -> None:
         cwd=env.work,
     )
     assert out.returncode == 0, out.stderr
-    assert "held-out accuracy of version 2" in out.stdout
+    assert "first-try accuracy of version 2" in out.stdout
     registry = admin(env, "GET", "/admin/versions").json()
     (v2,) = [v for v in registry["versions"] if v["version"] == 2]
     assert v2["eval"]["items"] == 2 and v2["eval"]["name"] == "proxima eval"

@@ -331,7 +331,7 @@ async def test_tenant_a_trains_pushes_and_promotes_alone(
             cwd=tmp_path,
         )
         assert out.returncode == 0, out.stderr
-        assert f"held-out accuracy of version {version} of adapter {A}" in out.stdout
+        assert f"first-try accuracy of version {version} of adapter {A}" in out.stdout
     rows = admin(proxy, "GET", "/admin/versions", params={"adapter": A})["versions"]
     scores = {r["version"]: r["eval"]["score"] for r in rows if r["eval"] is not None}
     assert sorted(scores) == [1, 2]

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from proxima.proxy.store.records import SessionKind, SessionRecord, SessionStatus
 from proxima.trainer.log import StepRecord, StepTimes, TrainLog
+from proxima.trainer.pipeline.evaluation import Accuracy, Score
 from proxima.trainer.tracking import (
     ROLLOUT_COLUMNS,
     Tracker,
@@ -300,9 +301,9 @@ async def test_proxima_trains_trackers_read_a_steps_sessions(tmp_path: Path) -> 
     )
     trackers = await RunTrackers.open(cfg, {None: tmp_path / "train_log.jsonl"}, url)
     assert trackers is not None
-    trackers.evaluation(None, (0.25, None))
+    trackers.evaluation(None, Accuracy(Score(0.25), None))
     await trackers.step(None, step_records()[0])  # version 1, pushed
-    trackers.evaluation(None, (0.5, 0.75))
+    trackers.evaluation(None, Accuracy(Score(0.5), Score(0.75)))
     await trackers.close()
     events = EventAccumulator(str(tmp_path / "tracking" / "tensorboard" / "r"))
     events.Reload()
