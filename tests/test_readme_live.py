@@ -266,9 +266,11 @@ def harness_runs(blocks: list[Block]) -> dict[str, tuple[str, str]]:
     runs = {
         "codex": ("bash", session.code + codex.code + marker),
         "claude": ("bash", session.code + claude.code + marker),
-        "agents-sdk": (
+        "agents-sdk": (  # the session is printed at exit: also when the run raises
             "python",
-            agents.code + '\nprint("README_TEST_SESSION=" + s["session_id"])\n',
+            "import atexit\n"
+            'atexit.register(lambda: print("README_TEST_SESSION=" + globals()["s"]["session_id"]))\n'
+            + agents.code,
         ),
         "mini-swe-agent": ("bash", session.code + mini.code + marker),
     }
