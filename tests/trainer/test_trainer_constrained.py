@@ -2,8 +2,9 @@
 
 The hand table uses logits ``z = log [1, 2, 3, 4]``, so ``softmax(z) = [0.1, 0.2, 0.3, 0.4]``
 and every masked, tempered distribution is a ratio of small integers (or their powers).
-Tolerances: float32 logs and sums of O(1) values round to ~1e-7; 1e-6 is 10x that, while a
-missing renormalisation moves a value by ``log Z``, 0.1 or more here. The engine check
+Tolerances: float32 logs and sums of O(1) values round to ~1e-7 and another summation order
+moves them by a few of those; 1e-5 is ~100x that, while a missing renormalisation moves a
+value by ``log Z``, 0.1 or more here. The engine check
 compares float32 computations of one model by two code paths (a batched KV-cached decode
 and a packed forward): 1e-4, as the trainer's live fidelity test.
 """
@@ -87,7 +88,7 @@ def test_hand_computed_masked_logprobs(
     if math.isinf(expected):
         assert value.item() == -math.inf
     else:
-        assert value.item() == pytest.approx(expected, abs=1e-6)
+        assert value.item() == pytest.approx(expected, abs=1e-5)
 
 
 def test_importance_weight_is_one_on_the_masked_distribution_and_z_off_it() -> None:
@@ -97,8 +98,8 @@ def test_importance_weight_is_one_on_the_masked_distribution_and_z_off_it() -> N
     behaviour = LOG(0.4 / 0.6)
     masked = masked_token_logprobs(Z[None], torch.tensor([3]), torch.ones(1), _allowed({1, 3}))
     plain = torch.log_softmax(Z, dim=-1)[3]
-    assert math.exp(masked.item() - behaviour) == pytest.approx(1.0, abs=1e-6)
-    assert math.exp(plain.item() - behaviour) == pytest.approx(0.6, abs=1e-6)
+    assert math.exp(masked.item() - behaviour) == pytest.approx(1.0, abs=1e-5)
+    assert math.exp(plain.item() - behaviour) == pytest.approx(0.6, abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +120,7 @@ def test_hand_computed_gradient_flows_only_through_allowed_logits(
     )
     value.sum().backward()
     assert logits.grad is not None
-    torch.testing.assert_close(logits.grad[0], torch.tensor(expected_grad), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits.grad[0], torch.tensor(expected_grad), atol=1e-5, rtol=0)
 
 
 def test_unpacked_bitmask_is_the_mask_xgrammar_applies() -> None:
