@@ -16,16 +16,24 @@ Levels, chosen for SmolLM2-135M-Instruct (the demo model): ``tiny``
 (two-digit ``+ - *``), ``tool`` (three-digit by two-digit products, for the
 calculator agent).
 
+Train phrasings (``train_phrasings``, default 1): with 1 every train and
+held-out item is asked ``"What is A op B?"``; with ``k`` each is asked in one of
+the first ``k`` wordings of :data:`TRAIN_PHRASINGS` of its operator (a seeded
+choice per item, drawn apart from the problems, so the problems of a seed are
+the same for every ``k``), and carries ``operator``, ``operands`` and
+``phrasing`` ("+2": the operator's wording 2).
+
 Unseen phrasings (``n_unseen``): a second held-out set that tests whether a
-policy trained on the ``"What is A op B?"`` items learned the arithmetic or the
-prompt. Its problems are in neither the train nor the held-out part (not even
-with the operands of a sum or product swapped), and each is asked in one of
-:data:`UNSEEN_PHRASINGS`, wordings no train item uses ("Subtract 4 from 17.",
-"Tom has 12 marbles and finds 5 more. ..."); the answer is still the last
-integer of the reply.
+policy trained on the train items learned the arithmetic or the prompt. Its
+problems are in neither the train nor the held-out part (not even with the
+operands of a sum or product swapped), and each is asked in one of
+:data:`UNSEEN_PHRASINGS`, wordings no train item uses whatever ``k``
+("Subtract 4 from 17.", "Tom has 12 marbles and finds 5 more. ..."); the answer
+is still the last integer of the reply. The unseen set of a seed does not depend
+on ``k`` either.
 
 CLI: ``python -m proxima.agents_examples.datasets --out-dir data --difficulty easy --train 400 --test 50``
-(``--unseen 50`` adds ``arith-easy-unseen.jsonl``).
+(``--unseen 50`` adds ``arith-easy-unseen.jsonl``, ``--train-phrasings 6`` mixes the wordings).
 """
 
 from __future__ import annotations
@@ -72,7 +80,37 @@ _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a 
 TRAIN_PHRASING = "What is {a} {op} {b}?"
 _TRAIN_QUESTION = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 
-# Wordings of the unseen-phrasings set, per operator: none is the train phrasing or
+# Wordings of train and held-out items with train_phrasings=k: the first k of the
+# operator's (the first is TRAIN_PHRASING). Symbols, words and one story kind (a bag,
+# a bus); none is a wording of UNSEEN_PHRASINGS, whose stories are other ones.
+TRAIN_PHRASINGS: dict[str, tuple[str, ...]] = {
+    "+": (
+        "What is {a} + {b}?",
+        "Work out {a} + {b}.",
+        "What do you get when you put {a} and {b} together?",
+        "What is the total of {a} and {b}?",
+        "A bag holds {a} red balls and {b} blue balls. How many balls are in the bag?",
+        "A bus has {a} people on it and {b} more get on. How many people are on the bus now?",
+    ),
+    "-": (
+        "What is {a} - {b}?",
+        "Work out {a} - {b}.",
+        "What do you get when you take {b} away from {a}?",
+        "By how much is {a} greater than {b}?",
+        "A bag holds {a} balls and {b} of them are red. How many balls are not red?",
+        "A bus has {a} people on it and {b} get off. How many people are on the bus now?",
+    ),
+    "*": (
+        "What is {a} * {b}?",
+        "Work out {a} * {b}.",
+        "What do you get with {a} groups of {b}?",
+        "What is {a} lots of {b}?",
+        "A bag holds {a} packs of {b} balls. How many balls are in the bag?",
+        "A bus has {a} rows with {b} people in each. How many people can it seat?",
+    ),
+}
+
+# Wordings of the unseen-phrasings set, per operator: none is a train phrasing or
 # contains an operator symbol; the answer is always a nonnegative integer.
 UNSEEN_PHRASINGS: dict[str, tuple[str, ...]] = {
     "+": (
@@ -117,13 +155,26 @@ def problem_key(op: str, a: int, b: int) -> tuple[str, int, int]:
     return (op, min(a, b), max(a, b)) if op in "+*" else (op, a, b)
 
 
-def train_problem_key(question: str) -> tuple[str, int, int]:
-    """:func:`problem_key` of a ``"What is A op B?"`` question."""
+def _parsed(question: str) -> tuple[str, int, int]:
     match = _TRAIN_QUESTION.match(question)
     if match is None:
         raise ValueError(f"not a train-phrased arithmetic question: {question!r}")
     a, op, b = match.groups()
-    return problem_key(op, int(a), int(b))
+    return op, int(a), int(b)
+
+
+def train_problem_key(question: str) -> tuple[str, int, int]:
+    """:func:`problem_key` of a ``"What is A op B?"`` question."""
+    return problem_key(*_parsed(question))
+
+
+def item_problem_key(item: Mapping[str, Any]) -> tuple[str, int, int]:
+    """:func:`problem_key` of an item: its ``operator`` and ``operands`` where it has them
+    (other wordings), else its ``"What is A op B?"`` question."""
+    if "operands" in item:
+        a, b = item["operands"]
+        return problem_key(str(item["operator"]), int(a), int(b))
+    return train_problem_key(str(item["question"]))
 
 
 def arithmetic_problems(n: int, *, difficulty: str = "easy", seed: int = 0) -> list[dict[str, Any]]:
@@ -166,12 +217,12 @@ def unseen_phrasings(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """``n`` distinct problems of a level, none of them (operands swapped or not) in ``exclude``
-    (train-phrased items), each asked in one of :data:`UNSEEN_PHRASINGS` (seeded choice)."""
+    (train and held-out items), each asked in one of :data:`UNSEEN_PHRASINGS` (seeded choice)."""
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(DIFFICULTIES)}")
     level = DIFFICULTIES[difficulty]
     rng = random.Random(f"{difficulty}:{seed}:unseen")
-    taken = {train_problem_key(str(item["question"])) for item in exclude}
+    taken = {item_problem_key(item) for item in exclude}
     items: list[dict[str, Any]] = []
     for _ in range(MAX_DRAWS_PER_PROBLEM * max(n, 1)):
         if len(items) == n:
@@ -202,6 +253,34 @@ def unseen_phrasings(
     return items
 
 
+def rephrased(
+    problems: Iterable[Mapping[str, Any]], k: int, *, difficulty: str = "easy", seed: int = 0
+) -> list[dict[str, Any]]:
+    """``"What is A op B?"`` items each asked in one of the first ``k`` wordings of
+    :data:`TRAIN_PHRASINGS` of its operator (seeded choice; ``k = 1`` changes nothing)."""
+    if not 1 <= k <= min(len(w) for w in TRAIN_PHRASINGS.values()):
+        raise ValueError(
+            f"train_phrasings must be 1 to {min(len(w) for w in TRAIN_PHRASINGS.values())}, not {k}"
+        )
+    if k == 1:
+        return [dict(p) for p in problems]
+    rng = random.Random(f"{difficulty}:{seed}:phrasing")
+    items = []
+    for p in problems:
+        op, a, b = _parsed(str(p["question"]))
+        phrasing = rng.randrange(k)
+        items.append(
+            {
+                **p,
+                "question": TRAIN_PHRASINGS[op][phrasing].format(a=a, b=b),
+                "operator": op,
+                "operands": [a, b],
+                "phrasing": f"{op}{phrasing}",
+            }
+        )
+    return items
+
+
 def arithmetic_splits(
     *,
     difficulty: str = "easy",
@@ -209,14 +288,17 @@ def arithmetic_splits(
     n_test: int = 50,
     seed: int = 0,
     n_unseen: int = 0,
+    train_phrasings: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Disjoint ``{"train": [...], "test": [...]}``; the held-out problems come first.
+    """Disjoint ``{"train": [...], "test": [...]}``; the held-out problems come first, both
+    asked in the first ``train_phrasings`` wordings of :data:`TRAIN_PHRASINGS`.
 
     With ``n_unseen``, also ``"unseen"``: :func:`unseen_phrasings` outside both parts.
     """
     problems = arithmetic_problems(n_train + n_test, difficulty=difficulty, seed=seed)
-    test = [{**p, "split": "test"} for p in problems[:n_test]]
-    train = [{**p, "split": "train"} for p in problems[n_test:]]
+    asked = rephrased(problems, train_phrasings, difficulty=difficulty, seed=seed)
+    test = [{**p, "split": "test"} for p in asked[:n_test]]
+    train = [{**p, "split": "train"} for p in asked[n_test:]]
     splits = {"train": train, "test": test}
     if n_unseen:
         splits["unseen"] = unseen_phrasings(
@@ -253,10 +335,16 @@ def write_arithmetic_splits(
     n_test: int = 50,
     seed: int = 0,
     n_unseen: int = 0,
+    train_phrasings: int = 1,
 ) -> dict[str, Path]:
     """Write ``arith-{difficulty}-{train,test[,unseen]}.jsonl`` under ``out_dir``; returns the paths."""
     splits = arithmetic_splits(
-        difficulty=difficulty, n_train=n_train, n_test=n_test, seed=seed, n_unseen=n_unseen
+        difficulty=difficulty,
+        n_train=n_train,
+        n_test=n_test,
+        seed=seed,
+        n_unseen=n_unseen,
+        train_phrasings=train_phrasings,
     )
     return {
         name: write_jsonl(Path(out_dir) / f"arith-{difficulty}-{name}.jsonl", items)
@@ -277,6 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--unseen", type=int, default=0, help="held-out problems in unseen phrasings"
     )
+    parser.add_argument(
+        "--train-phrasings", type=int, default=1, help="wordings of train and held-out items"
+    )
     args = parser.parse_args(argv)
     paths = write_arithmetic_splits(
         args.out_dir,
@@ -285,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
         n_test=args.test,
         seed=args.seed,
         n_unseen=args.unseen,
+        train_phrasings=args.train_phrasings,
     )
     for name, path in paths.items():
         print(f"{name}: {path}")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import statistics
 import subprocess
@@ -229,7 +230,10 @@ def final_line(results: list[dict[str, Any]]) -> str:
 
 
 def git_commit() -> str:
-    """The working tree's commit (``-dirty`` with uncommitted changes)."""
+    """The working tree's commit (``-dirty`` with uncommitted changes), or
+    ``$PROXIMA_CODE_COMMIT`` when set (a run of a ``bench/_code_at.py`` tree: no git there)."""
+    if os.environ.get("PROXIMA_CODE_COMMIT"):
+        return os.environ["PROXIMA_CODE_COMMIT"]
     out = subprocess.run(
         ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
         capture_output=True,

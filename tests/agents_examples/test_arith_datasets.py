@@ -11,9 +11,11 @@ import pytest
 from proxima.agents_examples.datasets import (
     DIFFICULTIES,
     TRAIN_PHRASING,
+    TRAIN_PHRASINGS,
     UNSEEN_PHRASINGS,
     arithmetic_problems,
     arithmetic_splits,
+    item_problem_key,
     problem_key,
     read_jsonl,
     write_arithmetic_splits,
@@ -185,3 +187,58 @@ def test_cli_writes_the_unseen_set(tmp_path: Path) -> None:
     written = list(read_jsonl(tmp_path / "arith-easy-unseen.jsonl"))
     expected = arithmetic_splits(difficulty="easy", n_train=300, n_test=50, seed=4, n_unseen=50)
     assert written == expected["unseen"]
+
+
+# --------------------------------------------------------------------------- train phrasings
+
+
+def test_train_phrasings_are_disjoint_from_the_unseen_ones() -> None:
+    for op, wordings in TRAIN_PHRASINGS.items():
+        assert wordings[0] == TRAIN_PHRASING.replace("{op}", op)
+        assert len(set(wordings)) == len(wordings)
+        assert not set(wordings) & set(UNSEEN_PHRASINGS[op])
+        for w in wordings:
+            # Both operands once each; no train question is ever an unseen one.
+            assert w.count("{a}") == w.count("{b}") == 1
+            assert w.format(a=3, b=4) not in {u.format(a=3, b=4) for u in UNSEEN_PHRASINGS[op]}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_several_train_phrasings_keep_the_problems_and_the_unseen_set(seed: int) -> None:
+    one = arithmetic_splits(difficulty="easy", n_train=250, n_test=50, seed=seed, n_unseen=100)
+    six = arithmetic_splits(
+        difficulty="easy", n_train=250, n_test=50, seed=seed, n_unseen=100, train_phrasings=6
+    )
+    assert six["unseen"] == one["unseen"]  # the unseen set does not depend on the wordings
+    used = set()
+    for part in ("train", "test"):
+        assert len(six[part]) == len(one[part])
+        for plain, worded in zip(one[part], six[part], strict=True):
+            op, a, b = _parsed(plain["question"])
+            assert (worded["id"], worded["answer"], worded["split"]) == (
+                plain["id"],
+                plain["answer"],
+                part,
+            )
+            assert (worded["operator"], worded["operands"]) == (op, [a, b])
+            k = int(worded["phrasing"][1:])
+            assert worded["phrasing"][0] == op and 0 <= k < 6
+            assert worded["question"] == TRAIN_PHRASINGS[op][k].format(a=a, b=b)
+            assert item_problem_key(worded) == problem_key(op, a, b)
+            used.add(worded["phrasing"])
+    assert used == {f"{op}{k}" for op in "+-" for k in range(6)}  # every wording is asked
+    # Operand-disjoint from the unseen problems, as with one wording.
+    keys = {item_problem_key(p) for p in six["train"] + six["test"]}
+    assert not keys & {item_problem_key(p) for p in six["unseen"]}
+    assert not {p["question"] for p in six["test"]} & {p["question"] for p in six["train"]}
+
+
+def test_train_phrasings_out_of_range_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train_phrasings must be 1 to 6, not 7"):
+        arithmetic_splits(difficulty="easy", n_train=10, n_test=5, train_phrasings=7)
+    with pytest.raises(ValueError, match="train_phrasings must be 1 to 6, not 0"):
+        arithmetic_splits(difficulty="easy", n_train=10, n_test=5, train_phrasings=0)
+    paths = write_arithmetic_splits(
+        tmp_path, difficulty="medium", n_train=30, n_test=10, seed=2, train_phrasings=3
+    )
+    assert {p["phrasing"][1:] for p in read_jsonl(paths["train"])} <= {"0", "1", "2"}

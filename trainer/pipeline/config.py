@@ -68,6 +68,13 @@ class DataSection(_Section):
     unseen_file: Path | None = Field(
         None, description="Held-out JSONL in unseen phrasings (with a file source)."
     )
+    train_phrasings: int = Field(
+        1,
+        ge=1,
+        le=6,
+        description="Arithmetic wordings of train and held-out items, per operator (1: 'What is "
+        "A op B?' only; the unseen phrasings are none of them).",
+    )
     seed: int = Field(0, description="Dataset seed (the split is fixed by it).")
 
 

@@ -50,6 +50,7 @@ def load_items(data: DataSection) -> Items:
             n_test=data.test_items,
             seed=data.seed,
             n_unseen=data.unseen_items,
+            train_phrasings=data.train_phrasings,
         )
         return Items(splits["train"], splits["test"], splits.get("unseen", []))
     from proxima.agents_examples.datasets import read_jsonl
