@@ -29,7 +29,11 @@ One step (:meth:`Trainer.step`), top to bottom:
    the training forward pass itself (the weights have not moved yet), so no
    separate pass runs; with several, one no-grad pass runs before the first.
 5. PPO minibatch updates (``backend.train_step``).
-6. Export the weights as version ``v + 1`` and push them to the proxy.
+6. Export the weights as version ``v + 1`` and push them to the proxy. With a sink
+   that pushes from memory (``[trainer.weights] transport = "broadcast"``) and a backend
+   with in-memory HF tensors (torch), the push goes first and the export after it, on
+   the compute thread ahead of the next step's model work (step 7 waits for it while
+   the next batch is claimed).
 7. Mark the sessions TRAINED into ``v + 1``; checkpoint every
    ``checkpoint_every`` steps; log the step.
 
@@ -68,10 +72,9 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from proxima.proxy.store import SessionRecord, SessionStatus, Store
 from proxima.trainer.backends.base import PPOBackend, StepStats
@@ -86,7 +89,8 @@ from proxima.trainer.log import (
     policy_home,
 )
 from proxima.trainer.production import production_use
-from proxima.trainer.recovery import recover, settle_pending_step
+from proxima.trainer.publish import Publishing
+from proxima.trainer.recovery import recover
 from proxima.trainer.samples import Sample, vocab_size_of
 from proxima.trainer.torchrun import (
     BroadcastingBackend,
@@ -94,17 +98,11 @@ from proxima.trainer.torchrun import (
     load_backend,
 )
 from proxima.trainer.weights import (
-    PendingStep,
     PushResult,
     TrainerState,
     WeightSink,
-    clear_pending,
-    export_weights,
-    prune_weights,
     read_pending,
     remove_partial_writes,
-    save_checkpoint,
-    write_pending,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,7 +110,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Trainer:
+class Trainer(Publishing):
     """A running trainer: its backend, its place in the version sequence, its store and proxy.
 
     Build it with :meth:`start`, drive it with :meth:`run` (or :meth:`step`),
@@ -146,6 +144,7 @@ class Trainer:
         self._weights_ahead = False  # trained weights not (yet) pushed: never checkpoint those
         self._vocab_size = vocab_size_of(cfg.connection.model_dir)
         self._replay: GrammarReplay | None = None  # constrained completions' masks
+        self._init_publishing()  # steps 6-7: by disk, or from memory (exported after)
         # Claims held toward the next batch, and what ``refill`` dropped while it filled.
         self.claims = BatchClaims(
             cfg, store, trainer_id=state.trainer_id, adapter=adapter, vocab_size=self._vocab_size
@@ -289,18 +288,6 @@ class Trainer:
         )
         return self._log_step(metrics, dropped_ids, stats, push, times)
 
-    async def checkpoint(self) -> Path | None:
-        """Save model, optimizer and state now (skipped while weights are ahead of the proxy)."""
-        if self._weights_ahead:
-            logger.warning("not checkpointing: trained weights were never pushed")
-            return None
-        state = self.state
-        path = await self._compute(
-            lambda: save_checkpoint(self.home, state, self.backend.state_dict())
-        )
-        self._checkpointed_step = state.step
-        return path
-
     async def close(self) -> None:
         """Settle an interrupted push, release claims, checkpoint if due, stop the compute thread.
 
@@ -309,6 +296,7 @@ class Trainer:
         settled as at start-up before any claim is released.
         """
         try:
+            await self._exported()  # its sessions are marked before any claim is released
             if self._weights_ahead and read_pending(self.home) is not None:
                 await self._settle_interrupted_push()
             released = await self.store.release_claims(trainer_id=self.state.trainer_id)
@@ -323,18 +311,6 @@ class Trainer:
                 self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ helpers
-
-    async def _settle_interrupted_push(self) -> None:
-        """Rule 1 of ``proxima.trainer.weights`` for this run's own failed push."""
-        pending = read_pending(self.home)
-        assert pending is not None
-        pushed_version = await self.store.current_policy_version(adapter=self.adapter)
-        await settle_pending_step(self.store, self.cfg.output_dir, pushed_version, self.adapter)
-        if pending.version == pushed_version:  # it landed: the weights in memory are served
-            self.state = dataclasses.replace(
-                self.state, version=pending.version, step=self.state.step + 1
-            )
-            self._weights_ahead = False
 
     async def _claim_batch(self, stop: asyncio.Event) -> list[SessionRecord] | None:
         """Claim whole groups until ``batch_size`` sessions are held; None if ``stop`` is set first.
@@ -395,43 +371,6 @@ class Trainer:
             self._replay = GrammarReplay(self.cfg.connection.model_dir)
         return self._replay
 
-    async def _export_and_push(
-        self, new_version: int, trained_ids: list[str]
-    ) -> tuple[PushResult, float, float]:
-        """Step 6: export the weights as ``new_version`` and push them (the pending step
-        written first); the push's result, and the export and push seconds."""
-        t = time.monotonic()
-        path = await self._compute(
-            export_weights, self.cfg.output_dir, new_version, self.backend.export_hf, self.adapter
-        )
-        export_s = time.monotonic() - t
-        write_pending(self.home, PendingStep(self.state.trainer_id, new_version, trained_ids))
-        if self.adapter is None:
-            push = await self.sink.push(version=new_version, path=path)
-        else:
-            push = await self.sink.push(version=new_version, path=path, adapter=self.adapter)
-        push_s = time.monotonic() - t - export_s
-        self._weights_ahead = False
-        return push, export_s, push_s
-
-    async def _consume(self, trained_ids: list[str], new_version: int) -> None:
-        """Step 7: the sessions are TRAINED into ``new_version``, the pending step cleared, the
-        state advanced, old versions pruned, and a checkpoint written when one is due."""
-        cfg = self.cfg
-        await self.store.mark_sessions(
-            session_ids=trained_ids, status=SessionStatus.TRAINED, trained_version=new_version
-        )
-        clear_pending(self.home)
-        self.state = dataclasses.replace(self.state, version=new_version, step=self.state.step + 1)
-        prune_weights(
-            cfg.output_dir,
-            keep=cfg.keep_versions,
-            served_version=new_version,
-            adapter=self.adapter,
-        )
-        if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
-            await self.checkpoint()
-
     async def _with_prox_logprobs(self, samples: list[Sample]) -> list[Sample]:
         """Samples carrying proximal logprobs (recomputed, or the behaviour ones).
 
@@ -445,11 +384,6 @@ class Trainer:
             return samples
         prox = await self._compute(self.backend.compute_logprobs, samples)
         return [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(samples, prox, strict=True)]
-
-    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run model work on the compute thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _log_step(
         self,

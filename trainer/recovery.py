@@ -19,6 +19,7 @@ from proxima.trainer.weights import (
     ResumePlan,
     clear_pending,
     latest_checkpoint,
+    lost_push,
     plan_resume,
     read_pending,
     weights_dir,
@@ -45,8 +46,19 @@ async def recover(
     step and checkpoints are in its home and whose version is its own.
     """
     pushed_version = await store.current_policy_version(adapter=adapter)
-    settled = await settle_pending_step(store, output_dir, pushed_version, adapter)
-    checkpoint = latest_checkpoint(policy_home(output_dir, adapter))
+    home = policy_home(output_dir, adapter)
+    checkpoint = latest_checkpoint(home)
+    lost = lost_push(read_pending(home), pushed_version, output_dir, checkpoint, adapter)
+    if lost:  # its sessions are released below and trained again
+        logger.warning(
+            "version %s was pushed from memory and lost before its export: resuming from the "
+            "newest weights below it, its sessions trained again",
+            pushed_version,
+        )
+        clear_pending(home)
+        settled = 0
+    else:
+        settled = await settle_pending_step(store, output_dir, pushed_version, adapter)
     released = await store.release_claims(trainer_id=trainer_id)
     if checkpoint is not None and checkpoint.state.trainer_id != trainer_id:
         logger.warning(
@@ -62,6 +74,7 @@ async def recover(
         pushed_version=pushed_version,
         pushed_paths=[(r.version, r.path) for r in records],
         adapter=adapter,
+        lost=lost,
     )
     return Recovery(plan=plan, released=released, settled=settled)
 

@@ -3,11 +3,13 @@
 :class:`BroadcastWeightSink` is the ``WeightSink`` of ``[trainer.weights] transport =
 "broadcast"`` (``proxima.trainer.weights_config``). Its weights come from one of two places:
 
-- the trainer's memory (a ``source``: the model's tensors by HF name, tied ones once, cast
-  to the dtype the backends serve), with nothing written or read on disk by the push;
-- else the version's export at ``path`` (the trainer loop writes it before every push: the
-  recovery rule of ``proxima.trainer.weights`` reads it), read back byte for byte, so what
-  is broadcast is what was exported, whatever the training backend.
+- the trainer's memory (:meth:`BroadcastWeightSink.push_from`, or a ``source`` given to
+  the sink: the model's tensors by HF name, tied ones once, cast to ``[trainer.weights]
+  dtype``), with nothing written or read on disk by the push: the trainer loop exports
+  the version after the push is acknowledged (the recovery rule of
+  ``proxima.trainer.weights``);
+- else the version's export at ``path`` (backends without in-memory HF tensors export
+  before the push), read back byte for byte, so what is broadcast is what was exported.
 
 A push, with the proxy (``proxima.proxy.api.weight_groups``):
 
@@ -27,8 +29,9 @@ A 409 ``weight_group_stale`` (a backend came, went or restarted since the group 
 nothing was paused) opens a new group and pushes again, once. Any other failure (the
 group cannot form, a backend died mid-push, the proxy went away) forgets the group and,
 with ``fallback_to_disk``, pushes the same version from disk (``ProxyWeightSink``, whose
-409 handling also settles a broadcast push whose answer was lost); otherwise it raises
-``WeightPushError``. A LoRA adapter's push always goes from disk.
+409 handling also settles a broadcast push whose answer was lost; a push from memory has
+the version exported first); otherwise it raises ``WeightPushError``. A LoRA adapter's
+push always goes from disk.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,7 @@ from proxima.proxy.embedded.process_group import (
     destroy_process_group,
     flat_offsets,
     init_custom_process_group,
+    torch_dtype,
 )
 from proxima.proxy.serving import free_port
 from proxima.trainer.weight_buckets import (
@@ -87,6 +91,11 @@ def local_address(proxy_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # UDP: no packet is sent; the kernel picks the interface
         return str(s.getsockname()[0])
+
+
+def _wire_dtype(name: str) -> torch.dtype | None:
+    """``[trainer.weights] dtype``: a torch dtype, None for ``auto`` (the tensors' own)."""
+    return None if name == "auto" else torch_dtype(name)
 
 
 def _refusal(resp: httpx.Response) -> tuple[str | None, str]:
@@ -180,10 +189,10 @@ class BroadcastWeightSink:
     replica that opened it). ``after_bucket(i)`` is called after bucket ``i`` was sent.
 
     ``source``: the trainer's weights in memory (:data:`TensorSource`); a push then sends
-    them, cast to ``dtype`` (the dtype the backends serve; None: the tensors' own), and
-    reads nothing from ``path``, which is only recorded as the version's (where a
-    restarted backend, a restore or a fallback push loads it from). Without one, a push
-    sends the export at ``path`` byte for byte.
+    them (as :meth:`push_from` does), cast to ``dtype`` (the dtype the backends serve;
+    None: ``settings.dtype``), and reads nothing from ``path``, which is only recorded as
+    the version's (where a restarted backend, a restore or a fallback push loads it from).
+    Without one, a push sends the export at ``path`` byte for byte.
     """
 
     def __init__(
@@ -202,9 +211,10 @@ class BroadcastWeightSink:
         self.settings = settings
         self.after_bucket = after_bucket
         self.source = source
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else _wire_dtype(settings.dtype)
         self.device = "cuda" if settings.backend == "nccl" else "cpu"
-        self._buffers = BucketBuffers(self.device if source is not None else "cpu")
+        # Bucket buffers of pushes from memory (on the group's device) and from an export.
+        self._buffers = {True: BucketBuffers(self.device), False: BucketBuffers("cpu")}
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0)
@@ -216,27 +226,51 @@ class BroadcastWeightSink:
         """Push ``version``: by broadcast (full weights), else from disk (see the module)."""
         if adapter is not None:
             return await self.disk.push(version=version, path=path, adapter=adapter)
+        return await self._push(version, path, self.source, None)
+
+    async def push_from(
+        self,
+        *,
+        version: int,
+        path: Path,
+        source: TensorSource,
+        export: Callable[[], Awaitable[Path]],
+    ) -> PushResult:
+        """Push ``version`` from ``source`` (the trainer's memory), nothing read or written;
+        ``path`` (where the trainer exports it later) is recorded as the version's. A
+        fallback to disk calls ``export()`` first."""
+        return await self._push(version, path, source, export)
+
+    async def _push(
+        self,
+        version: int,
+        path: Path,
+        source: TensorSource | None,
+        export: Callable[[], Awaitable[Path]] | None,
+    ) -> PushResult:
         try:
             try:
-                return await self._push_once(version, path)
+                return await self._push_once(version, path, source)
             except GroupStale as exc:
                 logger.info("weight-update group stale (%s): opening a new one", exc)
-                return await self._push_once(version, path)
+                return await self._push_once(version, path, source)
         except BroadcastFailed as exc:
             if not self.settings.fallback_to_disk:
                 raise WeightPushError(f"broadcast push of version {version} failed: {exc}") from exc
             logger.warning(
                 "broadcast push of version %s failed (%s); pushing from disk", version, exc
             )
+            if export is not None:
+                path = await export()
             return await self.disk.push(version=version, path=path)
 
-    async def _push_once(self, version: int, path: Path) -> PushResult:
+    async def _push_once(self, version: int, path: Path, source: TensorSource | None) -> PushResult:
         started = time.monotonic()
         group = self._group or await self._open_group()
         opened = time.monotonic()
         filler: Filler
-        if self.source is not None:
-            specs, tensors = memory_specs(self.source, self.dtype)
+        if source is not None:
+            specs, tensors = memory_specs(source, self.dtype)
             filler = MemoryPacker(tensors)
         else:
             specs, files = read_specs(path)
@@ -253,7 +287,9 @@ class BroadcastWeightSink:
             },
         }
         sending = asyncio.ensure_future(
-            asyncio.to_thread(group.send, buckets, filler, self._buffers, self.after_bucket)
+            asyncio.to_thread(
+                group.send, buckets, filler, self._buffers[source is not None], self.after_bucket
+            )
         )
         try:
             resp = await self._post("/admin/weights", body)

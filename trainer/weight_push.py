@@ -3,7 +3,9 @@
 :class:`WeightSink` is where a trainer's new versions go; :class:`ProxyWeightSink` is the
 proxy's ``POST /admin/weights`` (the backends load the version from disk,
 ``proxima.trainer.weights``'s layout), answered with a :class:`PushResult` or raised as a
-:class:`WeightPushError`. ``proxima.trainer.weights`` re-exports all four.
+:class:`WeightPushError`. ``proxima.trainer.weights`` re-exports all four. A sink that can
+also push straight from the trainer's memory is a :class:`MemoryWeightSink` (the broadcast
+sink, ``proxima.trainer.weight_broadcast``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import httpx
 from proxima.trainer.retry import RETRY_WINDOW_S, Backoff, retry_after, retryable_answer
@@ -49,6 +52,25 @@ class WeightSink(Protocol):
 
     async def aclose(self) -> None:
         """Release connections."""
+        ...
+
+
+@runtime_checkable
+class MemoryWeightSink(Protocol):
+    """A sink that pushes full weights straight from the trainer's memory."""
+
+    async def push_from(
+        self,
+        *,
+        version: int,
+        path: Path,
+        source: Callable[[], Iterable[tuple[str, Any]]],
+        export: Callable[[], Awaitable[Path]],
+    ) -> PushResult:
+        """Make ``version`` the served one from ``source`` (the model's tensors by HF name),
+        writing nothing; ``path`` is where the version will be exported (recorded as its).
+        A push that falls back to disk first calls ``export()`` (it writes ``path``) and
+        answers with ``transport`` "disk"."""
         ...
 
 

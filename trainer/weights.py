@@ -35,6 +35,17 @@ the newest checkpoint (version ``c``, step ``s``):
    CLAIMED by this trainer) are marked TRAINED into ``n`` now. If ``n > P``
    the push never landed: ``weights/v{n}`` is deleted and the sessions are
    released by step 2 and trained again (no pushed version contains them).
+   A push from the trainer's memory (``[trainer.weights] transport = "broadcast"``)
+   writes ``weights/v{n}`` only after the proxy took it (``exported`` false in the
+   pending step), on the compute thread before the next step trains, and marks the
+   sessions only then. A trainer that died in between leaves ``n = P`` with neither
+   ``weights/vP`` nor a checkpoint at ``P``: version ``P``'s weights were lost with it (the
+   backends serve them, nothing holds them to train on), so its sessions are released and
+   trained again as if the push had not landed, and step 3 resumes from the newest export
+   or checkpoint below ``P`` (exported before step ``P`` trained), still labelled version
+   ``P`` so the next push is ``P + 1``. Until that push the backends serve the lost
+   weights: their tokens train one step off-policy, as stale tokens do (the importance
+   ratio corrects them).
 2. ``release_claims(trainer_id)``: sessions of a step that died before its
    push go back to FINISHED and are claimed again.
 3. Weights and version (:func:`plan_resume`):
@@ -46,14 +57,19 @@ the newest checkpoint (version ``c``, step ``s``):
      (``weights/vP``, else the path the store recorded), the optimizer from
      ``C`` when there is one (AdamW moments ``P - c`` steps old) or fresh;
      version ``P``, step ``s + (P - c)``;
+   - version ``P`` lost (rule 1): the newest of ``C`` and ``weights/v{e}``, ``e < P``
+     (model and optimizer from ``C`` when ``c >= e``, else the model from ``v{e}``
+     and the optimizer from ``C`` or fresh; the initial model when neither), as version
+     ``P``;
    - ``c > P``: refused. The checkpoint is ahead of what the proxy serves
      (another database, or a reset store); resuming would push a version
      the proxy rejects or skip versions.
 
 So a restarted trainer's next push is ``P + 1`` (never the same version
-twice), no pushed step is lost (its weights are on disk), and no session is
-trained twice (TRAINED sessions are never claimable again, and released
-sessions are in no pushed version).
+twice), no pushed step is lost (its weights are on disk; a push from memory's
+only for the seconds its export takes, and then its sessions are trained again),
+and no session is trained twice (TRAINED sessions are never claimable again, and
+released sessions are in no weights the trainer resumes from).
 """
 
 from __future__ import annotations
@@ -93,6 +109,7 @@ __all__ = [
     "export_weights",
     "exported_versions",
     "latest_checkpoint",
+    "lost_push",
     "marker_file",
     "plan_resume",
     "prune_weights",
@@ -296,6 +313,7 @@ class PendingStep:
     trainer_id: str
     version: int
     session_ids: list[str]
+    exported: bool = True  # weights/v{version} written before the push (else after it)
 
 
 def write_pending(output_dir: Path, pending: PendingStep) -> None:
@@ -343,13 +361,18 @@ def plan_resume(
     pushed_version: int,
     pushed_paths: Sequence[tuple[int, str | None]] = (),
     adapter: str | None = None,
+    lost: bool = False,
 ) -> ResumePlan:
     """Apply the recovery rule to one policy (the base, or ``adapter``).
 
-    ``pushed_paths`` are the store's ``(version, path)`` records of that policy.
+    ``pushed_paths`` are the store's ``(version, path)`` records of that policy;
+    ``lost``: version ``pushed_version`` was pushed from memory and lost before its export
+    (rule 1).
     """
     if checkpoint is None and pushed_version == 0:
         return ResumePlan("initial", 0, 0, None, None)
+    if lost:
+        return _resume_below(output_dir, checkpoint, pushed_version, adapter)
     if checkpoint is not None:
         c = checkpoint.state.version
         if c > pushed_version:
@@ -377,3 +400,41 @@ def plan_resume(
         else pushed_version
     )
     return ResumePlan("pushed", pushed_version, step, checkpoint, path)
+
+
+def _resume_below(
+    output_dir: Path, checkpoint: Checkpoint | None, version: int, adapter: str | None
+) -> ResumePlan:
+    """Rule 3 when ``version`` was lost: the newest weights below it, labelled ``version``."""
+    marker = marker_file(adapter)
+    exports = [
+        v
+        for v in exported_versions(output_dir, adapter)
+        if v < version and (weights_dir(output_dir, v, adapter) / marker).is_file()
+    ]
+    c = checkpoint.state.version if checkpoint is not None else -1
+    e = exports[-1] if exports else -1
+    if checkpoint is not None and c >= e:
+        return ResumePlan("checkpoint", version, checkpoint.state.step, checkpoint, None)
+    if e < 0:
+        return ResumePlan("initial", version, 0, None, None)
+    step = checkpoint.state.step + (e - c) if checkpoint is not None else e
+    return ResumePlan("pushed", version, step, checkpoint, weights_dir(output_dir, e, adapter))
+
+
+def lost_push(
+    pending: PendingStep | None,
+    pushed_version: int,
+    output_dir: Path,
+    checkpoint: Checkpoint | None,
+    adapter: str | None = None,
+) -> bool:
+    """Whether ``pending`` is a push from memory that landed and whose weights were lost
+    (rule 1): version ``pushed_version``, neither exported nor in a checkpoint."""
+    return (
+        pending is not None
+        and not pending.exported
+        and pending.version == pushed_version
+        and not (weights_dir(output_dir, pending.version, adapter) / marker_file(adapter)).is_file()
+        and (checkpoint is None or checkpoint.state.version < pending.version)
+    )

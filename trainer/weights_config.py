@@ -2,12 +2,15 @@
 
 ``transport = "disk"`` (the default): the trainer exports the version (HF safetensors) and
 the proxy has every backend load that directory (``/update_weights_from_disk``); backends
-must see the trainer's file system. ``transport = "broadcast"``: the trainer still exports
-the version (its recovery and a restarted backend read it), then sends the weights itself,
-rank 0 of a torch process group with every backend's workers (``gloo`` on CPU, ``nccl``
-between GPUs), while the proxy pauses generation and records the version exactly as for a
-disk push (``proxima.trainer.weight_broadcast``). ``fallback_to_disk``: a broadcast push
-that fails (the group cannot form, a member died mid-push) is made from disk instead.
+must see the trainer's file system. ``transport = "broadcast"``: the trainer sends the
+weights itself, rank 0 of a torch process group with every backend's workers (``gloo`` on
+CPU, ``nccl`` between GPUs), while the proxy pauses generation and records the version
+exactly as for a disk push (``proxima.trainer.weight_broadcast``). With the torch backend
+the weights go straight from the trainer's memory, cast to ``dtype``, and the version is
+exported to disk only after the push, before the next step trains (the recovery rule and a
+restarted backend read it: ``proxima.trainer.weights``); other backends export first and
+broadcast the export. ``fallback_to_disk``: a broadcast push that fails (the group cannot
+form, a member died mid-push) is made from disk instead (exported first when it was not).
 LoRA adapters always go by disk (a peft directory is a few megabytes). Torch-free.
 """
 
@@ -45,6 +48,12 @@ class WeightsConfig(StrictSection):
         512.0,
         gt=0.0,
         description="Tensors broadcast per call, in MiB (each backend holds one bucket extra).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype floating-point weights travel as from the trainer's memory: the one "
+        "the backends serve (bfloat16 for most SGLang deployments halves the bytes of a float32 "
+        "trainer); auto: the trainer's own, as its export holds them.",
     )
     timeout_s: float = Field(
         60.0,

@@ -19,7 +19,9 @@ training step of ``proxima.trainer.loop`` needs (:class:`PPOBackend`):
 - ``export_hf(out_dir)``: an HF safetensors checkpoint (config, weights,
   tokenizer) the inference backends load;
 - ``load_hf_weights(model_dir)``, ``state_dict()`` / ``load_state_dict()``:
-  recovery and checkpoints (``proxima.trainer.weights``).
+  recovery and checkpoints (``proxima.trainer.weights``);
+- optionally ``hf_tensors()`` (:class:`InMemoryWeights`): the model's tensors by HF name,
+  which a broadcast push sends straight from memory (the torch backend has them).
 
 The implementations (``torch_backend.TorchBackend``,
 ``megatron.MegatronPPOBackend``; ``proxima.trainer.backends.build_backend``
@@ -35,7 +37,7 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from proxima.trainer.batching import (
@@ -129,6 +131,15 @@ class PPOBackend(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+@runtime_checkable
+class InMemoryWeights(Protocol):
+    """A backend whose model's tensors are HF's, by HF name, in this process."""
+
+    def hf_tensors(self) -> Iterable[tuple[str, Any]]:
+        """The model's tensors by HF name (tied ones under each name), as they are now."""
         ...
 
 

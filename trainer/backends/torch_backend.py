@@ -9,7 +9,7 @@ weight reading are ``proxima.trainer.backends.base``'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,10 @@ class TorchBackend:
         """``save_pretrained`` (safetensors; tied weights stored once) plus tokenizer files."""
         self.model.save_pretrained(out_dir, safe_serialization=True)
         copy_tokenizer_files(self.model_dir, out_dir)
+
+    def hf_tensors(self) -> Iterable[tuple[str, Tensor]]:
+        """The HF model's state dict, by HF name (``InMemoryWeights``)."""
+        return self.model.state_dict().items()  # type: ignore[no-any-return]
 
     def load_hf_weights(self, model_dir: Path) -> None:
         """Load every ``*.safetensors`` file of ``model_dir`` into the model (all weights needed)."""
