@@ -6,13 +6,15 @@ disjoint by unordered operand pair) and ``rollout.seed`` (the engine's sampling 
 training request). Before and after are the same held-out problems, greedy: the seeds are
 paired. For each seed it prints::
 
-    seed 0: first try 4% -> 40% (+36 pt); well-formed calls 10% -> 96%; mean turns 1.2 -> 2.0; 12 steps, 1500 s
+    seed 0: first try 4% -> 40% (+36 pt); well-formed calls 10% -> 96%; mean turns 1.2 -> 2.0; 12 steps, 1500 s; warm start 14/16 kept, first try 30% after it
 
 and last::
 
     tool demo seeds: gains +36, +20, +30 points; mean +28.7; min +20; well-formed after 96% (min 94%)
 
-It writes one ``run`` line per seed (its summary, step rewards, the commit) and a ``summary``
+(the last part with a ``[warm_start]``: its runs kept and the first try measured right after it,
+from the run's ``warm_start.json``). It writes one ``run`` line per seed (its summary, step
+rewards, the warm start's figures, the commit) and a ``summary``
 line to a dated ``demo_tools_seeds`` jsonl in ``bench/results/``, and the reward curves of the seeds
 (mean +- std) beside it as a ``.png``. A seed whose run already finished with the same config
 is read, not run again; a run that failed is reported and left out.
@@ -62,7 +64,20 @@ def read_result(seed: int, run_dir: Path) -> dict[str, Any] | None:
     for when in ("before", "after"):
         result[f"well_formed_{when}"] = _test(result, when, "well_formed")
         result[f"turns_{when}"] = _test(result, when, "turns")
+    warm = run_dir / "warm_start.json"
+    if warm.exists():  # the warm start's own figures (proxima.trainer.pipeline.warm_start)
+        result["warm_start"] = json.loads(warm.read_text())
     return result
+
+
+def _warm(r: dict[str, Any]) -> str:
+    """``; warm start 14/16 kept, first try 60% after it`` (empty without a warm start)."""
+    warm = r.get("warm_start")
+    if not warm:
+        return ""
+    after = (warm.get("after") or {}).get("headline")
+    shown = "" if after is None else f", first try {after:.0%} after it"
+    return f"; warm start {warm['kept']}/{warm['runs']} kept{shown}"
 
 
 def gain(r: dict[str, Any]) -> float:
@@ -81,7 +96,7 @@ def seed_line(r: dict[str, Any]) -> str:
         f"seed {r['seed']}: first try {r['before']:.0%} -> {r['after']:.0%} "
         f"({gain(r):+.0f} pt); well-formed calls {pct('well_formed_before')} -> "
         f"{pct('well_formed_after')}; mean turns {num('turns_before')} -> {num('turns_after')}; "
-        f"{r.get('steps')} steps, {r.get('wall_s')} s"
+        f"{r.get('steps')} steps, {r.get('wall_s')} s{_warm(r)}"
     )
 
 

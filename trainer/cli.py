@@ -2,6 +2,7 @@
 
     proxima trainer --proxy URL --db URL --model DIR [--config FILE] [--admin-token T]
                     [--output-dir DIR] [--trainer-id ID] [--max-steps N] [--no-progress]
+                    [--warm-start PLAN]
 
 Flags override the config file's ``connection`` and ``loop`` sections; the
 admin token may also come from ``PROXIMA_ADMIN_TOKEN``. The first SIGINT or
@@ -23,10 +24,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxima.trainer.config import TrainerConfig, load_config
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from proxima.trainer.sft import WarmStartPlan
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="stop after N steps")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar or console lines"
+    )
+    parser.add_argument(
+        "--warm-start",
+        type=Path,
+        help="a warm start's plan (JSON, proxima.trainer.sft): take its supervised steps on the "
+        "sessions it keeps, push one version and exit",
     )
 
 
@@ -106,14 +116,21 @@ def run(args: argparse.Namespace) -> int:
         print("proxima trainer: missing " + ", ".join(flags[m] for m in missing), file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run_until_signal(cfg, progress=not args.no_progress))
+        warm = None
+        if getattr(args, "warm_start", None) is not None:
+            from proxima.trainer.sft import WarmStartPlan
+
+            warm = WarmStartPlan.read(args.warm_start)
+        asyncio.run(_run_until_signal(cfg, progress=not args.no_progress, warm=warm))
     except (RecoveryError, WeightPushError, ProximaError, ProxySettingsError) as exc:
         print(f"proxima trainer: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
+async def _run_until_signal(
+    cfg: TrainerConfig, *, progress: bool, warm: WarmStartPlan | None = None
+) -> int:
     """Run with SIGINT/SIGTERM setting the stop event (a second SIGINT interrupts)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -127,7 +144,7 @@ async def _run_until_signal(cfg: TrainerConfig, *, progress: bool) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, request_stop, signum)
-    return await run_trainer(cfg, stop_event=stop, console=progress)
+    return await run_trainer(cfg, stop_event=stop, console=progress, warm=warm)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from proxima.trainer.adapter_loop import AdapterTrainers
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.loop import Trainer
 from proxima.trainer.proxy_settings import adopt_proxy_settings, fetch_proxy_settings
+from proxima.trainer.sft import WarmStartPlan, warm_start
 from proxima.trainer.store_retry import RetryingStore
 from proxima.trainer.torchrun import (
     RankZeroLeader,
@@ -50,6 +51,7 @@ async def run_trainer(
     stop_event: asyncio.Event | None = None,
     sink: WeightSink | None = None,
     console: bool = True,
+    warm: WarmStartPlan | None = None,
 ) -> int:
     """Run the trainer until ``stop_event`` is set or ``cfg.loop.max_steps`` steps ran.
 
@@ -59,6 +61,9 @@ async def run_trainer(
     another ``sink`` is given). Returns
     the number of steps this run took. This is what ``proxima trainer`` and
     ``proxima train`` call.
+
+    With ``warm`` the trainer takes the warm start's supervised steps instead
+    (``proxima.trainer.sft``), pushes one version and returns 1 (0 when no session was kept).
     """
     conn = cfg.connection
     missing = [m for m in conn.missing() if not (m == "proxy_url" and sink is not None)]
@@ -95,6 +100,12 @@ async def run_trainer(
             trainer = await Trainer.start(
                 cfg, store=store, sink=sink, console=console, leader=leader
             )
+            if warm is not None:
+                try:
+                    done = await warm_start(trainer, warm)
+                finally:
+                    await trainer.close()
+                return 1 if "losses" in done else 0
             return await trainer.run(stop_event or asyncio.Event())
         finally:
             if own_sink:

@@ -1,5 +1,6 @@
 """``make demo-tools``: the tool demo agent's report, the evaluation's extra metrics and tool
-line, and the demo-tools config run end to end for one step on the tiny model."""
+line, and the demo-tools config run end to end on the tiny model: its warm start (recorded runs,
+supervised steps, a pushed version, the evaluation after it), then one PPO step."""
 
 from __future__ import annotations
 
@@ -63,10 +64,13 @@ def test_tool_line_ends_with_first_try_and_well_formed_rates() -> None:
     assert tool_line(policy, Accuracy(Score(0.1), None), after) is None
 
 
-def test_demo_tools_config_trains_one_step_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_demo_tools_config_warm_starts_then_trains_one_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     config = load_raw_config(ROOT / "agents_examples" / "tools_demo.toml")
     assert config["proxy"]["tool_fallback"] == "hermes"
     assert config["data"]["difficulty"] == "tool"
+    assert config["warm_start"]["item_fields"] == {"first_tool_choice": "required"}
     out = tmp_path / "run"
     config.update(steps=1, output_dir=str(out))
     config["model"] = {"path": str(tiny_model_dir)}
@@ -78,6 +82,8 @@ def test_demo_tools_config_trains_one_step_end_to_end(tiny_model_dir: Path, tmp_
     config["trainer"]["batch_size"] = 2
     # The random tiny model earns no reward: step anyway (the default would wait for signal).
     config["trainer"]["advantage"]["zero_signal"] = "keep"
+    # Every warm-start run kept (the random model is never right): the supervised steps run.
+    config["warm_start"].update(sessions=2, steps=2, min_reward=0.0)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(config))
     cli = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
@@ -94,6 +100,16 @@ def test_demo_tools_config_trains_one_step_end_to_end(tiny_model_dir: Path, tmp_
     )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1
+    warm = json.loads((out / "warm_start.json").read_text())
+    assert (warm["runs"], warm["kept"], warm["version"]) == (2, 2, 1)
+    assert len(warm["losses"]) == 2 and all(loss > 0 for loss in warm["losses"])
+    assert 0 <= warm["after"]["well_formed"] <= 1
+    assert "warm start: 2 of 2 runs kept, 2 supervised steps (loss " in proc.stdout
+    log = [
+        json.loads(line) for line in (out / "trainer" / "train_log.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in log if r.get("event", "step") == "step"]
+    assert [r["version"] for r in steps] == [2]  # PPO started from the warm start's version
     for when in ("before", "after"):
         test = summary["scores"][when]["test"]
         assert 0 <= test["well_formed"] <= 1 and test["turns"] >= 1

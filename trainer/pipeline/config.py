@@ -163,6 +163,35 @@ class EvalSection(_Section):
     )
 
 
+class WarmStartSection(_Section):
+    """``[warm_start]``: supervised steps on the run's own recorded successes before the PPO steps
+    (``proxima.trainer.pipeline.warm_start``, ``proxima.trainer.sft``)."""
+
+    sessions: int = Field(
+        0,
+        ge=0,
+        description="Agent runs recorded for it, one per train item from the first (0: no warm "
+        "start); at most the proxy's staleness capacity at version 0, "
+        "(trainer.max_staleness + 1) * trainer.batch_size.",
+    )
+    item_fields: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Item fields of these runs over the rollout's (e.g. first_tool_choice = "
+        "'required' for the tool demo's forced first call).",
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="Their sampling temperature (default: rollout.temperature)."
+    )
+    min_reward: float = Field(1.0, description="Runs whose reward reaches this are learnt from.")
+    steps: int = Field(4, ge=1, description="Supervised AdamW steps over the kept runs.")
+    lr: float = Field(1e-4, gt=0, description="Their learning rate (a fresh AdamW).")
+    evaluate: bool = Field(
+        True,
+        description="Measure held-out accuracy after the warm start too, so the summary tells "
+        "the warm start's share of the gain from the PPO steps'.",
+    )
+
+
 class TrainRunConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection, description="Policy to train.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="The proxy.")
@@ -170,6 +199,10 @@ class TrainRunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Agent runs.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="PPO trainer.")
+    warm_start: WarmStartSection = Field(
+        default_factory=WarmStartSection,
+        description="Supervised steps on recorded successes before the PPO steps (off: 0 sessions).",
+    )
     tracking: TrackingConfig = Field(
         default_factory=TrackingConfig,
         description="Experiment trackers (TensorBoard, MLflow, W&B): every step's metrics, the "
@@ -195,6 +228,15 @@ class TrainRunConfig(_Section):
         duplicates = sorted({a for a in tenants if tenants.count(a) > 1})
         if duplicates:
             raise ValueError(f"rollout.tenants names the adapters {duplicates} more than once")
+        if self.warm_start.sessions and self.rollout.tenants:
+            raise ValueError("warm_start trains the base model: it cannot run with rollout.tenants")
+        capacity = (self.trainer.max_staleness + 1) * self.trainer.batch_size
+        if self.warm_start.sessions > capacity:
+            raise ValueError(
+                f"warm_start.sessions={self.warm_start.sessions} is more than the proxy admits at "
+                f"version 0, (trainer.max_staleness + 1) * trainer.batch_size = {capacity}: "
+                "lower it or raise trainer.batch_size"
+            )
         trained = list(self.trainer.adapters)
         if sorted(tenants) != sorted(trained):
             example = ", ".join(f'"{a}"' for a in (tenants or trained))

@@ -23,6 +23,21 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def read_events(path: Path, name: str) -> list[dict[str, Any]]:
+    """The ``{"event": name, ...}`` records of a trainer log, in order."""
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line being written
+        if record.get("event") == name:
+            found.append(record)
+    return found
+
+
 def curve_points(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list[int]]:
     """x (1, 2, ... one per trainer step, in log order), the mean train reward of each step,
     and the x of the steps that pushed no version (their ``step`` repeats the one before)."""

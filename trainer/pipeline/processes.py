@@ -141,8 +141,10 @@ def trainer_command(cfg: TrainRunConfig, run: RunProxy, config_path: Path) -> li
     ]
 
 
-def start_trainer(cfg: TrainRunConfig, run: RunProxy) -> subprocess.Popen[bytes]:
-    """``proxima trainer`` against ``run``'s proxy, its output appended to
+def start_trainer(
+    cfg: TrainRunConfig, run: RunProxy, extra_args: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``proxima trainer`` against ``run``'s proxy (with ``extra_args``), its output appended to
     ``<output_dir>/trainer.log``; its config (``trainer_config.json``) is the run config's
     ``trainer`` section."""
     trainer_cfg = cfg.trainer.model_copy(
@@ -156,7 +158,7 @@ def start_trainer(cfg: TrainRunConfig, run: RunProxy) -> subprocess.Popen[bytes]
     trainer_log = open(cfg.output_dir / "trainer.log", "ab")  # noqa: SIM115
     env = {**os.environ, "PROXIMA_ADMIN_TOKEN": run.token}
     return subprocess.Popen(
-        trainer_command(cfg, run, config_path),
+        [*trainer_command(cfg, run, config_path), *(extra_args or [])],
         env=env,
         stdout=trainer_log,
         stderr=subprocess.STDOUT,

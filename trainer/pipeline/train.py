@@ -31,7 +31,7 @@ line printed with the tenant's name, and ``final/<adapter>`` per tenant.
 
 Config (TOML/JSON/YAML) sections: ``model``, ``proxy``, ``data``,
 ``rollout``, ``eval``, ``trainer`` (a ``TrainerConfig``), plus ``steps`` and
-``output_dir``. See ``agents_examples/demo.toml``.
+``output_dir``, ``warm_start``. See ``agents_examples/demo.toml``.
 
 This module is the two commands; their parts live beside it in ``proxima.trainer.pipeline``:
 ``policies`` (the model, the items, a policy per tenant and its rollout controller),
@@ -76,6 +76,7 @@ from proxima.trainer.pipeline.policies import (
 )
 from proxima.trainer.pipeline.processes import RunProxy, start_trainer, stop_trainer
 from proxima.trainer.pipeline.tracking import RunTrackers, discard, start_trackers
+from proxima.trainer.pipeline.warm_start import run_warm_start
 from proxima.trainer.rollout.controller import RolloutController, RolloutReport
 
 __all__ = [
@@ -131,6 +132,7 @@ async def train(cfg: TrainRunConfig, *, progress: bool = True) -> dict[str, Any]
             for policy in policies:
                 trackers.evaluation(policy.adapter, before[policy.adapter])
         train_started = time.monotonic()
+        await run_warm_start(cfg, run, policies[0])  # [warm_start]: its line, warm_start.json
 
         # A resumed run's log holds its earlier steps: the trainer runs ``steps`` more.
         resumed = {p.adapter: len(read_log(p.log_path(cfg))) for p in policies}
