@@ -96,6 +96,9 @@ __all__ = [
     "train",
 ]
 
+# How long a stopped run waits for its runs in flight to finish their sessions.
+ABANDON_TIMEOUT_S = 30.0
+
 Records = dict[str | None, list[dict[str, Any]]]  # each policy's step records (None: the base)
 
 
@@ -236,7 +239,13 @@ async def _run_training(
         asyncio.create_task(c.run(train_items(p.items.train, rollout_fields(cfg, p))))
         for c, p in zip(controllers, policies, strict=True)
     ]
-    records = await _follow_training(cfg, trainer, controllers, policies, before, on_step, resumed)
+    try:
+        records = await _follow_training(
+            cfg, trainer, controllers, policies, before, on_step, resumed
+        )
+    except BaseException:  # a stop (Ctrl-C, SIGTERM) or a failure: end the runs in flight first
+        await _abandon_rollouts(controllers, rollouts)
+        raise
     if trackers is not None:  # the steps logged after the last look at the logs
         for policy in policies:
             for record in records[policy.adapter][trackers.counts[policy.adapter] :]:
@@ -249,6 +258,19 @@ async def _run_training(
             f"the trainer exited with {trainer.returncode}; see {cfg.output_dir / 'trainer.log'}"
         )
     return records, reports, train_s
+
+
+async def _abandon_rollouts(
+    controllers: list[RolloutController], rollouts: list[asyncio.Task[RolloutReport]]
+) -> None:
+    """No new runs; the runs in flight cancelled, their sessions finished (as failed) while
+    the proxy is still up. Left to ``asyncio.run``'s clean-up, each run's shielded finish
+    would retry against a stopped proxy for its whole retry window (two minutes)."""
+    for controller in controllers:
+        controller.stop()
+    for rollout in rollouts:
+        rollout.cancel()
+    await asyncio.wait(rollouts, timeout=ABANDON_TIMEOUT_S)
 
 
 async def _follow_training(
