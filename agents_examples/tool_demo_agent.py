@@ -38,6 +38,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
@@ -88,7 +89,7 @@ def score(messages: list[BaseMessage], answer: Any) -> dict[str, float]:
     }
 
 
-def _first_turn_forced(llm: ChatOpenAI) -> Callable[[Any, Any], Runnable[Any, BaseMessage]]:
+def _first_turn_forced(llm: BaseChatModel) -> Callable[[Any, Any], Runnable[Any, BaseMessage]]:
     """A dynamic model: ``tool_choice: required`` until a tool result is in the state."""
     forced = llm.bind_tools([calculator], tool_choice="required")
     free = llm.bind_tools([calculator])
@@ -110,17 +111,32 @@ async def solve(data: dict[str, Any]) -> tuple[dict[str, float], list[BaseMessag
         max_retries=0,
         **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
     )
+    return await run_react(llm, data)
+
+
+async def run_react(
+    llm: BaseChatModel, data: dict[str, Any]
+) -> tuple[dict[str, float], list[BaseMessage]]:
+    """The ReAct agent over ``llm`` on one problem: its report and every message it reached.
+
+    A run that reaches ``max_steps`` model calls without a final answer (its last reply a tool
+    call, the tool's result unanswered) scores 0 and no first try; its report still counts the
+    turns it took and whether its first reply was a well-formed call.
+    """
     agent = create_react_agent(
         _first_turn_forced(llm) if data.get("first_tool_choice") == "required" else llm,
         [calculator],
         prompt=SYSTEM_PROMPT,
     )
     messages: list[BaseMessage] = [HumanMessage(str(data["question"]))]
-    # Each model call and each tool call is one graph step, and one to end.
-    limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS)) + 1
+    # Each model call and each tool call is one graph step: max_steps model calls, the last
+    # one answering or its calls run (then the limit stops the next model call).
+    limit = 2 * int(data.get("max_steps", DEFAULT_MAX_STEPS))
     try:
-        state = await agent.ainvoke({"messages": messages}, {"recursion_limit": limit})
-        messages = list(state["messages"])
+        async for state in agent.astream(
+            {"messages": messages}, {"recursion_limit": limit}, stream_mode="values"
+        ):
+            messages = list(state["messages"])  # the last state reached, kept past the limit
     except GraphRecursionError:
         report = score(messages, data["answer"])
         report.update(final=0.0, first_try=0.0)

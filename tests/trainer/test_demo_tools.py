@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from proxima.agents_examples.tool_demo_agent import score, well_formed
 from proxima.trainer.config import load_raw_config
@@ -131,3 +132,30 @@ def test_first_turn_forced_until_a_tool_result_is_in_the_state() -> None:
     later = select({"messages": [q, _call("384 * 27"), ToolMessage("1", tool_call_id="1")]}, None)
     assert first.kwargs["tool_choice"] == "required"  # type: ignore[attr-defined]
     assert "tool_choice" not in later.kwargs  # type: ignore[attr-defined]
+
+
+class _AlwaysCalls(GenericFakeChatModel):
+    """A chat model that answers every turn with the same calculator call."""
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        return self
+
+
+def test_a_run_stopped_at_the_step_limit_scores_zero_with_its_turns() -> None:
+    """``max_steps`` model calls, each a call: the result of the first is never answered.
+    Reward 0, no first try, and the report keeps the turns taken and the well-formed first
+    call (no crash, not an empty run)."""
+    import asyncio
+    import itertools
+
+    from proxima.agents_examples.tool_demo_agent import run_react
+
+    calls = (_call("384 * 27") for _ in itertools.count())
+    data = {"question": "What is 384 * 27?", "answer": 384 * 27, "max_steps": 2}
+    report, messages = asyncio.run(run_react(_AlwaysCalls(messages=calls), data))
+    assert report == {"final": 0.0, "first_try": 0.0, "well_formed": 1.0, "turns": 2.0}
+    # The tool's result came back; the second reply, a call again, was LangGraph's step-limit
+    # stop (no call run, no number in it), not an answer.
+    assert [m.content for m in messages if isinstance(m, ToolMessage)] == ["10368"]
+    assert isinstance(messages[-1], AIMessage) and not messages[-1].tool_calls
+    assert "10368" not in str(messages[-1].content)
