@@ -13,7 +13,10 @@ weights of a tiny model built with that version as its seed, so the tests run in
   one); restarted, the backend loads the current version from disk before it serves, and
   the next push by broadcast opens a new group with both;
 - a trainer that dies mid-broadcast: no backend serves half-updated weights, both report
-  the old version, and a restarted trainer's push of that version lands.
+  the old version, and a restarted trainer's push of that version lands;
+- a training run (the trainer loop, ``transport = "broadcast"``) pushes from memory with
+  no export before the push, exports after it, and a restarted backend and a restarted
+  trainer come back at the version it pushed.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ import pytest
 import torch
 from openai import OpenAI
 from proxima.proxy.embedded.weight_groups import TIMEOUT_ENV
+from proxima.proxy.store import Store
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.tiny_model import build_tiny_model
+from proxima.trainer.config import TrainerConfig
+from proxima.trainer.loop import Trainer
+from proxima.trainer.run import weight_sink
 from proxima.trainer.weight_broadcast import BroadcastWeightSink
-from proxima.trainer.weights import PushResult, WeightPushError
+from proxima.trainer.weights import ProxyWeightSink, PushResult, WeightPushError, weights_dir
 from proxima.trainer.weights_config import WeightsConfig
 from transformers import AutoModelForCausalLM
 
 from tests.production.procs import BackendProcess, wait_until
+from tests.trainer.test_trainer_live import run_sessions
 
 GROUP_TIMEOUT_S = 3.0
 BUCKET_MB = 0.1  # the tiny model (about 0.4 MiB) goes in several buckets
@@ -345,3 +353,88 @@ def test_a_push_from_memory_writes_nothing_and_the_engines_reuse_their_buffers(
                 assert update["weight_version"] == str(version)
                 assert update["buffers_allocated"] == 0
                 assert update["buffers_reused"] == result.breakdown["buckets"]
+
+
+def test_a_training_run_pushes_from_memory_and_exports_after(fleet: Fleet, tmp_path: Path) -> None:
+    """The trainer loop with ``transport = "broadcast"``: each step's version goes to both
+    engines from the trainer's memory while its export does not exist yet (checked at every
+    bucket sent), the export is written after it and holds what the engines serve; a backend
+    restarted afterwards comes back at the current version from that export, and a
+    restarted trainer resumes at it."""
+    wait_until(_all_healthy(fleet, int(fleet.health()["version"])), 60, what="a whole fleet")
+    start, start_dir = fleet.next_version()  # the trainer starts from a version on disk
+    asyncio.run(_disk_push(fleet, start, start_dir))
+    run_sessions(fleet.proxy, 8)
+    out = tmp_path / "trainer"
+    cfg = TrainerConfig.model_validate(
+        {
+            "batch_size": 4,
+            "output_dir": str(out),
+            "optim": {"lr": 1e-2},
+            "loop": {"poll_interval_s": 0.1, "trainer_id": "broadcast-trainer"},
+            "weights": {
+                "transport": "broadcast",
+                "fallback_to_disk": False,
+                "timeout_s": GROUP_TIMEOUT_S,
+                "bucket_mb": BUCKET_MB,
+                "master_address": "127.0.0.1",
+            },
+            "connection": {
+                "proxy_url": fleet.proxy.url,
+                "db_url": fleet.proxy.db_url,
+                "model_dir": str(start_dir),
+                "admin_token": fleet.proxy.admin_token,
+            },
+        }
+    )
+    seen: list[tuple[int, bool]] = []  # (bucket, was the version's export on disk?)
+
+    async def train() -> list[Any]:
+        store = await Store.open(fleet.proxy.db_url)
+        sink = weight_sink(cfg, fleet.proxy.url, fleet.proxy.admin_token)
+        assert isinstance(sink, BroadcastWeightSink)
+        trainer = await Trainer.start(cfg, store=store, sink=sink, console=False)
+        sink.after_bucket = lambda i: seen.append(
+            (i, weights_dir(out, trainer.state.version + 1).exists())
+        )
+        try:
+            return [await trainer.step(), await trainer.step()]
+        finally:
+            await trainer.close()
+            await sink.aclose()
+            await store.close()
+
+    records = asyncio.run(train())
+    assert [(r.version, r.pushed) for r in records] == [(start + 1, True), (start + 2, True)]
+    assert seen and not any(exported for _, exported in seen)  # no export before a push
+    assert len(seen) >= 4  # both pushes went in several buckets
+    version = start + 2
+    assert fleet.reported() == [str(version), str(version)]
+    assert (weights_dir(out, version) / "config.json").is_file()
+    _engine_logprobs_match(fleet, weights_dir(out, version))
+
+    victim = fleet.engines[0]
+    victim.kill()
+    victim.start()  # back at its start-up weights: it loads the current version's export
+    wait_until(_all_healthy(fleet, version), 60, what="the restarted backend back at v")
+    _engine_logprobs_match(fleet, weights_dir(out, version))
+
+    async def restart() -> int:
+        store = await Store.open(fleet.proxy.db_url)
+        trainer = await Trainer.start(
+            cfg, store=store, sink=ProxyWeightSink(fleet.proxy.url, admin_token=None), console=False
+        )
+        resumed = trainer.state.version
+        await trainer.close()
+        await store.close()
+        return resumed
+
+    assert asyncio.run(restart()) == version
+
+
+async def _disk_push(fleet: Fleet, version: int, path: Path) -> None:
+    sink = ProxyWeightSink(fleet.proxy.url, admin_token=fleet.proxy.admin_token)
+    try:
+        await sink.push(version=version, path=path)
+    finally:
+        await sink.aclose()
