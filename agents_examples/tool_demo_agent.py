@@ -19,10 +19,12 @@ With ``report`` (evaluation) it returns a mapping:
 - ``turns``: the model turns the run took.
 
 With ``first_tool_choice = "required"`` the first model turn is sent with ``tool_choice:
-required`` (LangGraph's dynamic model: the model bound to the calculator with it until a tool
-result is in the state, then with ``auto``): the proxy decodes that turn under the tool-call
-grammar, so it is well-formed by construction and the trainer recomputes its logprobs under the
-same mask; ``well_formed`` then measures the grammar, not the model, and later turns are free.
+required`` and ``parallel_tool_calls: false`` (LangGraph's dynamic model: the model bound to
+the calculator with them until a tool result is in the state, then with ``auto``): the proxy
+decodes that turn under the tool-call grammar (exactly one call), so it is well-formed by
+construction and the trainer recomputes its logprobs under the same mask; ``well_formed`` then
+measures the grammar, not the model, and later turns are free. ``proxima train``'s
+``[warm_start]`` runs it this way (``tools_demo.toml``) and learns the right runs' tokens.
 
 Item fields: ``question``, ``answer``; optional ``max_steps`` (model calls, default 3),
 ``first_tool_choice`` (``auto``, the default, or ``required``),
@@ -91,7 +93,9 @@ def score(messages: list[BaseMessage], answer: Any) -> dict[str, float]:
 
 def _first_turn_forced(llm: BaseChatModel) -> Callable[[Any, Any], Runnable[Any, BaseMessage]]:
     """A dynamic model: ``tool_choice: required`` until a tool result is in the state."""
-    forced = llm.bind_tools([calculator], tool_choice="required")
+    # One call (parallel_tool_calls false): the grammar ends the turn after it, so the turn is
+    # never a run of repeated calls cut at max_tokens.
+    forced = llm.bind_tools([calculator], tool_choice="required", parallel_tool_calls=False)
     free = llm.bind_tools([calculator])
 
     def select(state: Any, runtime: Any) -> Runnable[Any, BaseMessage]:

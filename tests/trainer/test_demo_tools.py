@@ -131,6 +131,7 @@ def test_first_turn_forced_until_a_tool_result_is_in_the_state() -> None:
     first = select({"messages": [q]}, None)
     later = select({"messages": [q, _call("384 * 27"), ToolMessage("1", tool_call_id="1")]}, None)
     assert first.kwargs["tool_choice"] == "required"  # type: ignore[attr-defined]
+    assert first.kwargs["parallel_tool_calls"] is False  # type: ignore[attr-defined]
     assert "tool_choice" not in later.kwargs  # type: ignore[attr-defined]
 
 
