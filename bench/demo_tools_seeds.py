@@ -1,9 +1,9 @@
 """Benchmark: ``make demo-tools``'s configuration over paired seeds.
 
 Runs ``proxima train`` on ``agents_examples/tools_demo.toml`` (or ``--config``) once per seed
-``0..N-1``; a seed sets ``data.seed`` (the train/held-out split of 3-digit x 2-digit products,
-disjoint by unordered operand pair) and ``rollout.seed`` (the engine's sampling of every
-training request). Before and after are the same held-out problems, greedy: the seeds are
+``0..N-1`` (``--first-seed`` F: ``F..F+N-1``); a seed sets ``data.seed`` (the train/held-out
+split of 3-digit x 2-digit products, disjoint by unordered operand pair) and ``rollout.seed``
+(the engine's sampling of every training request). Before and after are the same held-out problems, greedy: the seeds are
 paired. For each seed it prints::
 
     seed 0: first try 4% -> 40% (+36 pt); well-formed calls 10% -> 96%; mean turns 1.2 -> 2.0; 12 steps, 1500 s; warm start 14/16 kept, first try 30% after it
@@ -130,7 +130,8 @@ def write_jsonl(path: Path, results: list[dict[str, Any]], meta: dict[str, Any])
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "agents_examples" / "tools_demo.toml")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds FIRST..FIRST+N-1")
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--parallel", type=int, default=1, help="runs side by side")
     parser.add_argument("--set", action="append", default=[], help="key.path=value (JSON)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench-demo-tools")
@@ -140,7 +141,7 @@ def main() -> int:
     base = load_raw_config(args.config)
     for assignment in args.set:
         apply_set(base, assignment)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     started = time.monotonic()
     pending = list(seeds)
     running: list[tuple[int, Any]] = []
