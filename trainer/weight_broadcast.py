@@ -140,8 +140,10 @@ class TrainerGroup:
         def fill(index: int) -> torch.Tensor:
             started = time.monotonic()
             bucket = buckets[index]
-            flat = buffers.get(index, flat_offsets(bucket)[-1][1])
-            filler.fill(bucket, flat)
+            flat = filler.in_place(bucket, self.device)
+            if flat is None:
+                flat = buffers.get(index, flat_offsets(bucket)[-1][1])
+                filler.fill(bucket, flat)
             times["fill_s"] += time.monotonic() - started
             return flat
 

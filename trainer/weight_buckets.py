@@ -6,8 +6,9 @@ once, cast to the dtype the backends serve) or from a version's export (:func:`r
 its safetensors headers). :func:`plan_buckets` cuts them into buckets of at most a size,
 each ordered so every flattened offset is aligned, and a :class:`Filler` writes a bucket's
 bytes into its flat buffer (:class:`MemoryPacker` copies tensors, :class:`ExportReader`
-reads the export's files). :class:`BucketBuffers` keeps two flat buffers across pushes: a
-fresh buffer costs a page fault per page, as much as the transfer on a loaded CPU.
+reads the export's files; a bucket of one tensor already in the wire's dtype is sent from
+the tensor's own memory, no copy). :class:`BucketBuffers` keeps two flat buffers across
+pushes: a fresh buffer costs a page fault per page, as much as the transfer on a loaded CPU.
 ``proxima.trainer.weight_broadcast`` sends the buckets.
 """
 
@@ -126,6 +127,10 @@ class ExportReader:
                     raise BroadcastFailed(f"{spec.name}: the export ends early")
                 done += got
 
+    def in_place(self, bucket: Sequence[TensorSpec], device: str) -> torch.Tensor | None:
+        """Never: an export is read into a buffer."""
+        return None
+
     def close(self) -> None:
         for handle, _, _ in self._open.values():
             handle.close()
@@ -165,10 +170,25 @@ def memory_specs(
 
 
 class MemoryPacker:
-    """Copies in-memory tensors into a bucket's flat buffer (cast to the wire's dtype)."""
+    """Copies in-memory tensors into a bucket's flat buffer (cast to the wire's dtype); a
+    bucket of one tensor that needs no cast goes from the tensor's own memory."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._tensors = tensors
+
+    def in_place(self, bucket: Sequence[TensorSpec], device: str) -> torch.Tensor | None:
+        """The bucket's bytes as they are in memory (no copy), when it is one contiguous
+        tensor of the wire's dtype on ``device``; else None."""
+        if len(bucket) != 1:
+            return None
+        tensor = self._tensors[bucket[0].name].detach()
+        if (
+            tensor.dtype != bucket[0].torch_dtype
+            or tensor.device.type != device
+            or not tensor.is_contiguous()
+        ):
+            return None
+        return tensor.reshape(-1).view(torch.uint8)
 
     @torch.no_grad()
     def fill(self, bucket: Sequence[TensorSpec], flat: torch.Tensor) -> None:
@@ -182,6 +202,8 @@ class MemoryPacker:
 
 class Filler(Protocol):
     """Fills a bucket's flat buffer: :class:`MemoryPacker`, :class:`ExportReader`."""
+
+    def in_place(self, bucket: Sequence[TensorSpec], device: str) -> torch.Tensor | None: ...
 
     def fill(self, bucket: Sequence[TensorSpec], flat: torch.Tensor) -> None: ...
 

@@ -17,8 +17,12 @@ receive that fails (the trainer died, the group timed out) discards the staging 
 so does ``/end_weight_update`` for an update that never finished: the engine keeps serving,
 and reporting, the old weights.
 
-Every bucket is checked before it is staged, as a directory is before a disk load: each
-tensor names a parameter or buffer of the model with its shape, and holds finite values.
+Every bucket is checked before anything is swapped in, as a directory is before a disk
+load: each tensor names a parameter or buffer of the model with its shape (checked as the
+bucket arrives, before it is staged), and holds finite values. The values' check reads
+every byte, so it runs in a thread while the next bucket is received (the sender waits
+for no check) and the bucket that finishes the update waits for all of them: a bucket
+with a NaN fails that last call, and nothing of the update is applied.
 Answers are SGLang's: ``{"success", "message"}``, HTTP 400 when ``success`` is false.
 
 No copy and no fresh memory in the steady state: a flattened bucket is received into a
@@ -148,6 +152,7 @@ class WeightGroups:
         self._lock = asyncio.Lock()  # one session call at a time
         self._buffers = BufferPool()
         self._times = {"receive_s": 0.0, "check_s": 0.0}
+        self._checks: list[asyncio.Future[tuple[str | None, float]]] = []  # staged values
         self.last_update: dict[str, Any] | None = None
         """The last swapped-in update: seconds receiving, checking and swapping, buckets,
         bytes, and receive buffers reused or allocated."""
@@ -216,6 +221,7 @@ class WeightGroups:
     def _discard(self) -> None:
         """Drop what is staged (nothing of it is ever applied); its buffers are spares."""
         self._staged = {}
+        self._checks = []  # a check still running reads a spare: its verdict is not read
         self._buffers.discard()
 
     async def end(self) -> WeightSyncResponse:
@@ -224,6 +230,7 @@ class WeightGroups:
             if self._staged is None:
                 return _failed("no weight-update session is open; call begin_weight_update() first")
             staged, self._staged = self._staged, None
+            self._checks = []
             self._buffers.discard()
             if staged:
                 logger.warning(
@@ -256,16 +263,22 @@ class WeightGroups:
             except Exception as exc:  # a dead sender, a timeout, a bad list
                 self._discard()  # nothing of this push is ever applied
                 return _failed(f"Failed to receive weights: {exc}")
-            checking = time.monotonic()
-            problem = await asyncio.to_thread(self._check, received)
-            self._times["receive_s"] += checking - started
-            self._times["check_s"] += time.monotonic() - checking
+            self._times["receive_s"] += time.monotonic() - started
+            problem = self._check_fit(received)
             if problem is not None:
                 self._discard()
                 return _failed(f"Failed to update parameter online: {problem}")
+            self._checks.append(asyncio.ensure_future(asyncio.to_thread(self._check, received)))
             self._staged.update(received)
             if body.weight_version is None and not body.flush_cache:
                 return _ok("Succeeded to update parameter online.")  # staged
+            checks, self._checks = self._checks, []
+            verdicts = await asyncio.gather(*checks)
+            self._times["check_s"] += sum(seconds for _, seconds in verdicts)
+            problem = next((p for p, _ in verdicts if p is not None), None)
+            if problem is not None:
+                self._discard()
+                return _failed(f"Failed to update parameter online: {problem}")
             try:
                 await self._swap(body.weight_version)
             except (RuntimeError, ValueError) as exc:
@@ -307,17 +320,30 @@ class WeightGroups:
             "weight_version": weight_version,
         }
 
-    def _check(self, received: list[tuple[str, torch.Tensor]]) -> str | None:
-        """Why a received bucket cannot replace the model's tensors, or None."""
+    def _check_fit(self, received: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Why a received bucket's tensors do not fit the model (names, shapes), or None."""
         for name, tensor in received:
             target = self._targets.get(name)
             if target is None:
                 return f"unexpected tensor (not in the model): {name}"
             if tensor.shape != target.shape:
                 return f"shape mismatch: {name}: {tuple(tensor.shape)} != {tuple(target.shape)}"
-            if not all_finite(tensor):
-                return f"non-finite values (NaN or inf) in tensor {name}"
         return None
+
+    @staticmethod
+    def _check(received: list[tuple[str, torch.Tensor]]) -> tuple[str | None, float]:
+        """Why a received bucket's values cannot be served (NaN or inf), or None; and the
+        seconds the check took (in a thread, beside the next receive)."""
+        started = time.monotonic()
+        problem = next(
+            (
+                f"non-finite values (NaN or inf) in tensor {name}"
+                for name, tensor in received
+                if not all_finite(tensor)
+            ),
+            None,
+        )
+        return problem, time.monotonic() - started
 
     async def close(self) -> None:
         """Release every group (the engine is stopping)."""

@@ -123,6 +123,21 @@ def test_in_memory_weights_tied_once_cast_to_the_served_dtype_into_kept_buffers(
     with pytest.raises(BroadcastFailed, match="no tensor"):
         memory_specs(lambda: iter(()))
 
+    # A bucket of one tensor already in the wire's dtype goes from its own memory, no copy;
+    # one to cast, a strided one, or one of several is packed.
+    specs, tensors = memory_specs(lambda: state.items(), None)
+    packer = MemoryPacker(tensors)
+    alone = [s for s in specs if s.name == "model.embed_tokens.weight"]
+    sent = packer.in_place(alone, "cpu")
+    assert sent is not None and sent.data_ptr() == embed.data_ptr()
+    assert torch.equal(sent.view(torch.float32).reshape(embed.shape), embed)
+    assert packer.in_place(alone, "cuda") is None and packer.in_place(specs, "cpu") is None
+    cast, _ = memory_specs(lambda: state.items(), torch.bfloat16)
+    assert MemoryPacker(tensors).in_place(cast[:1], "cpu") is None
+    strided = {"model.embed_tokens.weight": embed.t()}
+    specs, tensors = memory_specs(lambda: strided.items(), None)
+    assert MemoryPacker(tensors).in_place(specs, "cpu") is None
+
 
 def test_config_section_and_the_sink_it_selects() -> None:
     cfg = TrainerConfig.model_validate(

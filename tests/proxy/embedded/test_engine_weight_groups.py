@@ -235,6 +235,38 @@ async def test_sglangs_refusals(client: SGLangClient) -> None:
         destroy_process_group(group)
     assert (await client.model_info()).weight_version != "99"
 
+    # A NaN in a staged bucket: that call answers at once (its values are checked beside
+    # the next receive), the call that finishes the update fails, nothing applies.
+    group = await _join(client, "nan-bucket")
+    calls = [
+        ("model.norm.weight", torch.full((64,), float("nan")), None),
+        ("model.layers.0.input_layernorm.weight", torch.ones(64), "98"),
+    ]
+    try:
+        assert (await client.begin_weight_update()).success
+        for name, tensor, version in calls:
+            call = UpdateWeightsFromDistributedBody(
+                names=[name],
+                dtypes=["float32"],
+                shapes=[[64]],
+                group_name="nan-bucket",
+                weight_version=version,
+                flush_cache=version is not None,  # SGLang's default (True) finishes the update
+            )
+            relay = asyncio.ensure_future(
+                client.update_weights_from_distributed(call, timeout_s=30)
+            )
+            await asyncio.to_thread(send_bucket, group, [tensor], None)
+            if version is None:
+                assert (await relay).success  # staged
+            else:
+                with pytest.raises(BackendOperationFailed, match="non-finite values"):
+                    await relay
+        assert (await client.end_weight_update()).success
+    finally:
+        destroy_process_group(group)
+    assert (await client.model_info()).weight_version != "98"
+
 
 def test_the_nan_screen_is_exact() -> None:
     """The screen both a disk load and a received bucket go through: a fast sum, exact."""
