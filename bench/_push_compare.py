@@ -9,9 +9,11 @@ has spare receive buffers from its third broadcast push on), then ``--pushes`` t
 - disk: the version exported as the trainer exports it (HF safetensors, fsynced, atomic),
   then ``POST /admin/weights``: each engine reads it, screens it, copies it in;
 - broadcast: ``BroadcastWeightSink`` with the model's tensors as its source, in
-  ``--bucket-mb`` buckets: nothing is written or read on disk; the trainer is rank 0 of a
-  gloo group with both engines (one broadcast per bucket to both), each engine receives
-  into its spare buffers, screens, and swaps the received tensors in.
+  ``--bucket-mb`` buckets: nothing is written or read on disk (the trainer loop exports a
+  version pushed this way only after the push: ``trainer/publish.py``); the trainer is rank
+  0 of a gloo group with both engines (one broadcast per bucket to both; a bucket of one
+  tensor, the embedding, straight from its memory), each engine receives into its spare
+  buffers, screens each bucket while the next arrives, and swaps the received tensors in.
 
 A push's time is until ``POST /admin/weights`` answers (every engine serves it), plus the
 export for disk. The breakdown printed beside it: the proxy's own time (generation paused);
@@ -256,7 +258,9 @@ def compare_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="disk vs broadcast weight pushes")
     parser.add_argument("--pushes", type=int, default=3, help="timed pushes per arm")
     parser.add_argument("--models", default="smollm2,0.5b", help="smollm2 and/or 0.5b")
-    parser.add_argument("--bucket-mb", type=float, default=256.0, help="broadcast bucket size")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=512.0, help="broadcast bucket size (the config default)"
+    )
     parser.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "models")
     parser.add_argument("--jsonl", type=Path, help="raw results (default bench/results/...)")
     args = parser.parse_args(argv)

@@ -27,7 +27,7 @@ by its vowels), and ``run_trainer`` running ``--steps`` steps here; from the tra
 split in ``train_log.jsonl``, also as a share of its busy time (without waiting for data).
 
 Run: ``.venv/bin/python bench/weight_push.py [--pushes 3] [--models smollm2,0.5b]
-[--bucket-mb 256]``.
+[--bucket-mb 512]`` (512: the trainer's default, ``[trainer.weights] bucket_mb``).
 """
 
 from __future__ import annotations
