@@ -157,12 +157,24 @@ class SGLangClient:
         async with await self._wire.post("/generate", body) as resp:
             if resp.status >= 400:
                 self._check(resp.status, await resp.read(), "/generate")
-            # Read the body to its end (past [DONE]) so the connection goes back to the pool.
-            async for fields in resp.data_batches():
-                for delta in chunks.read(fields):
-                    yield delta
-                if chunks.failure is not None:  # an error chunk, after the tokens before it
-                    raise chunks.failure
+            # Read the body to its end (past [DONE]) so the connection goes back to the pool;
+            # the read loop is this generator's own (a generator layer less per read).
+            stream = resp.data_stream()
+            try:
+                while True:
+                    fields = stream.take()
+                    if fields:
+                        for delta in chunks.read(fields):
+                            yield delta
+                        if chunks.failure is not None:  # an error chunk, after its tokens
+                            raise chunks.failure
+                    if stream.ended:
+                        break
+                    waiter = stream.waiter()
+                    if waiter is not None:
+                        await waiter
+            finally:
+                stream.close()
         if not chunks.done:
             # The stream ended without [DONE]: the server went away mid-generation.
             raise BackendConnectionError("/generate stream ended early", url=self.base_url)

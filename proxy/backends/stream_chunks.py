@@ -56,6 +56,7 @@ LOGPROB_FLOOR = -9999.0
 DONE = b"[DONE]"
 _SHORT = 32  # bytes: a field this short may be [DONE] (with spaces); no chunk is
 _first = itemgetter(0)
+_isfinite = math.isfinite
 _META, _IDS = itemgetter("meta_info"), itemgetter("output_ids")
 _TOTAL, _LOGPROBS = itemgetter("completion_tokens"), itemgetter("output_token_logprobs")
 _VERSION, _TOPS = methodcaller("get", "weight_version"), methodcaller("get", "output_top_logprobs")
@@ -178,16 +179,21 @@ class ChunkReader:
         meta = chunk["meta_info"]
         ids = chunk["output_ids"]
         entries = meta["output_token_logprobs"]
-        if meta["completion_tokens"] - self.seen != len(ids) or len(entries) != len(ids):
+        total = meta["completion_tokens"]
+        n = len(ids)
+        if total - self.seen != n or len(entries) != n or meta.get("output_top_logprobs"):
             return None
-        if meta.get("output_top_logprobs"):
-            return None
-        self.seen = meta["completion_tokens"]
-        values = list(map(_first, entries))
-        try:
-            finite = all(map(math.isfinite, values))
-        except TypeError:  # a null
-            finite = False
+        self.seen = total
+        if n == 1:  # one token per chunk, as a GPU's decode steps come: no map
+            value = entries[0][0]
+            values = [value]
+            finite = type(value) is float and _isfinite(value)
+        else:
+            values = list(map(_first, entries))
+            try:
+                finite = all(map(_isfinite, values))
+            except TypeError:  # a null
+                finite = False
         finish = meta.get("finish_reason")
         return TokenDelta(
             ids,

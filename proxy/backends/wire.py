@@ -32,19 +32,15 @@ Every failure is a ``BackendConnectionError``.
 from __future__ import annotations
 
 import asyncio
-import re
 import ssl
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 from proxima.proxy.backends.errors import BackendConnectionError
+from proxima.proxy.backends.wire_body import DataStream, dechunk
 from proxima.proxy.backends.wire_conn import Conn
 
 _MAX_HEAD = 64 * 1024
-# A server-sent event's ``data:`` field: the rest of its line after one optional space
-# (a CR before the line's LF stays in it: JSON and ``[DONE]`` readers strip it).
-_DATA_FIELD = re.compile(rb"^data: ?(.*)", re.MULTILINE)
 
 
 class _NoResponse(Exception):
@@ -218,28 +214,6 @@ class WirePool:
         self._slots.release()
 
 
-class _DataFields:
-    """A server-sent event stream's ``data:`` fields, piece by piece: the lines a piece
-    completed, found by one regular expression; the rest waits for the next piece."""
-
-    __slots__ = ("rest",)
-
-    def __init__(self) -> None:
-        self.rest = b""
-
-    def feed(self, piece: bytes) -> list[bytes]:
-        if self.rest:
-            piece = self.rest + piece
-        end = piece.rfind(b"\n") + 1
-        self.rest = piece[end:]
-        return _DATA_FIELD.findall(piece, 0, end) if end else []
-
-    def flush(self) -> list[bytes]:
-        """The fields of a last line without its line end."""
-        rest, self.rest = self.rest, b""
-        return _DATA_FIELD.findall(rest) if rest else []
-
-
 class WireResponse:
     """A response whose head has arrived; read its body with ``read`` or ``lines``."""
 
@@ -314,51 +288,79 @@ class WireResponse:
         if rest:
             yield [rest]
 
-    def data_batches(self) -> AsyncIterator[list[bytes]]:
+    async def data_batches(self) -> AsyncIterator[list[bytes]]:
         """A server-sent event stream's ``data:`` fields as they arrive, grouped: each batch
-        holds those of the lines one read completed (other lines are skipped).
+        holds those of the lines one read completed (other lines are skipped); the
+        generator form of ``data_stream``."""
+        stream = self.data_stream()
+        try:
+            while True:
+                fields = stream.take()
+                if fields:
+                    yield fields
+                if stream.ended:
+                    return
+                waiter = stream.waiter()
+                if waiter is not None:
+                    await waiter
+        finally:
+            stream.close()
 
-        One regular expression finds them all in a read, instead of a Python step per line:
-        what piled up while the proxy was busy costs one pass; and they are found by the
-        body's own reader (``_body``), not by another generator around it.
-        """
-        return self._body(_DataFields())
+    def data_stream(self) -> DataStream:
+        """A server-sent event stream's ``data:`` fields, read by the caller's own loop
+        (``DataStream``: no generator between the connection and the reader)."""
+        return DataStream(self)
 
-    def pieces(self) -> AsyncIterator[bytes]:
+    async def pieces(self) -> AsyncIterator[bytes]:
         """The body as it arrives, framing removed: one piece per read, whatever it completed.
 
         A chunked body is decoded from whole reads, not one ``readuntil`` and one
         ``readexactly`` per chunk: when the backend's chunks pile up (the proxy is busy),
         one read takes them all and they leave as one piece.
         """
-        return self._body(None)
-
-    async def _body(self, fields: _DataFields | None) -> AsyncIterator[Any]:
-        """The body's pieces as they arrive, or with ``fields`` their ``data:`` fields."""
         conn = self._source
-        buf = conn.buf
-        loop = asyncio.get_running_loop()
-        # One watchdog timer per response, not one per read (a timer per chunk costs more
-        # than parsing it): it fails the read that has waited longer than the read timeout.
-        self._watch = loop.call_later(self._pool.read_timeout, self._check_stalled)
+        self._watch_reads()
         try:
             while True:
-                piece, ended = self._take(buf, conn.eof)
+                piece, ended = self._taken(conn.buf)
                 if piece:
-                    out = piece if fields is None else fields.feed(piece)
-                    if out:
-                        yield out
+                    yield piece
                 if ended:
                     break
-                waiter = conn.waiter()
+                waiter = self._waiter()
                 if waiter is not None:
-                    self._waiting_since = loop.time()
                     await waiter
-                    self._waiting_since = None
-                    if conn.error is not None:
-                        raise conn.error
-            if fields is not None and (out := fields.flush()):
-                yield out
+        finally:
+            self._stop_watch()
+        self._complete = True
+
+    def _watch_reads(self) -> None:
+        # One watchdog timer per response, not one per read (a timer per chunk costs more
+        # than parsing it): it fails the read that has waited longer than the read timeout.
+        loop = asyncio.get_running_loop()
+        self._watch = loop.call_later(self._pool.read_timeout, self._check_stalled)
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        self._waiting_since = None
+
+    def _waiter(self) -> asyncio.Future[None] | None:
+        """The connection's future for more bytes (None at its end), the wait timed."""
+        waiter = self._source.waiter()
+        if waiter is not None:
+            self._waiting_since = waiter.get_loop().time()
+        return waiter
+
+    def _taken(self, buf: bytearray) -> tuple[bytes, bool]:
+        """``_take`` of what arrived since the last wait, its failures as
+        ``BackendConnectionError``."""
+        self._waiting_since = None
+        conn = self._source
+        try:
+            if conn.error is not None:
+                raise conn.error
+            return self._take(buf, conn.eof)
         except asyncio.IncompleteReadError as exc:
             raise BackendConnectionError(
                 "the backend closed the connection mid-response", url=self._pool._url()
@@ -371,19 +373,13 @@ class WireResponse:
             raise BackendConnectionError(
                 f"the response broke: {exc!r}", url=self._pool._url()
             ) from exc
-        finally:
-            self._watch.cancel()
-            self._waiting_since = None
-        self._complete = True
 
     def _take(self, buf: bytearray, eof: bool) -> tuple[bytes, bool]:
         """What the buffer holds of the body (taken out of it), and whether the body ended;
         at the end of the stream before the end of the body, what broke it (the transport's
         error, else ``IncompleteReadError``)."""
-        if eof and self._source.error is not None:
-            raise self._source.error
         if self._chunked:
-            payloads, used, ended = _dechunk(buf)
+            payloads, used, ended = dechunk(buf)
             del buf[:used]
             if ended and buf:  # bytes past the end of the response: the stream is broken
                 self._keep_alive = False
@@ -414,44 +410,3 @@ class WireResponse:
         self._watch = asyncio.get_running_loop().call_later(
             timeout if since is None else since + timeout - now, self._check_stalled
         )
-
-
-def _dechunk(buf: bytearray) -> tuple[list[bytearray], int, bool]:
-    """The complete chunks at the start of ``buf``: their payloads, bytes used, and whether
-    the last chunk (size 0, then any trailers and an empty line) was among them.
-
-    ``ValueError`` for a size that is not hexadecimal, a chunk that does not end with
-    CRLF, or a size line or trailer longer than a response head may be.
-    """
-    payloads: list[bytearray] = []
-    pos = 0
-    end_of_buf = len(buf)
-    find, starts = buf.find, buf.startswith  # bound once: this loop runs per chunk
-    while True:
-        eol = find(b"\r\n", pos)
-        if eol < 0:
-            if end_of_buf - pos > _MAX_HEAD:
-                raise ValueError("a chunk size line is too long")
-            return payloads, pos, False
-        try:
-            size = int(buf[pos:eol], 16)
-        except ValueError:  # chunk extensions (";name=value") after the size, or not a size
-            head = buf[pos:eol]
-            size = int(head[: head.index(b";")] if b";" in head else head, 16)
-        if size <= 0:
-            if size < 0:
-                raise ValueError(f"negative chunk size {size}")
-            end = find(b"\r\n\r\n", eol)  # the size line's CRLF, trailers, empty line
-            if end < 0:
-                if end_of_buf - eol > _MAX_HEAD:
-                    raise ValueError("the trailers are too long")
-                return payloads, pos, False
-            return payloads, end + 4, True
-        start = eol + 2
-        stop = start + size
-        if end_of_buf < stop + 2:
-            return payloads, pos, False
-        if not starts(b"\r\n", stop):
-            raise ValueError("a chunk does not end with CRLF")
-        payloads.append(buf[start:stop])
-        pos = stop + 2

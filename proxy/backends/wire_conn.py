@@ -137,11 +137,10 @@ class Conn(asyncio.Protocol):
             await self.wait()
 
     def fail(self, exc: BaseException) -> None:
-        """Make the waiting read (and every later one) raise ``exc`` (a timeout's)."""
+        """Make the waiting read (and every later one) raise ``exc`` (a timeout's): the
+        waiter wakes (its future is not failed) and the reader finds ``error`` set."""
         self.error = exc
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+        self._wake()
 
     def close(self) -> None:
         if self.transport is not None:
