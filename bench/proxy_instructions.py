@@ -7,11 +7,12 @@ through it from a backend paced at ``--tokens-per-s`` per stream (slow enough th
 token arrives in a read of its own, as a GPU's decode steps come), and counts the
 instructions (``Ir``) of a window of ``--requests`` requests at each length, twice (the one
 with more SSE events per request is kept: the other merged more reads; of two with as many,
-the lower count), less what the process spends in as long a time without requests (measured over ``--idle-s`` after the warm-up: health probes,
-polling, timers; a window lasts as long as the backend's pace makes it). The slope between
-the two lengths, per event, is the cost of one streamed token: one backend read, one SSE
-event, one write to the client (tokens that a stall of the process left in one read are
-one event: the slope per event stays the cost of one pass). Kernel time is not counted
+the lower count), less what the process spends in as long a time without requests
+(measured over ``--idle-s`` after the warm-up: health probes, polling, timers; a window
+lasts as long as the backend's pace makes it). The slope between the two lengths, per
+event, is the cost of one streamed token: one backend read, one SSE event, one write to
+the client (tokens that a stall of the process left in one read are one event: the slope
+per event stays the cost of one pass). Kernel time is not counted
 (both arms make the same system calls per token).
 
     .venv/bin/python bench/proxy_instructions.py                 # the working tree's proxy
