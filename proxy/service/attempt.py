@@ -109,6 +109,8 @@ class Attempt:
         self.held: list[TokenDelta] = []  # a constrained attempt's tokens, until it finishes
         self.resume = False  # it failed, and the completion resumes (counted already)
         self.broken: NonFiniteLogprob | None = None  # an adapter's non-finite logprob
+        self._last_label: str | None = None  # the last chunk's weight_version, and its
+        self._last_version = 0  # version (parsed once, not per token)
 
     def take(self, delta: TokenDelta, params: Sampling) -> TokenDelta | None:
         """The delta with each token's version, or None when it has no tokens (or comes
@@ -120,10 +122,14 @@ class Attempt:
         caller drops the attempt.
         """
         self.backend.last_ok = time.monotonic()  # it answers: no health probe needed
-        if delta.weight_version is None:  # a server that does not label its chunks
+        label = delta.weight_version
+        if label is None:  # a server that does not label its chunks
             version = self.backend.version if self.backend.version is not None else self.version
+        elif label == self._last_label:  # the same label as the chunk before: its version
+            version = self._last_version
         else:
-            version = reported_version(delta.weight_version)
+            version = self._last_version = reported_version(label)
+            self._last_label = label
         if version < self.version:
             self.stale = version
             return None

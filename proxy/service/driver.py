@@ -131,11 +131,22 @@ class GenerationDriver:
                 # without the layers (and their cost per token) that merge several.
                 (run,) = runs
                 state = states[run.index]
+                # A plain reply without logprobs (the common one): ``_delta``'s event, inline.
+                add = state.detok.add if state.plain and not prep.logprobs else None
+                streamed, index = state.streamed, run.index
                 async with aclosing(self._generate(prep, run)) as chunks:
                     async for chunk in chunks:
                         if run.first_token_at is None:  # saw_tokens, inline: once per event
                             run.first_token_at = time.monotonic()
-                        yield self._delta(prep, run, state, chunk)
+                        if add is not None:
+                            text = add(chunk.token_ids)
+                            if text:
+                                streamed.append(text)
+                                yield Delta(index, [ContentDelta(text)])
+                            else:
+                                yield Delta(index, [])
+                        else:
+                            yield self._delta(prep, run, state, chunk)
                 finished.append((run, state.finish(prep, run)))
             else:
                 async for run, piece in self._multiplex(prep, runs):

@@ -49,6 +49,7 @@ def chat_response(prep: Prepared, completion: Completion, *, model: str) -> dict
     }
 
 
+_dumps = orjson.dumps
 # The end of a chunk without logprobs or finish reason.
 _PLAIN_END = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
@@ -101,8 +102,11 @@ async def chat_stream(
         if isinstance(event, Delta):
             parts = event.parts
             if event.logprobs is None and len(parts) == 1 and type(parts[0]) is ContentDelta:
-                # The common event, one piece of text: ``chunk``'s bytes, built in one go.
-                text = event_json({"content": parts[0].text})
+                # The common event, one piece of text: ``chunk``'s bytes, built in one go
+                # (``event_json``, inline: the line-break escapes only when one is there).
+                text = _dumps({"content": parts[0].text})
+                if text.find(b"\xc2\x85") >= 0 or text.find(b"\xe2\x80") >= 0:
+                    text = event_json(text.decode())
                 yield b"".join((prefix, b"%d" % event.index, b',"delta":', text, _PLAIN_END))
                 continue
             lp = (
