@@ -293,14 +293,24 @@ class Trainer(Publishing):
 
         A step whose push raised may still have landed (the answer was lost):
         the store's policy version says which, and the pending step is
-        settled as at start-up before any claim is released.
+        settled as at start-up before any claim is released. A version pushed from
+        memory is exported (and its sessions marked) first; if that export fails, its
+        pending step stays for the recovery rule (its sessions are trained again), no
+        checkpoint is written, and the error is raised after the claims are released.
         """
+        export_error: Exception | None = None
         try:
-            await self._exported()  # its sessions are marked before any claim is released
-            if self._weights_ahead and read_pending(self.home) is not None:
+            try:
+                await self._exported()
+            except Exception as exc:
+                export_error = exc
+                logger.error("the export of version %s failed: %r", self.state.version, exc)
+            pending = read_pending(self.home)
+            if self._weights_ahead and pending is not None and pending.version > self.state.version:
                 await self._settle_interrupted_push()
             released = await self.store.release_claims(trainer_id=self.state.trainer_id)
-            if self.cfg.checkpoint_every and self.state.step > self._checkpointed_step:
+            due = self.cfg.checkpoint_every and self.state.step > self._checkpointed_step
+            if due and export_error is None:
                 await self.checkpoint()
             self.log.event(
                 "stop", version=self.state.version, step=self.state.step, released_claims=released
@@ -309,6 +319,8 @@ class Trainer(Publishing):
             self.log.close()
             if self._owns_executor:
                 self._executor.shutdown(wait=True)
+        if export_error is not None:
+            raise export_error
 
     # ------------------------------------------------------------------ helpers
 

@@ -178,3 +178,38 @@ async def test_a_failed_push_from_memory_that_landed_is_exported_on_close(
     restarted = await Trainer.start(cfg, store=store, sink=MemorySink(store), console=False)
     assert restarted.state.version == 1
     await restarted.close()
+
+
+async def test_an_export_that_fails_after_the_push_leaves_the_step_to_recovery(
+    store: Store, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The export after a push from memory fails (a full disk): close raises it after
+    releasing the claims, writes no checkpoint, and leaves the pending step, so the restart
+    applies the recovery rule: version 1 is labelled, its weights are the initial model's,
+    and the step's sessions are trained again into version 2."""
+    cfg = _cfg(tmp_path, tiny_model_dir, checkpoint_every=1)
+    ids = await add_batch(store, 4)
+    trainer = await Trainer.start(cfg, store=store, sink=MemorySink(store), console=False)
+
+    def full_disk(version: int) -> Path:
+        raise OSError(28, "No space left on device")
+
+    trainer._export = full_disk  # type: ignore[method-assign]
+    record = await trainer.step()
+    assert record is not None and record.pushed and record.version == 1
+    with pytest.raises(OSError, match="No space left"):
+        await trainer.close()
+    assert await statuses(store, ids) == [(SessionStatus.FINISHED, None)] * 4
+    assert latest_checkpoint(cfg.output_dir) is None
+    pending = read_pending(cfg.output_dir)
+    assert pending is not None and (pending.version, pending.exported) == (1, False)
+
+    sink = MemorySink(store)
+    restarted = await Trainer.start(cfg, store=store, sink=sink, console=False)
+    assert restarted.state.version == 1 and read_pending(cfg.output_dir) is None
+    start = [e for e in read_log(cfg.output_dir) if e["event"] == "start"][-1]
+    assert (start["source"], start["version"]) == ("initial", 1)
+    await restarted.step()
+    await restarted.close()
+    assert sink.pushed == [(2, "broadcast")]
+    assert await statuses(store, ids) == [(SessionStatus.TRAINED, 2)] * 4
