@@ -3,7 +3,8 @@
 
 - The completion insert (``Store.record_completions``): committed on the event loop when
   the lock is free, else on one dedicated thread.
-- The key lookup of a session's first request (``read_one``), read on the event loop.
+- The key lookup of a session's first request (``read_one``), read on the event loop, and
+  a worker's check of a session's status and count before each turn (``read_row``).
 
 Everything else the store does goes through the async engine. The completion insert is
 therefore written twice (``store/completions.py``: ``insert_completions`` in SQLAlchemy
@@ -113,16 +114,25 @@ class DirectSqlite:
             raw = self._selects[(model.__name__, attribute)] = RawSelect(
                 model, attribute, self._engine.dialect
             )
+        row = self.read_row(raw.sql, (value,))
+        return None if row is None else raw.values(row)
+
+    def read_row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The first row of the read-only driver ``sql`` (``?`` parameters), read on the
+        event loop's connection, values as the driver gives them; ``SqliteBusy`` when it
+        cannot be read without waiting."""
+        if not self._loop_path:
+            raise SqliteBusy()
         try:
             # fetchall: the statement runs to its end, so no read transaction stays open.
-            rows = self._loop_connection().execute(raw.sql, (value,)).fetchall()
+            rows = self._loop_connection().execute(sql, params).fetchall()
         except sqlite3.OperationalError as exc:
             if is_sqlite_busy(exc):
                 raise SqliteBusy() from exc
             if is_outage(exc):  # the file cannot be read (I/O error, removed): not a bug
                 raise unavailable(exc) from exc
             raise
-        return raw.values(rows[0]) if rows else None
+        return tuple(rows[0]) if rows else None
 
     def insert(self, table: Table) -> RawInsert:
         """``table``'s INSERT for this database (built once)."""

@@ -43,6 +43,7 @@ from proxima.proxy.policies.adapters import check_adapter
 from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase, check_group_policy, new_id
 from proxima.proxy.store.convert import session_record
+from proxima.proxy.store.direct_sqlite import SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotAdmitted, NotFound, outages
 from proxima.proxy.store.file_lock import file_lock, sqlite_lock_path
 from proxima.proxy.store.models import (
@@ -68,6 +69,12 @@ ADMITTED_COUNTER = "admitted_train_sessions"
 # Advisory lock keys (any 64-bit numbers, fixed): admission, and weight publishing.
 _ADMISSION_LOCK = 0x50524F58494D4101
 _PUBLISH_LOCK = 0x50524F58494D4102
+
+# ``session_state``'s query for the driver (SQLite): status and completion count of one session.
+_SESSION_STATE_SQL = (
+    f'SELECT s."status", (SELECT count(*) FROM "{CompletionRow.__tablename__}" c '
+    f'WHERE c."session_id" = s."id") FROM "{SessionRow.__tablename__}" s WHERE s."id" = ?'
+)
 
 _NOT_ADMITTED = (SessionStatus.FAILED.value, SessionStatus.DROPPED.value)
 
@@ -187,12 +194,22 @@ class FleetMixin(StoreBase):
     async def session_state(self, *, session_id: str) -> SessionState:
         """A session's status and completion count, in one indexed read."""
         values.text(session_id, "session_id")
-        count = (
-            select(func.count()).where(CompletionRow.session_id == SessionRow.id).scalar_subquery()
-        )
-        query = select(SessionRow.status, count).where(SessionRow.id == session_id)
-        async with self._read() as db:
-            found = (await db.execute(query)).first()
+        direct = self._direct_sqlite
+        found: Any = None
+        try:
+            if direct is None:
+                raise SqliteBusy()
+            # Read on the event loop (a worker asks before every turn): no thread hop.
+            found = direct.read_row(_SESSION_STATE_SQL, (session_id,))
+        except SqliteBusy:
+            count = (
+                select(func.count())
+                .where(CompletionRow.session_id == SessionRow.id)
+                .scalar_subquery()
+            )
+            query = select(SessionRow.status, count).where(SessionRow.id == session_id)
+            async with self._read() as db:
+                found = (await db.execute(query)).first()
         if found is None:
             raise NotFound(f"session {session_id} not found")
         return SessionState(SessionStatus(found[0]), int(found[1]))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import pytest
-from proxima.proxy.store import Store
+from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.store.errors import NotAdmitted, NotFound
 from proxima.proxy.store.fleet import AdmissionState
 from proxima.proxy.store.records import SessionKind, SessionStatus
@@ -88,6 +90,35 @@ async def test_session_state_counts_completions(store: Store) -> None:
     assert (state.status, state.completions) == (SessionStatus.FINISHED, 2)
     with pytest.raises(NotFound):
         await store.session_state(session_id="nope")
+
+
+async def test_session_state_on_a_sqlite_file_is_read_on_the_event_loop(tmp_path: Path) -> None:
+    """The workers' check before each turn takes no thread hop: the async engine is not used,
+    and what another process's store recorded and finished is seen at once."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    await ensure_schema(url)
+    mine, other = await Store.open(url, shared=True), await Store.open(url, shared=True)
+    try:
+        session = await other.create_session(api_key_hash=key_hash())
+        engine_reads: list[object] = []
+        real_read = mine._read
+
+        def counted() -> Any:
+            engine_reads.append(None)
+            return real_read()
+
+        mine._read = counted  # type: ignore[method-assign]
+        assert (await mine.session_state(session_id=session.id)).completions == 0
+        await other.record_completions(completions=[completion(session.id)])
+        await other.finish_session(session_id=session.id)
+        state = await mine.session_state(session_id=session.id)
+        assert (state.status, state.completions) == (SessionStatus.FINISHED, 1)
+        with pytest.raises(NotFound):
+            await mine.session_state(session_id="nope")
+        assert engine_reads == []
+    finally:
+        await mine.close()
+        await other.close()
 
 
 async def test_publish_lock_excludes_a_second_holder(store: Store) -> None:
