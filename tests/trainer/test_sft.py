@@ -52,10 +52,10 @@ def test_sft_loss_is_the_token_mean_negative_log_likelihood() -> None:
     logprobs = torch.tensor([-9.0, -1.0, -2.0, -50.0, -3.0], requires_grad=True)
     mask = torch.tensor([0, 1, 1, 0, 1])
     loss = sft_loss(logprobs, mask, total_loss_tokens=6)  # this micro-batch: 3 of 6 tokens
-    assert loss.item() == pytest.approx(6.0 / 6)
+    assert loss.item() == pytest.approx(6.0 / 6, rel=1e-5)
     loss.backward()
     assert logprobs.grad is not None
-    assert logprobs.grad.tolist() == pytest.approx([0.0, -1 / 6, -1 / 6, 0.0, -1 / 6])
+    assert logprobs.grad.tolist() == pytest.approx([0.0, -1 / 6, -1 / 6, 0.0, -1 / 6], abs=1e-6)
     with pytest.raises(ValueError, match="at least one loss token"):
         sft_loss(logprobs, mask, total_loss_tokens=0)
 
@@ -78,7 +78,7 @@ def test_sft_gradient_is_minus_the_gradient_of_mean_log_p(tiny_model_dir: Path) 
     expected_loss = -torch.cat(terms).mean()
     expected_loss.backward()
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    assert loss == pytest.approx(expected_loss.item(), rel=1e-5)
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-4)
     assert_grads_close(packed_grads, grads)
 
 
