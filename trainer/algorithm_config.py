@@ -129,6 +129,18 @@ class AdvantageConfig(StrictSection):
             "keep always steps (AdamW momentum then moves the weights on a zero gradient)."
         ),
     )
+    refill_limit: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "With zero_signal = refill: the most sessions the screen may drop toward one step. "
+            "Once that many are dropped, the step trains the sessions with signal it holds "
+            "(fewer than batch_size, or none: then it takes no optimizer step and pushes no "
+            "version, as filter does). None: refill until the batch is full. A task the policy "
+            "has solved leaves few groups with signal (at 99% success 8 runs tie 92% of the "
+            "time), and an unbounded refill then samples hundreds of sessions for one step."
+        ),
+    )
     sample_mode: Literal["chain", "individual"] = Field(
         "chain",
         description=(

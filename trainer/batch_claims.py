@@ -7,7 +7,8 @@ production sessions up to ``production_share`` of the batch. With
 ``zero_signal = "refill"`` every claimed group is screened at once
 (:meth:`BatchClaims.screen`): one that cannot train whole is marked DROPPED and counted
 toward the next step's metrics (:class:`Screened`), so other groups are claimed in
-its place. A claim that fails with the store out of reach is retried for ``[loop]
+its place, up to ``advantage.refill_limit`` dropped sessions a step (then the step
+trains what it holds). A claim that fails with the store out of reach is retried for ``[loop]
 retry_window_s``; as its answer may have been lost after it took sessions, the claims are
 then read back from the store (:meth:`BatchClaims._adopted`).
 
@@ -100,7 +101,11 @@ class BatchClaims:
 
     @property
     def ready(self) -> bool:
-        """Whether the claims held make a full batch (``batch_size`` sessions)."""
+        """Whether the claims held make the next batch: ``batch_size`` sessions, or what is
+        held once ``refill`` dropped ``advantage.refill_limit`` sessions toward it."""
+        limit = self.cfg.advantage.refill_limit
+        if limit is not None and len(self.screened.sessions) >= limit:
+            return True
         return len(self.held) >= self.cfg.batch_size
 
     def take(self) -> list[SessionRecord]:
