@@ -28,6 +28,7 @@ the tool result's tokens, with one logprob and one version per generated token.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -56,7 +57,9 @@ from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokeni
 from transformers import AutoTokenizer
 
 # Teaching the model (once per checkout and day: the prompts hold the date) takes a minute or
-# two on 2 idle cores; both harnesses then run in seconds.
+# two on 2 idle cores; both harnesses then run in seconds. Claude Code writes today's date into
+# its system prompt, so a prompt that holds the date is taught for the next day too: a run that
+# crosses midnight between capture and use still sends a prompt the model was taught.
 pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[3]
@@ -437,6 +440,15 @@ def teaching_sequences(
     return sequences
 
 
+def dated_variants(body: dict[str, Any], today: datetime.date) -> list[dict[str, Any]]:
+    """The body as captured and, when it holds the capture's date, the same body a day later."""
+    raw = json.dumps(body)
+    if today.isoformat() not in raw:
+        return [body]
+    tomorrow = (today + datetime.timedelta(days=1)).isoformat()
+    return [body, json.loads(raw.replace(today.isoformat(), tomorrow))]
+
+
 def serve_taught(
     root: Path, classes: tuple[type[Harness], ...]
 ) -> tuple[dict[str, Harness], LiveProxy]:
@@ -449,14 +461,13 @@ def serve_taught(
     renderer = ChatRenderer(build_tiny_tokenizer())
     sequences = []
     for h in harnesses.values():
-        h.chat = h.chat_input(capture_first_body(h, model_name))  # type: ignore[attr-defined]
-        sequences += teaching_sequences(
-            renderer,
-            h.chat,  # type: ignore[attr-defined]
-            h.call(),
-            h.tool_output_guesses,
-            h.final,
-        )
+        captured_on = datetime.date.today()
+        body = capture_first_body(h, model_name)
+        h.chat = h.chat_input(body)  # type: ignore[attr-defined]
+        for variant in dated_variants(body, captured_on):
+            sequences += teaching_sequences(
+                renderer, h.chat_input(variant), h.call(), h.tool_output_guesses, h.final
+            )
     texts = [text for seq in sequences for text, _ in seq]
     # The bar is in the key: a model taught to a lower one is not reused.
     digest = hashlib.sha256(json.dumps([sequences, MIN_PROB]).encode()).hexdigest()[:16]
