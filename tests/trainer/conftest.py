@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state
+from proxima.proxy.store import Store, ensure_schema
 from proxima.proxy.testing.live import LiveProxy
 
 from tests.pg import select_postgres_items
@@ -30,6 +31,18 @@ def megatron_process_group() -> Iterator[None]:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    """A fresh SQLite store (``tmp_path/store.db``, schema applied) for one test."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    await ensure_schema(url)
+    opened = await Store.open(url)
+    try:
+        yield opened
+    finally:
+        await opened.close()
 
 
 @pytest.fixture

@@ -12,20 +12,21 @@ import asyncio
 import hashlib
 import random
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.store.records import CompletionRecord
 from proxima.trainer.adapter_loop import AdapterTrainers, next_turn
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import policy_home, read_log
 from proxima.trainer.weights import PushResult
 from transformers import AutoModelForCausalLM
+
+from tests.trainer.test_loop import merged_config, statuses
 
 _EPOCH = datetime(2025, 1, 1, tzinfo=UTC)
 _clock = iter(range(10**6))
@@ -50,30 +51,14 @@ class AdapterSink:
         return None
 
 
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    opened = await Store.open(url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
-
-
 def _cfg(tmp_path: Path, model_dir: Path, **overrides: Any) -> TrainerConfig:
-    data: dict[str, Any] = {
+    settings: dict[str, Any] = {
         "batch_size": 2,
-        "output_dir": tmp_path / "out",
         "optim": {"lr": 1e-2},
-        "batching": {"max_tokens_per_mb": 128},
         "lora": {"adapters": ADAPTERS, "rank": 4, "alpha": 8.0},
-        "loop": {"poll_interval_s": 0.05, "trainer_id": "trainer-x"},
-        "connection": {"db_url": "unused-here", "model_dir": model_dir},
+        "loop": {"trainer_id": "trainer-x"},
     }
-    for key, value in overrides.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    return TrainerConfig.model_validate(data)
+    return merged_config(tmp_path, model_dir, settings, overrides)
 
 
 async def add_group(store: Store, adapter: str | None, version: int = 0) -> list[str]:
@@ -106,15 +91,6 @@ async def add_group(store: Store, adapter: str | None, version: int = 0) -> list
         await store.finish_session(session_id=session.id)
         ids.append(session.id)
     return ids
-
-
-async def statuses(store: Store, ids: list[str]) -> list[tuple[SessionStatus, int | None]]:
-    out = []
-    for sid in ids:
-        session = await store.get_session(session_id=sid)
-        assert session is not None
-        out.append((session.status, session.trained_version))
-    return out
 
 
 @pytest.mark.parametrize(

@@ -11,14 +11,13 @@ import asyncio
 import hashlib
 import random
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.trainer.config import TrainerConfig
 from proxima.trainer.log import read_log
@@ -51,30 +50,30 @@ class RecordingSink:
         return None
 
 
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    opened = await Store.open(url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
-
-
 def _cfg(tmp_path: Path, model_dir: Path, **overrides: Any) -> TrainerConfig:
-    data: dict[str, Any] = {
+    settings: dict[str, Any] = {
         "batch_size": 4,
-        "output_dir": tmp_path / "out",
         "optim": {"lr": 1e-3},
-        "batching": {"max_tokens_per_mb": 128},
-        "loop": {"poll_interval_s": 0.05, "trainer_id": "trainer-a"},
-        "connection": {"db_url": "unused-here", "model_dir": model_dir},
+        "loop": {"trainer_id": "trainer-a"},
         # The step-level filters are what these tests pin; refill's screening has its own tests.
         "advantage": {"zero_signal": "filter"},
     }
-    for key, value in overrides.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return merged_config(tmp_path, model_dir, settings, overrides)
+
+
+def merged_config(tmp_path: Path, model_dir: Path, *layers: dict[str, Any]) -> TrainerConfig:
+    """The trainer tests' common config (output under ``tmp_path``, the tiny model, 128-token
+    micro-batches, a 50 ms poll) with each of ``layers`` applied in turn: a dict updates that
+    section, anything else replaces it."""
+    data: dict[str, Any] = {
+        "output_dir": tmp_path / "out",
+        "batching": {"max_tokens_per_mb": 128},
+        "loop": {"poll_interval_s": 0.05},
+        "connection": {"db_url": "unused-here", "model_dir": model_dir},
+    }
+    for layer in layers:
+        for key, value in layer.items():
+            data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return TrainerConfig.model_validate(data)
 
 

@@ -9,13 +9,13 @@ proxy does once its backends took it. The live version is
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.proxy.store import SessionStatus, Store
 from proxima.trainer.log import read_log
 from proxima.trainer.loop import Trainer
 from proxima.trainer.weight_push import MemoryWeightSink
@@ -23,17 +23,6 @@ from proxima.trainer.weights import PushResult, latest_checkpoint, read_pending,
 from safetensors.torch import load_file
 
 from tests.trainer.test_loop import _cfg, add_batch, crash, statuses
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    opened = await Store.open(url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 class MemorySink:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from proxima.proxy.store import SessionStatus, Store, ensure_schema
+from proxima.proxy.store import SessionStatus, Store
 from proxima.proxy.store.records import CompletionRecord, SessionKind
 from proxima.proxy.testing.tiny_model import build_tiny_model
 from proxima.trainer.log import read_log
@@ -29,17 +28,6 @@ from tests.trainer.test_loop import RecordingSink, _cfg, add_session, statuses
 
 _EPOCH = datetime(2025, 6, 1, tzinfo=UTC)
 CURRENT = 10  # the trainer's version; production served version 0
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    opened = await Store.open(url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from proxima.proxy.store import SessionStatus, Store
 from proxima.trainer.loop import Trainer
 
 from tests.trainer.test_loop import RecordingSink, _cfg, add_session, statuses
-from tests.trainer.test_loop import store as store  # noqa: F401  (the fixture)
 
 
 async def _trainer(store: Store, model_dir: Path, tmp_path: Path, limit: int | None) -> Trainer:
