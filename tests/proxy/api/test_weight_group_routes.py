@@ -16,16 +16,11 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from proxima.proxy.api import admin
-from proxima.proxy.api.deps import get_admin
-from proxima.proxy.api.error_handlers import install_error_handlers
-from proxima.proxy.auth import Principal, PrincipalKind
-from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.config import Settings
-from proxima.proxy.store import Store, ensure_schema
-from proxima.proxy.testing.app_state import install_test_state
+from proxima.proxy.store import Store
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 from starlette.types import Receive, Scope, Send
+
+from tests.proxy.api.admin_app import admin_app
 
 BACKEND = "http://sglang"
 BUCKET = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
@@ -48,28 +43,9 @@ class Recorder:
 async def setup(
     tmp_path: Path, tiny_model_dir: Path
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Recorder, Store]]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    store = await Store.open(url)
     backend = Recorder(create_fake_app(FakeBackend()))
-    http = httpx.AsyncClient(mounts={BACKEND: httpx.ASGITransport(app=backend)})
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(admin.router)
-    install_test_state(
-        app,
-        settings=Settings(model=tiny_model_dir),
-        store=store,
-        pool=BackendPool([BACKEND], http=http),
-    )
-    app.dependency_overrides[get_admin] = lambda: Principal(PrincipalKind.ADMIN)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-    try:
+    async with admin_app(tmp_path, tiny_model_dir, backend, backend_url=BACKEND) as (client, store):
         yield client, backend, store
-    finally:
-        await client.aclose()
-        await http.aclose()
-        await store.close()
 
 
 def _push(**broadcast: Any) -> dict[str, Any]:

@@ -17,15 +17,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from proxima.proxy.api import admin, health
-from proxima.proxy.api.deps import get_admin
-from proxima.proxy.api.error_handlers import install_error_handlers
-from proxima.proxy.auth import Principal, PrincipalKind
-from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.config import Settings
-from proxima.proxy.store import Store, ensure_schema
-from proxima.proxy.testing.app_state import install_test_state
+from proxima.proxy.store import Store
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
 from starlette.types import Receive, Scope, Send
+
+from tests.proxy.api.admin_app import admin_app
 
 LOAD_SECONDS = 0.3
 BACKEND = "http://slow-sglang"
@@ -57,29 +53,12 @@ class SlowLoads:
 async def setup(
     tmp_path: Path, tiny_model_dir: Path
 ) -> AsyncIterator[tuple[httpx.AsyncClient, SlowLoads, Store]]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    store = await Store.open(url)
     backend = SlowLoads(create_fake_app(FakeBackend()))
-    http = httpx.AsyncClient(mounts={BACKEND: httpx.ASGITransport(app=backend)})
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(admin.router)
-    app.include_router(health.router)
-    install_test_state(
-        app,
-        settings=Settings(model=tiny_model_dir),
-        store=store,
-        pool=BackendPool([BACKEND], http=http),
-    )
-    app.dependency_overrides[get_admin] = lambda: Principal(PrincipalKind.ADMIN)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-    try:
+    routers = (admin.router, health.router)
+    async with admin_app(
+        tmp_path, tiny_model_dir, backend, backend_url=BACKEND, routers=routers
+    ) as (client, store):
         yield client, backend, store
-    finally:
-        await client.aclose()
-        await http.aclose()
-        await store.close()
 
 
 async def _push_together(

@@ -16,17 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
-from proxima.proxy.api import admin
-from proxima.proxy.api.deps import get_admin
-from proxima.proxy.api.error_handlers import install_error_handlers
-from proxima.proxy.auth import Principal, PrincipalKind
-from proxima.proxy.backends.pool import BackendPool
-from proxima.proxy.config import Settings
-from proxima.proxy.store import Store, ensure_schema
+from proxima.proxy.store import Store
 from proxima.proxy.store.errors import StoreUnavailable
-from proxima.proxy.testing.app_state import install_test_state
 from proxima.proxy.testing.fake_sglang import FakeBackend, create_fake_app
+
+from tests.proxy.api.admin_app import admin_app
 
 BACKEND = "http://sglang"
 
@@ -47,24 +41,15 @@ class FirstRecordLost(Store):
 async def setup(
     tmp_path: Path, tiny_model_dir: Path
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend, Store]]:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    await ensure_schema(url)
-    store = await FirstRecordLost.open(url)
     fake = FakeBackend()
-    http = httpx.AsyncClient(mounts={BACKEND: httpx.ASGITransport(app=create_fake_app(fake))})
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(admin.router)
-    pool = BackendPool([BACKEND], http=http)
-    install_test_state(app, settings=Settings(model=tiny_model_dir), store=store, pool=pool)
-    app.dependency_overrides[get_admin] = lambda: Principal(PrincipalKind.ADMIN)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-    try:
+    async with admin_app(
+        tmp_path,
+        tiny_model_dir,
+        create_fake_app(fake),
+        backend_url=BACKEND,
+        store_type=FirstRecordLost,
+    ) as (client, store):
         yield client, fake, store
-    finally:
-        await client.aclose()
-        await http.aclose()
-        await store.close()
 
 
 async def test_the_retry_of_a_push_whose_record_was_lost_records_it(
