@@ -14,6 +14,8 @@ Item fields: ``question``, ``answer``; optional ``max_steps`` (4 model calls),
 ``temperature`` (1.0), ``max_tokens`` (128), ``model``/``base_url``/``api_key``.
 
 Standalone: ``python -m proxima.agents_examples.tool_agent --base-url URL --api-key K --model M``.
+The tool demo's agent (``tool_demo_agent``) shares its calculator, system prompt, ``ChatOpenAI``
+set-up (``chat_openai``) and standalone run (``cli_main``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ast
 import asyncio
 import json
 import operator
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -110,6 +112,19 @@ def calculator(expression: str) -> str:
         return f"error: {exc}"
 
 
+async def chat_openai(data: dict[str, Any], *, max_tokens: int) -> ChatOpenAI:
+    """``ChatOpenAI`` on the run's endpoint and model (see ``proxima.agents_examples.common``),
+    with the item's sampling (``max_tokens`` when the item sets none) and no retries."""
+    ep = endpoint(data)
+    return ChatOpenAI(
+        model=await resolve_model(ep),
+        base_url=ep.base_url,
+        api_key=SecretStr(ep.api_key),
+        max_retries=0,
+        **sampling(data, max_tokens=max_tokens),
+    )
+
+
 def build_graph(llm: BaseChatModel) -> Any:
     """The ReAct graph: ``agent`` -> (``tools`` -> ``agent``)* -> end."""
     model = llm.bind_tools([calculator])
@@ -134,14 +149,7 @@ async def solve(
     ``llm`` defaults to ``ChatOpenAI`` on the run's endpoint (see ``proxima.agents_examples.common``).
     """
     if llm is None:
-        ep = endpoint(data)
-        llm = ChatOpenAI(
-            model=await resolve_model(ep),
-            base_url=ep.base_url,
-            api_key=SecretStr(ep.api_key),
-            max_retries=0,
-            **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
-        )
+        llm = await chat_openai(data, max_tokens=DEFAULT_MAX_TOKENS)
     messages: list[BaseMessage] = [
         SystemMessage(SYSTEM_PROMPT),
         HumanMessage(str(data["question"])),
@@ -166,19 +174,30 @@ async def run_agent_return_reward(data: dict[str, Any]) -> float:
     return reward
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Solve one problem with the calculator agent and print the messages."""
-    parser = cli_parser(main.__doc__ or "")
+def cli_main(
+    description: str,
+    argv: list[str] | None,
+    run: Callable[[dict[str, Any]], Awaitable[tuple[Any, list[BaseMessage]]]],
+    result_key: str,
+) -> None:
+    """A calculator agent's standalone run: one problem (384 * 27 unless ``argv`` names
+    another) through ``run``; prints its result under ``result_key`` and the messages."""
+    parser = cli_parser(description)
     parser.set_defaults(question="What is 384 * 27?", answer=384 * 27)
     args = parser.parse_args(argv)
-    reward, messages = asyncio.run(solve(cli_data(args)))
+    result, messages = asyncio.run(run(cli_data(args)))
     print(
         json.dumps(
-            {"reward": reward, "messages": [m.model_dump() for m in messages]},
+            {result_key: result, "messages": [m.model_dump() for m in messages]},
             indent=2,
             default=str,
         )
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Solve one problem with the calculator agent and print the messages."""
+    cli_main(main.__doc__ or "", argv, solve, "reward")
 
 
 if __name__ == "__main__":

@@ -35,32 +35,17 @@ Standalone: ``python -m proxima.agents_examples.tool_demo_agent --base-url URL -
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.runnables import Runnable
-from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
-from proxima.agents_examples.common import (
-    cli_data,
-    cli_parser,
-    endpoint,
-    is_correct,
-    resolve_model,
-    sampling,
-)
-from proxima.agents_examples.tool_agent import calculator
-from pydantic import SecretStr
+from proxima.agents_examples.common import is_correct
+from proxima.agents_examples.tool_agent import SYSTEM_PROMPT, calculator, chat_openai, cli_main
 
-SYSTEM_PROMPT = (
-    "You are a careful assistant. Use the calculator tool for any arithmetic, "
-    "then state the final answer as a number."
-)
 DEFAULT_MAX_STEPS = 3
 DEFAULT_MAX_TOKENS = 64
 
@@ -107,15 +92,7 @@ def _first_turn_forced(llm: BaseChatModel) -> Callable[[Any, Any], Runnable[Any,
 
 async def solve(data: dict[str, Any]) -> tuple[dict[str, float], list[BaseMessage]]:
     """Run the ReAct agent on one problem; returns its report and messages."""
-    ep = endpoint(data)
-    llm = ChatOpenAI(
-        model=await resolve_model(ep),
-        base_url=ep.base_url,
-        api_key=SecretStr(ep.api_key),
-        max_retries=0,
-        **sampling(data, max_tokens=DEFAULT_MAX_TOKENS),
-    )
-    return await run_react(llm, data)
+    return await run_react(await chat_openai(data, max_tokens=DEFAULT_MAX_TOKENS), data)
 
 
 async def run_react(
@@ -156,17 +133,7 @@ async def run_agent_return_reward(data: dict[str, Any]) -> float | dict[str, flo
 
 def main(argv: list[str] | None = None) -> None:
     """Solve one product with the ReAct agent and print its report and messages."""
-    parser = cli_parser(main.__doc__ or "")
-    parser.set_defaults(question="What is 384 * 27?", answer=384 * 27)
-    args = parser.parse_args(argv)
-    report, messages = asyncio.run(solve(cli_data(args)))
-    print(
-        json.dumps(
-            {"report": report, "messages": [m.model_dump() for m in messages]},
-            indent=2,
-            default=str,
-        )
-    )
+    cli_main(main.__doc__ or "", argv, solve, "report")
 
 
 if __name__ == "__main__":
