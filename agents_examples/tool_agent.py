@@ -24,7 +24,7 @@ import ast
 import asyncio
 import json
 import operator
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -177,7 +177,7 @@ async def run_agent_return_reward(data: dict[str, Any]) -> float:
 def cli_main(
     description: str,
     argv: list[str] | None,
-    run: Callable[[dict[str, Any]], Awaitable[tuple[Any, list[BaseMessage]]]],
+    run: Callable[[dict[str, Any]], Coroutine[Any, Any, tuple[Any, list[BaseMessage]]]],
     result_key: str,
 ) -> None:
     """A calculator agent's standalone run: one problem (384 * 27 unless ``argv`` names
