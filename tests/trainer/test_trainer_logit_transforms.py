@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime, timedelta
 
 import pytest
 import torch
-from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.trainer.config import AdvantageConfig
 from proxima.trainer.logit_transforms import behaviour_logprobs_reproducible, logit_transforms
 from proxima.trainer.loss import decoupled_ppo_loss
 from proxima.trainer.samples import build_samples
 
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
+from tests.trainer.records import completion_record, session_record
 
 
 def _session(reward: float) -> SessionRecord:
-    return SessionRecord(
-        id="s",
-        kind=SessionKind.TRAIN,
-        status=SessionStatus.CLAIMED,
-        group_id=None,
-        data_id=None,
-        metadata={},
-        reward=reward,
-        created_at=T0,
-    )
+    return session_record(reward=reward)
 
 
 def _completion(
@@ -41,18 +31,7 @@ def _completion(
     sampling: dict[str, object] = {"temperature": 1.0}
     if transforms:
         sampling["logit_transforms"] = transforms
-    return CompletionRecord(
-        id=cid,
-        session_id="s",
-        parent_id=parent,
-        prompt_ids=prompt,
-        output_ids=output,
-        output_logprobs=[-0.5] * len(output),
-        output_versions=[0] * len(output),
-        finish_reason="stop",
-        created_at=T0 + timedelta(minutes=minute),
-        sampling=sampling,
-    )
+    return completion_record(cid, prompt, output, minute=minute, parent=parent, sampling=sampling)
 
 
 @pytest.mark.parametrize(

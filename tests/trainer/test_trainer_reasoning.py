@@ -8,15 +8,14 @@ reasoning a budget closed (forced tokens) is context only.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import pytest
-from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 from proxima.trainer.config import AdvantageConfig
 from proxima.trainer.samples import build_samples
 
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
+from tests.trainer.records import completion_record, session_record
+
 TOKENIZER = build_tiny_tokenizer(thinking=True)
 Q1 = [{"role": "user", "content": "What is 1 plus 2?"}]
 REPLY1 = "<think>\n1 plus 2 is 3.\n</think>\n\nThe answer is 3."
@@ -33,31 +32,13 @@ def _prompt(messages: list[dict[str, str]]) -> list[int]:
 def _completion(
     cid: str, prompt: list[int], output: list[int], *, minute: int, **sampling: object
 ) -> CompletionRecord:
-    return CompletionRecord(
-        id=cid,
-        session_id="s",
-        parent_id=None,
-        prompt_ids=prompt,
-        output_ids=output,
-        output_logprobs=[-0.5] * len(output),
-        output_versions=[2] * len(output),
-        finish_reason="stop",
-        created_at=T0 + timedelta(minutes=minute),
-        sampling={"temperature": 1.0, **sampling},
+    return completion_record(
+        cid, prompt, output, minute=minute, version=2, sampling={"temperature": 1.0, **sampling}
     )
 
 
 def _session(reward: float) -> SessionRecord:
-    return SessionRecord(
-        id="s",
-        kind=SessionKind.TRAIN,
-        status=SessionStatus.CLAIMED,
-        group_id=None,
-        data_id=None,
-        metadata={},
-        reward=reward,
-        created_at=T0,
-    )
+    return session_record(reward=reward)
 
 
 CFG = AdvantageConfig(discount=0.5, baseline="none", normalize_std=False)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 
 import pytest
-from proxima.proxy.store.records import CompletionRecord, SessionKind, SessionRecord, SessionStatus
+from proxima.proxy.store.records import CompletionRecord, SessionRecord
 from proxima.trainer.config import AdvantageConfig
 from proxima.trainer.samples import (
     Sample,
@@ -22,20 +21,11 @@ from proxima.trainer.samples import (
     zero_signal_filter,
 )
 
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
+from tests.trainer.records import T0, completion_record, session_record
 
 
 def _session(sid: str, group: str | None = "g", reward: float | None = None) -> SessionRecord:
-    return SessionRecord(
-        id=sid,
-        kind=SessionKind.TRAIN,
-        status=SessionStatus.CLAIMED,
-        group_id=group,
-        data_id=None,
-        metadata={},
-        reward=reward,
-        created_at=T0,
-    )
+    return session_record(sid, group=group, reward=reward)
 
 
 def _completion(
@@ -50,16 +40,15 @@ def _completion(
     temperature: float = 1.0,
     session: str = "s",
 ) -> CompletionRecord:
-    return CompletionRecord(
-        id=cid,
-        session_id=session,
-        parent_id=parent,
-        prompt_ids=list(prompt),
-        output_ids=list(output),
-        output_logprobs=[-0.1 * (k + 1) for k in range(len(output))],
-        output_versions=[version] * len(output),
-        finish_reason="stop",
-        created_at=T0 + timedelta(minutes=minute),
+    return completion_record(
+        cid,
+        prompt,
+        output,
+        minute=minute,
+        parent=parent,
+        session=session,
+        version=version,
+        logprobs=[-0.1 * (k + 1) for k in range(len(output))],
         sampling={"temperature": temperature},
         reward=reward,
     )
