@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,7 +17,8 @@ from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan
 from proxima.proxy.rendering.parents import RenderedTexts
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
-from proxima.proxy.tools import get_tool_parser
+
+from tests.proxy.recorded_turns import recorded_turn
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -34,7 +34,6 @@ TOOL_REPLY = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
     "</tool_call>"
 )
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -61,25 +60,7 @@ def generate(
     The response message is built the way the proxy builds it (hermes parser,
     string arguments), and ``finished=False`` is a reply cut at ``max_tokens``.
     """
-    output_ids = renderer.encode(reply_text) + ([renderer.end_of_turn_id] if finished else [])
-    parsed = get_tool_parser("hermes").parse(reply_text)
-    response: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.tool_calls:
-        response["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-    return CompletionRecord(
-        id=f"cmpl-{next(_ids)}",
-        session_id="s",
-        parent_id=plan.parent_id,
-        prompt_ids=plan.prompt_ids,
-        output_ids=output_ids,
-        output_logprobs=[0.0] * len(output_ids),
-        output_versions=[0] * len(output_ids),
-        finish_reason="stop" if finished else "length",
-        created_at=datetime.now(UTC),
-        request_messages=messages,
-        request_tools=tools,
-        response_message=response,
-    )
+    return recorded_turn(renderer, messages, plan, reply_text, tools=tools, finished=finished)
 
 
 def echo(record: CompletionRecord) -> dict[str, Any]:

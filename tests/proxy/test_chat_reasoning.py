@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from proxima.proxy.rendering.chat_messages import Message, normalize_messages
 from proxima.proxy.rendering.chat_template import ChatRenderer, PromptPlan
-from proxima.proxy.rendering.reasoning import get_reasoning_parser
 from proxima.proxy.store.records import CompletionRecord
 from proxima.proxy.testing.tiny_model import THINKING_CHAT_TEMPLATE, build_tiny_tokenizer
-from proxima.proxy.tools import get_tool_parser
 
-_ids = itertools.count()
+from tests.proxy.recorded_turns import recorded_turn
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
@@ -39,29 +36,8 @@ def record_turn(
     reply_text: str,
 ) -> CompletionRecord:
     """What the proxy records when the model generates ``reply_text`` and its end marker."""
-    output_ids = renderer.encode(reply_text) + [renderer.end_of_turn_id]
-    qwen3 = get_reasoning_parser("qwen3")
-    assert qwen3 is not None
-    split = qwen3.parse(reply_text, in_reasoning=False)
-    parsed = get_tool_parser("hermes").parse(split.content)
-    response: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.tool_calls:
-        response["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-    if split.reasoning is not None:
-        response["reasoning_content"] = split.reasoning
-    return CompletionRecord(
-        id=f"cmpl-{next(_ids)}",
-        session_id="s",
-        parent_id=plan.parent_id,
-        prompt_ids=plan.prompt_ids,
-        output_ids=output_ids,
-        output_logprobs=[0.0] * len(output_ids),
-        output_versions=[0] * len(output_ids),
-        finish_reason="stop",
-        created_at=datetime.now(UTC),
-        request_messages=messages,
-        request_tools=tools,
-        response_message=response,
+    return recorded_turn(
+        renderer, messages, plan, reply_text, tools=tools, reasoning_parser="qwen3"
     )
 
 

@@ -10,7 +10,6 @@ sampling record says so. A template that renders tools is left alone.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from proxima.proxy.tools.fallback import (
     template_renders_tools,
     with_tools_in_system,
 )
+
+from tests.proxy.recorded_turns import recorded_turn
 
 # Messages only, as SmolLM2's template (which also ignores `tools`).
 NO_TOOLS_TEMPLATE = (
@@ -190,24 +191,13 @@ def _record(
     renderer: ChatRenderer, plan: Any, messages: list[Any], reply_text: str, n: int
 ) -> CompletionRecord:
     """What the proxy records when the model generates ``reply_text`` and stops."""
-    output_ids = renderer.encode(reply_text) + [renderer.end_of_turn_id]
-    parsed = get_tool_parser("hermes").parse(reply_text)
-    response: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.tool_calls:
-        response["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-    return CompletionRecord(
-        id=f"cmpl-{n}",
-        session_id="s",
-        parent_id=plan.parent_id,
-        prompt_ids=plan.prompt_ids,
-        output_ids=output_ids,
-        output_logprobs=[0.0] * len(output_ids),
-        output_versions=[0] * len(output_ids),
-        finish_reason="stop",
-        created_at=datetime.now(UTC),
-        request_messages=messages,
-        request_tools=[TOOL],
-        response_message=response,
+    return recorded_turn(
+        renderer,
+        messages,
+        plan,
+        reply_text,
+        tools=[TOOL],
+        cid=f"cmpl-{n}",
         response_text=reply_text,
     )
 
