@@ -76,58 +76,58 @@ def test_three_turns_are_each_the_templates_prompt(template: str, echo_reasoning
     assert "1 plus 2 is 3." not in tokenizer.decode(history[-1].prompt_ids)
 
 
-def test_a_tool_loop_keeps_its_reasoning_and_extends_token_exactly() -> None:
-    """Within one user turn the Qwen3-style template keeps the reasoning: tokens reused."""
+def first_call_turn(
+    arguments: str,
+) -> tuple[Any, ChatRenderer, list[dict[str, Any]], CompletionRecord, dict[str, Any]]:
+    """Qwen3-style template: "Add 1 and 2." answered by the reasoning "I add." and one ``add``
+    call whose arguments are written ``arguments``. Returns the tokenizer, the renderer, the
+    messages sent so far, the turn's record and its response message."""
     tokenizer = tokenizer_with(THINKING_CHAT_TEMPLATE)
     renderer = ChatRenderer(tokenizer)
     sent: list[dict[str, Any]] = [{"role": "user", "content": "Add 1 and 2."}]
     turn1 = normalize_messages(sent)
     plan1 = renderer.build_prompt(turn1, TOOLS, [])
-    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    call = f'<tool_call>\n{{"name": "add", "arguments": {arguments}}}\n</tool_call>'
     c1 = record_turn(renderer, turn1, TOOLS, plan1, f"<think>\nI add.\n</think>\n\n{call}")
     assert c1.response_message is not None
-    assert c1.response_message["reasoning_content"] == "I add."
-    call_id = c1.response_message["tool_calls"][0]["id"]
-    sent += [c1.response_message, {"role": "tool", "tool_call_id": call_id, "content": "3"}]
+    return tokenizer, renderer, sent, c1, c1.response_message
+
+
+def templates_prompt(tokenizer: Any, sent: list[dict[str, Any]]) -> str:
+    """``apply_chat_template`` of ``sent`` with the tools: the prompt the template writes."""
+    text: str = tokenizer.apply_chat_template(
+        sent, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    return text
+
+
+def test_a_tool_loop_keeps_its_reasoning_and_extends_token_exactly() -> None:
+    """Within one user turn the Qwen3-style template keeps the reasoning: tokens reused."""
+    tokenizer, renderer, sent, c1, reply = first_call_turn('{"a": 1, "b": 2}')
+    assert reply["reasoning_content"] == "I add."
+    call_id = reply["tool_calls"][0]["id"]
+    sent += [reply, {"role": "tool", "tool_call_id": call_id, "content": "3"}]
     plan2 = renderer.build_prompt(normalize_messages(sent), TOOLS, [c1])
     assert plan2.parent_id == c1.id
     assert plan2.prompt_ids[: len(c1.prompt_ids) + len(c1.output_ids)] == (
         c1.prompt_ids + c1.output_ids
     )
-    assert tokenizer.decode(plan2.prompt_ids) == tokenizer.apply_chat_template(
-        sent, tools=TOOLS, tokenize=False, add_generation_prompt=True
-    )
+    assert tokenizer.decode(plan2.prompt_ids) == templates_prompt(tokenizer, sent)
 
 
 def test_a_reply_the_template_renders_differently_starts_a_new_chain() -> None:
     """The template writes the call's JSON its own way: the generated spacing is not reused."""
-    tokenizer = tokenizer_with(THINKING_CHAT_TEMPLATE)
-    renderer = ChatRenderer(tokenizer)
-    sent: list[dict[str, Any]] = [{"role": "user", "content": "Add 1 and 2."}]
-    turn1 = normalize_messages(sent)
-    plan1 = renderer.build_prompt(turn1, TOOLS, [])
-    call = '<tool_call>\n{"name": "add", "arguments": {"a":1}}\n</tool_call>'  # no space
-    c1 = record_turn(renderer, turn1, TOOLS, plan1, f"<think>\nI add.\n</think>\n\n{call}")
-    assert c1.response_message is not None
-    call_id = c1.response_message["tool_calls"][0]["id"]
-    sent += [c1.response_message, {"role": "tool", "tool_call_id": call_id, "content": "1"}]
+    tokenizer, renderer, sent, c1, reply = first_call_turn('{"a":1}')  # no space
+    call_id = reply["tool_calls"][0]["id"]
+    sent += [reply, {"role": "tool", "tool_call_id": call_id, "content": "1"}]
     plan2 = renderer.build_prompt(normalize_messages(sent), TOOLS, [c1])
     assert plan2.parent_id is None
-    assert tokenizer.decode(plan2.prompt_ids) == tokenizer.apply_chat_template(
-        sent, tools=TOOLS, tokenize=False, add_generation_prompt=True
-    )
+    assert tokenizer.decode(plan2.prompt_ids) == templates_prompt(tokenizer, sent)
 
 
 def test_reasoning_sent_back_must_match_the_recorded_reasoning() -> None:
-    tokenizer = tokenizer_with(THINKING_CHAT_TEMPLATE)
-    renderer = ChatRenderer(tokenizer)
-    sent: list[dict[str, Any]] = [{"role": "user", "content": "Add 1 and 2."}]
-    turn1 = normalize_messages(sent)
-    plan1 = renderer.build_prompt(turn1, TOOLS, [])
-    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    c1 = record_turn(renderer, turn1, TOOLS, plan1, f"<think>\nI add.\n</think>\n\n{call}")
-    assert c1.response_message is not None
-    forged = {**c1.response_message, "reasoning_content": "Something else."}
+    tokenizer, renderer, sent, c1, reply = first_call_turn('{"a": 1}')
+    forged = {**reply, "reasoning_content": "Something else."}
     call_id = forged["tool_calls"][0]["id"]
     sent += [forged, {"role": "tool", "tool_call_id": call_id, "content": "1"}]
     plan2 = renderer.build_prompt(normalize_messages(sent), TOOLS, [c1])
