@@ -509,15 +509,22 @@ def harness_setup(
     stop_serving(root, proxy)
 
 
+def serve_alone(
+    tmp_path_factory: pytest.TempPathFactory, cls: type[Harness]
+) -> Iterator[tuple[Harness, LiveProxy]]:
+    """One harness on its own model, taught its task alone; stopped when the module ends."""
+    root = tmp_path_factory.mktemp(cls.name)
+    harnesses, proxy = serve_taught(root, (cls,))
+    yield harnesses[cls.name], proxy
+    stop_serving(root, proxy)
+
+
 @pytest.fixture(scope="module")
 def agents_sdk_setup(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Harness, LiveProxy]]:
     """The Agents SDK on its own model: its prompt is short, so teaching it alone is quick."""
-    root = tmp_path_factory.mktemp("agents-sdk")
-    harnesses, proxy = serve_taught(root, (AgentsSDK,))
-    yield harnesses[AgentsSDK.name], proxy
-    stop_serving(root, proxy)
+    yield from serve_alone(tmp_path_factory, AgentsSDK)
 
 
 @pytest.fixture(scope="module")
@@ -525,10 +532,7 @@ def mini_swe_agent_setup(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Harness, LiveProxy]]:
     """mini-swe-agent on its own model (its prompt, mini.yaml's, is about 3 KB)."""
-    root = tmp_path_factory.mktemp("mini-swe-agent")
-    harnesses, proxy = serve_taught(root, (MiniSweAgent,))
-    yield harnesses[MiniSweAgent.name], proxy
-    stop_serving(root, proxy)
+    yield from serve_alone(tmp_path_factory, MiniSweAgent)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -561,51 +565,49 @@ def check_trajectory(proxy: LiveProxy, session_id: str, harness: Harness) -> Non
     assert second["prompt_ids"][len(exact) :] == tokenizer.encode(rest, add_special_tokens=False)
 
 
+def run_task(harness: Harness, proxy: LiveProxy) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``harness`` runs its task in a new session (group: its name) of ``proxy``; it must exit
+    0 having written ``done.txt``. Returns the process and the session's id."""
+    s = proxy.new_session(group_id=harness.name)
+    done = harness.run(s["base_url"], s["api_key"], proxy.model_name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (harness.work / "done.txt").read_text() == "proxima\n"
+    return done, s["session_id"]
+
+
 def test_codex_exec_runs_its_shell_tool_through_the_proxy(
     harness_setup: Callable[[type[Harness]], tuple[Harness, LiveProxy]],
 ) -> None:
     codex, proxy = harness_setup(Codex)
-    s = proxy.new_session(group_id="codex")
-    done = codex.run(s["base_url"], s["api_key"], proxy.model_name)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert (codex.work / "done.txt").read_text() == "proxima\n"
+    done, session_id = run_task(codex, proxy)
     assert FINAL in done.stdout
-    check_trajectory(proxy, s["session_id"], codex)
+    check_trajectory(proxy, session_id, codex)
 
 
 def test_claude_code_runs_its_bash_tool_through_the_proxy(
     harness_setup: Callable[[type[Harness]], tuple[Harness, LiveProxy]],
 ) -> None:
     claude, proxy = harness_setup(ClaudeCode)
-    s = proxy.new_session(group_id="claude")
-    done = claude.run(s["base_url"], s["api_key"], proxy.model_name)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert (claude.work / "done.txt").read_text() == "proxima\n"
+    done, session_id = run_task(claude, proxy)
     result = json.loads(done.stdout)
     assert (result["result"], result["is_error"], result["num_turns"]) == (FINAL, False, 2)
-    check_trajectory(proxy, s["session_id"], claude)
+    check_trajectory(proxy, session_id, claude)
 
 
 def test_agents_sdk_responses_model_runs_its_function_tool_through_the_proxy(
     agents_sdk_setup: tuple[Harness, LiveProxy],
 ) -> None:
     agent, proxy = agents_sdk_setup
-    s = proxy.new_session(group_id="agents-sdk")
-    done = agent.run(s["base_url"], s["api_key"], proxy.model_name)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert (agent.work / "done.txt").read_text() == "proxima\n"
+    done, session_id = run_task(agent, proxy)
     assert json.loads(done.stdout.splitlines()[-1]) == {"final_output": FINAL}
-    check_trajectory(proxy, s["session_id"], agent)
+    check_trajectory(proxy, session_id, agent)
 
 
 def test_mini_swe_agent_runs_its_bash_tool_through_the_proxy(
     mini_swe_agent_setup: tuple[Harness, LiveProxy],
 ) -> None:
     mini, proxy = mini_swe_agent_setup
-    s = proxy.new_session(group_id="mini-swe-agent")
-    done = mini.run(s["base_url"], s["api_key"], proxy.model_name)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert (mini.work / "done.txt").read_text() == "proxima\n"
+    _, session_id = run_task(mini, proxy)
     # Its own record of the run: submitted after two model calls, the first call's result as
     # the tool message the proxy saw.
     run = json.loads(mini.trajectory.read_text())  # type: ignore[attr-defined]
@@ -613,4 +615,4 @@ def test_mini_swe_agent_runs_its_bash_tool_through_the_proxy(
     assert (info["exit_status"], info["model_stats"]["api_calls"]) == ("Submitted", 2)
     tool_results = [m["content"] for m in run["messages"] if m["role"] == "tool"]
     assert tool_results[0] == mini_observation(0, "")
-    check_trajectory(proxy, s["session_id"], mini)
+    check_trajectory(proxy, session_id, mini)
