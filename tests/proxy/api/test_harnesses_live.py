@@ -142,6 +142,12 @@ def harness_bin(name: str) -> Path:
 # ------------------------------------------------------------------ the two harnesses
 
 
+def chat_of(canonical_input: Any) -> ChatInput:
+    """A first request's canonical input, which for these harnesses is a chat."""
+    assert isinstance(canonical_input, ChatInput)
+    return canonical_input
+
+
 class Harness:
     """One harness: how it is run, and the chat request its first body becomes."""
 
@@ -206,10 +212,9 @@ class Codex(Harness):
         return self._run(argv, {"CODEX_HOME": str(codex_home), "PROXIMA_API_KEY": api_key})
 
     def chat_input(self, body: dict[str, Any]) -> ChatInput:
-        req = ResponsesRequest.model_validate(body)
-        chat = responses_translate.canonical_request(req).input
-        assert isinstance(chat, ChatInput)
-        return chat
+        return chat_of(
+            responses_translate.canonical_request(ResponsesRequest.model_validate(body)).input
+        )
 
     def call(self) -> dict[str, Any]:
         return {"name": "exec_command", "arguments": {"cmd": COMMAND}}
@@ -230,10 +235,9 @@ class ClaudeCode(Harness):
         return self._run(argv, env)
 
     def chat_input(self, body: dict[str, Any]) -> ChatInput:
-        req = MessagesRequest.model_validate(body)
-        chat = messages_translate.canonical_request(req).input
-        assert isinstance(chat, ChatInput)
-        return chat
+        return chat_of(
+            messages_translate.canonical_request(MessagesRequest.model_validate(body)).input
+        )
 
     def call(self) -> dict[str, Any]:
         return {"name": "Bash", "arguments": {"command": COMMAND}}
@@ -346,10 +350,9 @@ class MiniSweAgent(Harness):
         return self._run(argv, {**MINI_ENV, **config_dir})
 
     def chat_input(self, body: dict[str, Any]) -> ChatInput:
-        req = ChatCompletionRequest.model_validate(body)
-        chat = openai_translate.chat_request(req).input
-        assert isinstance(chat, ChatInput)
-        return chat
+        return chat_of(
+            openai_translate.chat_request(ChatCompletionRequest.model_validate(body)).input
+        )
 
     def call(self) -> dict[str, Any]:
         return {"name": "bash", "arguments": {"command": COMMAND}}
