@@ -212,6 +212,7 @@ def test_sigterm_stops_the_run_and_every_process_it_started(
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 130, stderr[-3000:]
         assert "the same command resumes the run" in stderr
+        assert "stopping the trainer: a step already training is finished and pushed" in stderr
         _, alive = psutil.wait_procs(started, timeout=60)
         assert not alive, [" ".join(p.cmdline()) for p in alive]
         # The trainer stopped cleanly (claims released, its stop logged), after a pushed step.

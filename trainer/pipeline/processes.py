@@ -169,6 +169,14 @@ def stop_trainer(trainer: subprocess.Popen[bytes]) -> None:
     """A clean stop of a trainer still running: SIGINT (it checkpoints and releases its
     claims), killed after 120 s."""
     if trainer.poll() is None:
+        # A step in progress is finished or abandoned and a checkpoint written: on CPU that can
+        # take a minute, so say what the wait is.
+        print(
+            "stopping the trainer: a step already training is finished and pushed, then a "
+            "checkpoint is written (killed after 120 s)",
+            file=sys.stderr,
+            flush=True,
+        )
         trainer.send_signal(signal.SIGINT)  # clean stop: checkpoint, claims released
         try:
             trainer.wait(120)
