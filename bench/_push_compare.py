@@ -1,13 +1,15 @@
 """``bench/weight_push.py``'s default run: disk and broadcast pushes, interleaved in one run.
 
 For each model: ``proxima serve --engines 2`` on it and the trainer's side here, the model in
-float32 (what the embedded engines serve, so the wire is float32 too). Both arms push to the
-same proxy in alternation (disk, broadcast, broadcast, disk, ...: the order flips every
-round), so whatever else loads the machine loads both alike; two warm-up rounds (an engine
+float32 (what the embedded engines serve, so the wire is float32 too). The disk and broadcast
+arms push to the same proxy, the three arms in turn (the order rotates every round), so whatever else loads the machine loads both alike; two warm-up rounds (an engine
 has spare receive buffers from its third broadcast push on), then ``--pushes`` timed rounds. Every push is new weights (one tensor changed, all sent).
 
 - disk: the version exported as the trainer exports it (HF safetensors, fsynced, atomic),
   then ``POST /admin/weights``: each engine reads it, screens it, copies it in;
+- gloo alone (the floor, ``bench/_gloo_floor.py``): the broadcast arm's bucket sizes sent
+  from this process to two receiver processes over a gloo group of their own, nothing else
+  (no copy into buckets, no screen, no swap, no HTTP): no broadcast push can beat it;
 - broadcast: ``BroadcastWeightSink`` with the model's tensors as its source, in
   ``--bucket-mb`` buckets: nothing is written or read on disk (the trainer loop exports a
   version pushed this way only after the push: ``trainer/publish.py``); the trainer is rank
@@ -44,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _gloo_floor import GlooFloor, bucket_sizes  # noqa: E402
 from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer  # noqa: E402
 from proxima.trainer.backends.base import copy_tokenizer_files  # noqa: E402
@@ -121,6 +124,8 @@ class Arms:
         self.engines = [
             b["url"] for b in httpx.get(proxy.url + "/health", timeout=30).json()["backends"]
         ]
+        sizes = bucket_sizes((t for _, t in model.state_dict().items()), bucket_mb)
+        self.floor = GlooFloor(sizes, receivers=len(self.engines))
 
     def _write(self, out: Path) -> None:  # what the torch backend's export_hf writes
         self.model.save_pretrained(out, safe_serialization=True)
@@ -132,6 +137,10 @@ class Arms:
         load = os.getloadavg()[0]
         started = time.monotonic()
         row: dict[str, Any] = {"arm": arm, "version": version, "load_1min": load}
+        if arm == "gloo":
+            row.update(export_s=0.0, buckets=len(self.floor.sizes), bytes=sum(self.floor.sizes))
+            row["total_s"] = row["push_s"] = self.floor.push()
+            return row
         if arm == "disk":
             path = await asyncio.to_thread(export_weights, self.out, version, self._write)
             row["export_s"] = time.monotonic() - started
@@ -162,8 +171,10 @@ class Arms:
     async def close(self) -> None:
         await self.disk.aclose()
         await self.broadcast.aclose()
+        self.floor.close()
 
 
+ARMS = ("disk", "broadcast", "gloo")
 WARMUP_ROUNDS = 2  # an engine receives into spare buffers from its third broadcast push on
 
 
@@ -172,12 +183,13 @@ async def _rounds(arms: Arms, n: int) -> list[dict[str, Any]]:
     rows = []
     version = 1
     for round_ in range(n + WARMUP_ROUNDS):
-        order = ("disk", "broadcast") if round_ % 2 == 0 else ("broadcast", "disk")
-        for arm in order:
+        turn = round_ % len(ARMS)
+        for arm in ARMS[turn:] + ARMS[:turn]:
             row = await arms.push(arm, version)
             row.update(round=round_, warmup=round_ < WARMUP_ROUNDS)
             rows.append(row)
-            version += 1
+            if arm != "gloo":  # the floor arm pushes no version
+                version += 1
     return rows
 
 
@@ -242,6 +254,13 @@ def report(label: str, size_mib: float, rows: list[dict[str, Any]]) -> None:
         f"{_ms(bcast, 'wire_s'):.0f}; slowest engine receive {_engine_ms(bcast, 'receive_s'):.0f}, "
         f"screen {_engine_ms(bcast, 'check_s'):.0f}, swap {_engine_ms(bcast, 'swap_s'):.0f}"
     )
+    floor = [r for r in timed if r["arm"] == "gloo"]
+    print(
+        f"  gloo alone {_ms(floor, 'total_s'):7.0f} ms = the same {floor[0]['buckets']} buckets "
+        f"({floor[0]['bytes'] / 2**20:.0f} MiB) to {len(bcast[0]['engines'])} processes, "
+        f"nothing else: the floor of a broadcast push, {_ms(floor, 'total_s') / _ms(disk, 'total_s'):.2f}"
+        f" of the disk push"
+    )
     reused = sum(e["buffers_reused"] for r in bcast for e in r["engines"])
     allocated = sum(e["buffers_allocated"] for r in bcast for e in r["engines"])
     rounds = ", ".join(
@@ -300,11 +319,16 @@ def compare_main(argv: list[str]) -> int:
                     + "\n"
                 )
             report(label, size, rows)
-            for arm in ("disk", "broadcast"):
+            for arm in ARMS:
                 timed = [r for r in rows if r["arm"] == arm and not r["warmup"]]
                 medians[f"{name}/{arm}"] = _ms(timed, "total_s")
     print(f"raw results: {out}")
     if "0.5b/disk" in medians:
+        print(
+            f"transport floor: gloo alone {medians['0.5b/gloo']:.0f} ms, "
+            f"{medians['0.5b/gloo'] / medians['0.5b/disk']:.2f}x of the disk push; "
+            f"broadcast {medians['0.5b/broadcast'] / medians['0.5b/disk']:.2f}x (0.5B model)"
+        )
         print(
             f"weight push: disk {medians['0.5b/disk']:.0f} ms, "
             f"broadcast {medians['0.5b/broadcast']:.0f} ms (0.5B model)"
