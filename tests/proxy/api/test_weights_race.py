@@ -33,6 +33,8 @@ class SlowLoads:
     def __init__(self, app: FastAPI):
         self.app = app
         self.loaded: list[str] = []
+        self.loads_started = 0
+        self.load_started = asyncio.Condition()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/update_weights_from_disk":
@@ -40,6 +42,9 @@ class SlowLoads:
             return
         message = await receive()
         body = message.get("body", b"")
+        async with self.load_started:
+            self.loads_started += 1
+            self.load_started.notify_all()
         await asyncio.sleep(LOAD_SECONDS)
         self.loaded.append(json.loads(body)["model_path"])
 
@@ -62,15 +67,20 @@ async def setup(
 
 
 async def _push_together(
-    client: httpx.AsyncClient, pushes: list[dict[str, object]]
+    client: httpx.AsyncClient, backend: SlowLoads, pushes: list[dict[str, object]]
 ) -> list[httpx.Response]:
-    """Each push starts a few ms after the previous one, inside its load window."""
+    """Push ``i`` starts once the backend has begun its ``i``-th load: inside the window of
+    the load before it (a fixed delay was not enough on a loaded machine, where the second
+    push could reach the route before the first)."""
 
-    async def push(delay: float, body: dict[str, object]) -> httpx.Response:
-        await asyncio.sleep(delay)
+    async def push(i: int, body: dict[str, object]) -> httpx.Response:
+        async with backend.load_started:
+            await asyncio.wait_for(
+                backend.load_started.wait_for(lambda: backend.loads_started >= i), timeout=30
+            )
         return await client.post("/admin/weights", json=body)
 
-    return list(await asyncio.gather(*(push(0.01 * i, b) for i, b in enumerate(pushes))))
+    return list(await asyncio.gather(*(push(i, b) for i, b in enumerate(pushes))))
 
 
 async def _state(client: httpx.AsyncClient, store: Store) -> tuple[int, list[int | None], list]:
@@ -84,7 +94,7 @@ async def test_an_older_version_pushed_during_a_load_is_refused(
 ) -> None:
     client, backend, store = setup
     newer, older = await _push_together(
-        client, [{"version": 10, "path": "/w/ten"}, {"version": 5, "path": "/w/five"}]
+        client, backend, [{"version": 10, "path": "/w/ten"}, {"version": 5, "path": "/w/five"}]
     )
     assert newer.status_code == 200, newer.text
     assert older.status_code == 409, older.text
@@ -98,7 +108,7 @@ async def test_one_version_number_names_one_set_of_weights(
 ) -> None:
     client, backend, store = setup
     first, second = await _push_together(
-        client, [{"version": 3, "path": "/w/a"}, {"version": 3, "path": "/w/b"}]
+        client, backend, [{"version": 3, "path": "/w/a"}, {"version": 3, "path": "/w/b"}]
     )
     assert first.status_code == 200, first.text
     assert second.status_code == 409, second.text
@@ -111,7 +121,9 @@ async def test_pushes_in_order_all_load(
     setup: tuple[httpx.AsyncClient, SlowLoads, Store],
 ) -> None:
     client, backend, store = setup
-    answers = await _push_together(client, [{"version": v, "path": f"/w/{v}"} for v in (1, 2, 3)])
+    answers = await _push_together(
+        client, backend, [{"version": v, "path": f"/w/{v}"} for v in (1, 2, 3)]
+    )
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert await _state(client, store) == (3, [3], [(1, "/w/1"), (2, "/w/2"), (3, "/w/3")])
     assert backend.loaded == ["/w/1", "/w/2", "/w/3"]
