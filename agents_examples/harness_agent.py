@@ -167,7 +167,7 @@ def harness_command(
     if harness == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
-        instructions = codex_home / "instructions.md"
+        instructions = codex_home / "instructions.txt"
         instructions.write_text(data.get("instructions", CODEX_INSTRUCTIONS))
         (codex_home / "config.toml").write_text(codex_config(data, instructions))
         argv = [codex_bin(data), "exec", "--skip-git-repo-check", "--color", "never"]

@@ -204,7 +204,7 @@ class Codex(Harness):
     def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
         codex_home = self.root / "codex-home"
         codex_home.mkdir(exist_ok=True)
-        instructions = self.root / "instructions.md"
+        instructions = self.root / "instructions.txt"
         instructions.write_text(CODEX_INSTRUCTIONS)
         (codex_home / "config.toml").write_text(codex_config(base_url, model, instructions))
         argv = [str(harness_bin("codex")), "exec", "--skip-git-repo-check", "--color", "never"]
