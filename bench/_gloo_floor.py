@@ -26,37 +26,26 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxima.proxy.embedded.process_group import (  # noqa: E402
+    bucket_nbytes,
     destroy_process_group,
     init_custom_process_group,
 )
 from proxima.proxy.serving import free_port  # noqa: E402
+from proxima.trainer.weight_buckets import memory_specs, plan_buckets  # noqa: E402
 
 GROUP = "weight-push-floor"
 TIMEOUT_S = 600.0
 
 
-def bucket_sizes(tensors: Iterable[torch.Tensor], bucket_mb: float) -> list[int]:
-    """Byte sizes of the buckets a model's tensors fill in order (a tensor larger than a
-    bucket travels alone; a tensor shared by two names, as tied embeddings are, once)."""
-    limit = int(bucket_mb * 2**20)
-    sizes: list[int] = []
-    seen: set[int] = set()
-    current = 0
-    for t in tensors:
-        if t.untyped_storage().data_ptr() in seen:
-            continue
-        seen.add(t.untyped_storage().data_ptr())
-        n = t.numel() * t.element_size()
-        if n >= limit:
-            sizes.append(n)
-            continue
-        if current + n > limit:
-            sizes.append(current)
-            current = 0
-        current += n
-    if current:
-        sizes.append(current)
-    return sizes
+def bucket_sizes(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, dtype: torch.dtype | None = None
+) -> list[int]:
+    """Byte sizes of the buckets the broadcast push sends for these tensors: the trainer's own
+    plan (``memory_specs``: a tied tensor once, floating point as ``dtype``; ``plan_buckets``:
+    a tensor larger than a bucket alone)."""
+    tensors = list(named)
+    specs, _ = memory_specs(lambda: tensors, dtype)
+    return [bucket_nbytes(b) for b in plan_buckets(specs, int(bucket_mb * 2**20))]
 
 
 class GlooFloor:

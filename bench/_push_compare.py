@@ -124,7 +124,7 @@ class Arms:
         self.engines = [
             b["url"] for b in httpx.get(proxy.url + "/health", timeout=30).json()["backends"]
         ]
-        sizes = bucket_sizes((t for _, t in model.state_dict().items()), bucket_mb)
+        sizes = bucket_sizes(model.state_dict().items(), bucket_mb, torch.float32)
         self.floor = GlooFloor(sizes, receivers=len(self.engines))
 
     def _write(self, out: Path) -> None:  # what the torch backend's export_hf writes

@@ -27,11 +27,11 @@ def test_bucket_sizes_cover_every_byte_once() -> None:
     mib = 2**20
     embedding = torch.zeros(3 * mib, dtype=torch.uint8)  # past a 2 MiB bucket: alone
     tensors = [
-        embedding,
-        torch.zeros(mib // 4, dtype=torch.float32),  # 1 MiB
-        torch.zeros(mib // 2, dtype=torch.uint8),
-        torch.zeros(mib, dtype=torch.uint8),  # 2.5 MiB with the two before: a new bucket
-        embedding,  # tied: sent once
+        ("embed", embedding),
+        ("w1", torch.zeros(mib // 4, dtype=torch.float32)),  # 1 MiB
+        ("w2", torch.zeros(mib // 2, dtype=torch.uint8)),
+        ("w3", torch.zeros(mib, dtype=torch.uint8)),  # 2.5 MiB with the two before: a new bucket
+        ("lm_head", embedding),  # tied: sent once
     ]
     assert floor.bucket_sizes(tensors, bucket_mb=2) == [3 * mib, mib + mib // 2, mib]
 
