@@ -466,10 +466,11 @@ def serve_taught(
     for h in harnesses.values():
         captured_on = datetime.date.today()
         body = capture_first_body(h, model_name)
-        h.chat = h.chat_input(body)  # type: ignore[attr-defined]
-        for variant in dated_variants(body, captured_on):
+        chats = [h.chat_input(variant) for variant in dated_variants(body, captured_on)]
+        h.chat = chats[0]  # type: ignore[attr-defined]  # as captured
+        for chat in chats:
             sequences += teaching_sequences(
-                renderer, h.chat_input(variant), h.call(), h.tool_output_guesses, h.final
+                renderer, chat, h.call(), h.tool_output_guesses, h.final
             )
     texts = [text for seq in sequences for text, _ in seq]
     # The bar is in the key: a model taught to a lower one is not reused.
