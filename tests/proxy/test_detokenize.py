@@ -6,7 +6,7 @@ import copy
 import random
 
 import pytest
-from proxima.proxy.rendering.detokenize import IncrementalDetokenizer, text_decoder
+from proxima.proxy.rendering.detokenize import IncrementalDetokenizer, _ByteLevelText, text_decoder
 from proxima.proxy.testing.tiny_model import build_tiny_tokenizer
 
 
@@ -124,3 +124,34 @@ def test_a_byte_level_tokenizer_joins_whole_characters_without_decoding(tokenize
     # Only the tokens of a split character, and the end, were decoded.
     multibyte = sum(1 for t in ids if "\ufffd" in tokenizer.decode([t]))
     assert len(decodes) <= 2 * multibyte + 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_byte_level_text_joins_token_bytes_as_the_tokenizer_decodes(tokenizer, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """Arbitrary sequences (split and invalid UTF-8, special tokens) decode through the
+    tokens' bytes exactly as through the tokenizer, and without calling it once learnt."""
+    rng = random.Random(seed)
+    special = tokenizer.all_special_ids
+    rust_decode = text_decoder(tokenizer)
+    calls: list[list[int]] = []
+    text = _ByteLevelText(tokenizer._tokenizer, lambda ids: calls.append(ids) or rust_decode(ids))
+    for _ in range(200):
+        ids = [
+            rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
+            for _ in range(rng.randint(0, 12))
+        ]
+        assert text(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all(len(c) == 1 for c in calls)  # only each token's own check, once
+    assert len(calls) == len(set(map(tuple, calls))) <= len(tokenizer)
+
+
+def test_an_added_token_outside_the_byte_alphabet_is_decoded_by_the_tokenizer() -> None:
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens(["<tool ✓>"])
+    added = tokenizer.convert_tokens_to_ids("<tool ✓>")
+    ids = tokenizer.encode("ok ", add_special_tokens=False) + [added]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert isinstance(detok._decode, _ByteLevelText)
+    text = "".join(detok.add([i]) for i in ids) + detok.finish()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "✓" in text and added in detok._decode._opaque
