@@ -335,8 +335,10 @@ class CompletionService:
         conversation in any order, so before a turn is rendered the cached history
         is checked against the store in one indexed read (status and completion
         count; completions are only ever appended): a turn recorded by another
-        replica reloads it, and a session finished through another replica is a
-        409 here at once. For one process alone the cache is the truth.
+        replica reads the completions recorded since the cached ones (the whole
+        session when those could be out of order), and a session finished through
+        another replica is a 409 here at once. For one process alone the cache is
+        the truth.
         """
         history = self.histories.get(session.id)
         if self.store.shared:
@@ -349,7 +351,11 @@ class CompletionService:
                     code="session_closed",
                 )
             if history is not None and len(history) != state.completions:
-                history = None
+                history = await self.store.list_completions_since(
+                    session_id=session.id, known=history
+                )
+                if history is not None:
+                    self.histories.remember(session.id, history)
         if history is None:
             history = await self.store.list_completions(session_id=session.id)
             self.histories.remember(session.id, history)

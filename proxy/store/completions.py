@@ -15,7 +15,7 @@ from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed, outage
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
-from sqlalchemy import bindparam, insert, select
+from sqlalchemy import bindparam, func, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -100,6 +100,57 @@ class CompletionsMixin(StoreBase):
         ids = [row.id for row in rows]
         built = _rebuild(rows, ids)
         return [built[cid] for cid in ids]
+
+    async def list_completions_since(
+        self, *, session_id: str, known: Sequence[CompletionRecord]
+    ) -> list[CompletionRecord] | None:
+        """``list_completions`` for a caller that holds its first completions already
+        (``known``, in its order): the rows from the last known one's time on are read, not
+        the whole session. None when the result could differ from ``list_completions``'s:
+        ``known`` out of order or not all stored, or a new completion that sorts before a
+        known one (a replica's clock behind); the caller then reads the whole session."""
+        values.text(session_id, "session_id")
+        if not known:
+            return await self.list_completions(session_id=session_id)
+        keys = [(c.created_at, c.choice_index, c.id) for c in known]
+        if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
+            return None
+        # The session's count in the same statement (one snapshot): a row created before the
+        # last known one and not known (a replica's clock behind) is not read, so it shows
+        # as a count the result falls short of.
+        total = (
+            select(func.count())
+            .select_from(CompletionRow)
+            .where(CompletionRow.session_id == session_id)
+            .scalar_subquery()
+        )
+        query = (
+            select(CompletionRow, total)
+            .where(CompletionRow.session_id == session_id)
+            .where(CompletionRow.created_at >= keys[-1][0])
+            .order_by(CompletionRow.created_at, CompletionRow.choice_index, CompletionRow.id)
+        )
+        async with self._read() as db:
+            found = (await db.execute(query)).all()
+        held = {c.id: c for c in known}
+        new = [row for row, _ in found if row.id not in held]
+        if (
+            not found
+            or len(held) + len(new) != found[0][1]
+            or any((row.created_at, row.choice_index, row.id) <= keys[-1] for row in new)
+        ):
+            return None
+        by_id = {row.id: row for row in new}
+
+        def build(cid: str, parent: CompletionRecord | None) -> CompletionRecord:
+            row = by_id[cid]
+            if parent is None and row.parent_id is not None:
+                parent = held.get(row.parent_id)  # a known completion's child
+            return completion_record(row, parent)
+
+        ids = [row.id for row in new]
+        built = resolve_all(ids, {row.id: row.parent_id for row in new}, build)
+        return [*known, *(built[cid] for cid in ids)]
 
 
 def _rebuild(rows: Sequence[CompletionRow], ids: list[str]) -> dict[str, CompletionRecord]:

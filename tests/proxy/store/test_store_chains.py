@@ -327,3 +327,33 @@ def _v3_values(c: CompletionRecord) -> dict[str, Any]:
         "response_text": c.response_text, "sampling": c.sampling, "model": c.model,
         "choice_index": c.choice_index,
     }  # fmt: skip
+
+
+async def test_a_replica_reads_only_the_turns_recorded_since_its_own(store: Store) -> None:
+    """``list_completions_since``: what another replica added after the completions a
+    replica holds (a chain stored as prefixes, whose first new turn's parent is a held
+    one), equal to the whole read; None where the held ones could be out of order."""
+    session = await store.create_session(api_key_hash=key_hash())
+    recorded: list[CompletionRecord] = []
+    parent = None
+    for turn in range(5):
+        message = {"role": "user", "content": f"turn {turn}"}
+        c = _turn(session.id, parent, [message], [turn, turn + 1], seconds=turn, reply=f"r{turn}")
+        await store.record_completions(
+            completions=[c], parents={parent.id: parent} if parent else None
+        )
+        recorded.append(c)
+        parent = c
+    for held in range(1, 6):
+        since = await store.list_completions_since(session_id=session.id, known=recorded[:held])
+        assert since == recorded == await store.list_completions(session_id=session.id)
+    assert await store.list_completions_since(session_id=session.id, known=[]) == recorded
+    # Held out of order, or a new turn created before the last held one (a clock behind).
+    swapped = [recorded[1], recorded[0]]
+    assert await store.list_completions_since(session_id=session.id, known=swapped) is None
+    late_clock = completion(session.id, seconds=2.5)
+    await store.record_completion(completion=late_clock)
+    assert await store.list_completions_since(session_id=session.id, known=recorded) is None
+    whole = await store.list_completions(session_id=session.id)
+    assert [c.id for c in whole] == [*(c.id for c in recorded[:3]), late_clock.id,
+                                     *(c.id for c in recorded[3:])]  # fmt: skip
