@@ -190,10 +190,11 @@ async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float
     return latencies, time.perf_counter() - t0
 
 
-def _cpu_seconds(proc: psutil.Process) -> float:
-    """User+system CPU seconds of ``proc`` and its children (a proxy's workers)."""
+def _cpu_seconds(proc: psutil.Process, *, children: bool = True) -> float:
+    """User+system CPU seconds of ``proc`` and, with ``children``, its children (a proxy's
+    workers; not the bench's own process, whose children are every server it measures)."""
     total = sum(proc.cpu_times()[:2])
-    for child in proc.children(recursive=True):
+    for child in proc.children(recursive=True) if children else []:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += sum(child.cpu_times()[:2])
     return total
@@ -210,13 +211,15 @@ async def measure(
     """One round of an arm: sequential requests, then ``--requests`` at ``--concurrency``;
     returns the round's record for the raw results."""
     seq, _ = await run_load(fn, args.sequential, 1)
-    before = {role: _cpu_seconds(p) for role, p in procs.items()}
+    before = {role: _cpu_seconds(p, children=role != "client") for role, p in procs.items()}
     host0 = psutil.cpu_times()
     events0 = client.events
     _, wall = await run_load(fn, args.requests, args.concurrency)
     host1 = psutil.cpu_times()
     result.events += client.events - events0
-    cpu = {role: _cpu_seconds(p) - before[role] for role, p in procs.items()}
+    cpu = {
+        role: _cpu_seconds(p, children=role != "client") - before[role] for role, p in procs.items()
+    }
     for role, seconds in cpu.items():
         result.cpu_seconds[role] = result.cpu_seconds.get(role, 0.0) + seconds
     idle = (host1.idle + host1.iowait) - (host0.idle + host0.iowait)
