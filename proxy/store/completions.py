@@ -10,7 +10,7 @@ from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
-from proxima.proxy.store.direct_sqlite import RawInsert
+from proxima.proxy.store.direct_sqlite import RawInsert, SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed, outages
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
@@ -118,20 +118,30 @@ class CompletionsMixin(StoreBase):
         # The session's count in the same statement (one snapshot): a row created before the
         # last known one and not known (a replica's clock behind) is not read, so it shows
         # as a count the result falls short of.
-        total = (
-            select(func.count())
-            .select_from(CompletionRow)
-            .where(CompletionRow.session_id == session_id)
-            .scalar_subquery()
-        )
-        query = (
-            select(CompletionRow, total)
-            .where(CompletionRow.session_id == session_id)
-            .where(CompletionRow.created_at >= keys[-1][0])
-            .order_by(CompletionRow.created_at, CompletionRow.choice_index, CompletionRow.id)
-        )
-        async with self._read() as db:
-            found = (await db.execute(query)).all()
+        found: Sequence[tuple[Any, int]]
+        try:
+            if self._direct_sqlite is None:
+                raise SqliteBusy()
+            # On the event loop's connection (a worker asks whenever another one took the
+            # session's last turn): no thread hop, no ORM.
+            found = self._direct_sqlite.read_since(
+                CompletionRow, "session_id", session_id, "created_at", keys[-1][0], _ORDER
+            )
+        except SqliteBusy:
+            total = (
+                select(func.count())
+                .select_from(CompletionRow)
+                .where(CompletionRow.session_id == session_id)
+                .scalar_subquery()
+            )
+            query = (
+                select(CompletionRow, total)
+                .where(CompletionRow.session_id == session_id)
+                .where(CompletionRow.created_at >= keys[-1][0])
+                .order_by(*(getattr(CompletionRow, a) for a in _ORDER))
+            )
+            async with self._read() as db:
+                found = [(row, count) for row, count in (await db.execute(query)).all()]
         held = {c.id: c for c in known}
         new = [row for row, _ in found if row.id not in held]
         if (
@@ -140,7 +150,7 @@ class CompletionsMixin(StoreBase):
             or any((row.created_at, row.choice_index, row.id) <= keys[-1] for row in new)
         ):
             return None
-        by_id = {row.id: row for row in new}
+        by_id: dict[str, Any] = {row.id: row for row in new}  # rows, or the direct read's
 
         def build(cid: str, parent: CompletionRecord | None) -> CompletionRecord:
             row = by_id[cid]
@@ -151,6 +161,10 @@ class CompletionsMixin(StoreBase):
         ids = [row.id for row in new]
         built = resolve_all(ids, {row.id: row.parent_id for row in new}, build)
         return [*known, *(built[cid] for cid in ids)]
+
+
+# ``list_completions``'s order, as attribute names.
+_ORDER = ["created_at", "choice_index", "id"]
 
 
 def _rebuild(rows: Sequence[CompletionRow], ids: list[str]) -> dict[str, CompletionRecord]:

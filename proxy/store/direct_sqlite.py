@@ -3,8 +3,9 @@
 
 - The completion insert (``Store.record_completions``): committed on the event loop when
   the lock is free, else on one dedicated thread.
-- The key lookup of a session's first request (``read_one``), read on the event loop, and
-  a worker's check of a session's status and count before each turn (``read_row``).
+- The key lookup of a session's first request (``read_one``), read on the event loop, a
+  worker's check of a session's status and count before each turn (``read_row``), and the
+  turns another worker added since its cached history (``read_since``).
 
 Everything else the store does goes through the async engine. The completion insert is
 therefore written twice (``store/completions.py``: ``insert_completions`` in SQLAlchemy
@@ -117,10 +118,33 @@ class DirectSqlite:
         row = self.read_row(raw.sql, (value,))
         return None if row is None else raw.values(row)
 
+    def read_since(
+        self, model: type, attribute: str, value: Any, since: str, start: Any, order: list[str]
+    ) -> list[tuple[SimpleNamespace, int]]:
+        """The rows of ``model`` whose ``attribute`` equals ``value`` and whose ``since``
+        attribute is ``start`` or later, in ``order``, each with the count of every row whose
+        ``attribute`` equals ``value`` (in the same statement: one snapshot), on the event
+        loop's connection (``read_one``'s conversions; ``SqliteBusy`` as there)."""
+        if not self._loop_path:
+            raise SqliteBusy()
+        key = (model.__name__, f"{attribute}>{since}:{','.join(order)}")
+        raw = self._selects.get(key)
+        if raw is None:
+            raw = self._selects[key] = RawSelect(
+                model, attribute, self._engine.dialect, since=since, order=order
+            )
+        rows = self.read_rows(raw.sql, (value, value, raw.bind_since(start)))
+        return [(raw.values(row), int(row[-1])) for row in rows]
+
     def read_row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """The first row of the read-only driver ``sql`` (``?`` parameters), read on the
-        event loop's connection, values as the driver gives them; ``SqliteBusy`` when it
-        cannot be read without waiting."""
+        """The first row of ``read_rows``, or None."""
+        rows = self.read_rows(sql, params)
+        return rows[0] if rows else None
+
+    def read_rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """The rows of the read-only driver ``sql`` (``?`` parameters), read on the event
+        loop's connection, values as the driver gives them; ``SqliteBusy`` when it cannot
+        be read without waiting."""
         if not self._loop_path:
             raise SqliteBusy()
         try:
@@ -132,7 +156,7 @@ class DirectSqlite:
             if is_outage(exc):  # the file cannot be read (I/O error, removed): not a bug
                 raise unavailable(exc) from exc
             raise
-        return tuple(rows[0]) if rows else None
+        return [tuple(row) for row in rows]
 
     def insert(self, table: Table) -> RawInsert:
         """``table``'s INSERT for this database (built once)."""
@@ -276,7 +300,15 @@ class RawSelect:
     back by SQLAlchemy's own column types (the result processors a Core select would use)
     and named as the class's attributes."""
 
-    def __init__(self, model: type[Any], attribute: str, dialect: Dialect):
+    def __init__(
+        self,
+        model: type[Any],
+        attribute: str,
+        dialect: Dialect,
+        *,
+        since: str | None = None,
+        order: list[str] | None = None,
+    ):
         mapper: Mapper[Any] = sa_inspect(model)
         attrs = [(prop.key, prop.columns[0]) for prop in mapper.column_attrs]
         quote = dialect.identifier_preparer.quote
@@ -284,16 +316,32 @@ class RawSelect:
         self._processors = [
             c.type.dialect_impl(dialect).result_processor(dialect, None) for _, c in attrs
         ]
-        where = mapper.column_attrs[attribute].columns[0]
+        table = quote(model.__tablename__)
+        where = quote(mapper.column_attrs[attribute].columns[0].name)
+        columns = ", ".join(quote(c.name) for _, c in attrs)
+        self._bind_since: Any = None
+        if since is None:
+            self.sql = f"SELECT {columns} FROM {table} WHERE {where} = ?"
+            return
+        # ``read_since``: the rows from ``since`` on, in ``order``, with the count of all.
+        column = mapper.column_attrs[since].columns[0]
+        self._bind_since = column.type.bind_processor(dialect)
+        ordered = ", ".join(quote(mapper.column_attrs[a].columns[0].name) for a in order or [])
         self.sql = (
-            f"SELECT {', '.join(quote(c.name) for _, c in attrs)} "
-            f"FROM {quote(model.__tablename__)} WHERE {quote(where.name)} = ?"
+            f"SELECT {columns}, (SELECT count(*) FROM {table} WHERE {where} = ?) "
+            f"FROM {table} WHERE {where} = ? AND {quote(column.name)} >= ?"
+            + (f" ORDER BY {ordered}" if ordered else "")
         )
 
+    def bind_since(self, value: Any) -> Any:
+        """``value`` as the ``since`` column's type writes it (what the rows hold)."""
+        return value if self._bind_since is None else self._bind_since(value)
+
     def values(self, row: tuple[Any, ...]) -> SimpleNamespace:
+        """The row's mapped attributes (columns past them, such as a count, left out)."""
         return SimpleNamespace(
             **{
                 key: value if process is None else process(value)
-                for key, value, process in zip(self.keys, row, self._processors, strict=True)
+                for key, value, process in zip(self.keys, row, self._processors, strict=False)
             }
         )
