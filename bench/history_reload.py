@@ -2,10 +2,10 @@
 
 Workers of ``proxima serve --workers N`` (and replicas on PostgreSQL) check a session's
 completion count before each turn; when another process recorded a turn, the cached history
-is behind. It used to be read again whole (``Store.list_completions``); now only the rows
-from the last cached one on are read (``Store.list_completions_since``). An agent's session
-that alternates between workers pays this every turn, so the whole read made a session of n
-turns cost O(n^2) rows decoded.
+is behind. It used to be read again whole (``Store.list_completions``); now the session's
+ids are read in order and only the rows the worker does not hold are read whole and built
+(``Store.list_completions_since``). An agent's session that alternates between workers pays
+this every turn, so the whole read made a session of n turns cost O(n^2) rows decoded.
 
 This records one session of ``--turns`` completions (each a chained turn whose prompt
 extends the last: ``--prompt-tokens`` new prompt tokens and ``--output-tokens`` per turn,

@@ -335,10 +335,9 @@ class CompletionService:
         conversation in any order, so before a turn is rendered the cached history
         is checked against the store in one indexed read (status and completion
         count; completions are only ever appended): a turn recorded by another
-        replica reads the completions recorded since the cached ones (the whole
-        session when those could be out of order), and a session finished through
-        another replica is a 409 here at once. For one process alone the cache is
-        the truth.
+        replica reads the session's ids and only the completions it does not hold,
+        and a session finished through another replica is a 409 here at once. For
+        one process alone the cache is the truth.
         """
         history = self.histories.get(session.id)
         if self.store.shared:

@@ -15,7 +15,7 @@ from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed, outage
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
 from proxima.proxy.store.sessions import CONSUMED_STATUSES
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import bindparam, insert, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -104,63 +104,53 @@ class CompletionsMixin(StoreBase):
     async def list_completions_since(
         self, *, session_id: str, known: Sequence[CompletionRecord]
     ) -> list[CompletionRecord] | None:
-        """``list_completions`` for a caller that holds its first completions already
-        (``known``, in its order): the rows from the last known one's time on are read, not
-        the whole session. None when the result could differ from ``list_completions``'s:
-        ``known`` out of order or not all stored, or a new completion that sorts before a
-        known one (a replica's clock behind); the caller then reads the whole session."""
+        """``list_completions`` for a caller that holds some of the session's completions
+        already (``known``): the session's ids are read in order, and only the rows it does
+        not hold are read whole and built, so a worker catching up on the turns another one
+        recorded decodes those turns alone, whatever order they were created or committed
+        in. None if a row was gone by the second read (the caller reads the session whole).
+        """
         values.text(session_id, "session_id")
-        if not known:
-            return await self.list_completions(session_id=session_id)
-        keys = [(c.created_at, c.choice_index, c.id) for c in known]
-        if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
-            return None
-        # The session's count in the same statement (one snapshot): a row created before the
-        # last known one and not known (a replica's clock behind) is not read, so it shows
-        # as a count the result falls short of.
-        found: Sequence[tuple[Any, int]]
+        held = {c.id: c for c in known}
+        rows: Sequence[Any]
         try:
             if self._direct_sqlite is None:
                 raise SqliteBusy()
             # On the event loop's connection (a worker asks whenever another one took the
             # session's last turn): no thread hop, no ORM.
-            found = self._direct_sqlite.read_since(
-                CompletionRow, "session_id", session_id, "created_at", keys[-1][0], _ORDER
+            direct = self._direct_sqlite
+            ids = direct.read_keys(CompletionRow, "session_id", session_id, "id", _ORDER)
+            missing = [cid for cid in ids if cid not in held]
+            rows = (
+                direct.read_among(CompletionRow, "session_id", session_id, "id", missing)
+                if missing
+                else []
             )
         except SqliteBusy:
-            total = (
-                select(func.count())
-                .select_from(CompletionRow)
-                .where(CompletionRow.session_id == session_id)
-                .scalar_subquery()
-            )
-            query = (
-                select(CompletionRow, total)
-                .where(CompletionRow.session_id == session_id)
-                .where(CompletionRow.created_at >= keys[-1][0])
-                .order_by(*(getattr(CompletionRow, a) for a in _ORDER))
-            )
+            order = [getattr(CompletionRow, a) for a in _ORDER]
             async with self._read() as db:
-                found = [(row, count) for row, count in (await db.execute(query)).all()]
-        held = {c.id: c for c in known}
-        new = [row for row, _ in found if row.id not in held]
-        if (
-            not found
-            or len(held) + len(new) != found[0][1]
-            or any((row.created_at, row.choice_index, row.id) <= keys[-1] for row in new)
-        ):
+                listed = select(CompletionRow.id).where(CompletionRow.session_id == session_id)
+                ids = list((await db.execute(listed.order_by(*order))).scalars())
+                missing = [cid for cid in ids if cid not in held]
+                rows = []
+                for at in range(0, len(missing), 500):
+                    among = CompletionRow.id.in_(missing[at : at + 500])
+                    query = select(CompletionRow).where(
+                        CompletionRow.session_id == session_id, among
+                    )
+                    rows += list((await db.execute(query)).scalars())
+        by_id: dict[str, Any] = {row.id: row for row in rows}  # rows, or the direct read's
+        if len(by_id) != len(missing):
             return None
-        by_id: dict[str, Any] = {row.id: row for row in new}  # rows, or the direct read's
 
         def build(cid: str, parent: CompletionRecord | None) -> CompletionRecord:
             row = by_id[cid]
             if parent is None and row.parent_id is not None:
-                parent = held.get(row.parent_id)  # a known completion's child
+                parent = held.get(row.parent_id)  # a held completion's child
             return completion_record(row, parent)
 
-        ids = [row.id for row in new]
-        built = resolve_all(ids, {row.id: row.parent_id for row in new}, build)
-        return [*known, *(built[cid] for cid in ids)]
+        built = resolve_all(missing, {row.id: row.parent_id for row in rows}, build)
+        return [held[cid] if cid in held else built[cid] for cid in ids]
 
 
 # ``list_completions``'s order, as attribute names.

@@ -5,7 +5,7 @@
   the lock is free, else on one dedicated thread.
 - The key lookup of a session's first request (``read_one``), read on the event loop, a
   worker's check of a session's status and count before each turn (``read_row``), and the
-  turns another worker added since its cached history (``read_since``).
+  turns another worker added to a session it holds (``read_keys``, ``read_among``).
 
 Everything else the store does goes through the async engine. The completion insert is
 therefore written twice (``store/completions.py``: ``insert_completions`` in SQLAlchemy
@@ -64,6 +64,8 @@ from sqlalchemy.pool import StaticPool
 
 logger = logging.getLogger(__name__)
 
+_MAX_PARAMS = 500  # keys per ``IN (...)``: under SQLite's oldest limit on parameters (999)
+
 CHECKPOINT_EVERY = 200
 """Commits on the event loop between two passive checkpoints on the writer thread."""
 
@@ -118,23 +120,45 @@ class DirectSqlite:
         row = self.read_row(raw.sql, (value,))
         return None if row is None else raw.values(row)
 
-    def read_since(
-        self, model: type, attribute: str, value: Any, since: str, start: Any, order: list[str]
-    ) -> list[tuple[SimpleNamespace, int]]:
-        """The rows of ``model`` whose ``attribute`` equals ``value`` and whose ``since``
-        attribute is ``start`` or later, in ``order``, each with the count of every row whose
-        ``attribute`` equals ``value`` (in the same statement: one snapshot), on the event
-        loop's connection (``read_one``'s conversions; ``SqliteBusy`` as there)."""
+    def read_keys(
+        self, model: type, attribute: str, value: Any, key: str, order: list[str]
+    ) -> list[Any]:
+        """The ``key`` attribute of every row of ``model`` whose ``attribute`` equals
+        ``value``, in ``order``, on the event loop's connection, as the driver gives it (a
+        text or integer key; ``SqliteBusy`` as ``read_one``)."""
         if not self._loop_path:
             raise SqliteBusy()
-        key = (model.__name__, f"{attribute}>{since}:{','.join(order)}")
-        raw = self._selects.get(key)
+        mapper: Mapper[Any] = sa_inspect(model)
+        quote = self._engine.dialect.identifier_preparer.quote
+
+        def name(attr: str) -> str:
+            return quote(mapper.column_attrs[attr].columns[0].name)
+
+        sql = (
+            f"SELECT {name(key)} FROM {quote(mapper.local_table.name)} "  # type: ignore[attr-defined]
+            f"WHERE {name(attribute)} = ? "
+            f"ORDER BY {', '.join(map(name, order))}"
+        )
+        return [row[0] for row in self.read_rows(sql, (value,))]
+
+    def read_among(
+        self, model: type, attribute: str, value: Any, key: str, keys: list[Any]
+    ) -> list[SimpleNamespace]:
+        """The rows of ``model`` whose ``attribute`` equals ``value`` and whose ``key`` is one
+        of ``keys``, on the event loop's connection (``read_one``'s conversions)."""
+        if not self._loop_path:
+            raise SqliteBusy()
+        raw = self._selects.get((model.__name__, attribute))
         if raw is None:
-            raw = self._selects[key] = RawSelect(
-                model, attribute, self._engine.dialect, since=since, order=order
+            raw = self._selects[(model.__name__, attribute)] = RawSelect(
+                model, attribute, self._engine.dialect
             )
-        rows = self.read_rows(raw.sql, (value, value, raw.bind_since(start)))
-        return [(raw.values(row), int(row[-1])) for row in rows]
+        rows: list[tuple[Any, ...]] = []
+        for at in range(0, len(keys), _MAX_PARAMS):  # SQLite's limit on parameters
+            part = keys[at : at + _MAX_PARAMS]
+            sql = f"{raw.sql} AND {raw.column(key)} IN ({', '.join('?' * len(part))})"
+            rows += self.read_rows(sql, (value, *part))
+        return [raw.values(row) for row in rows]
 
     def read_row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The first row of ``read_rows``, or None."""
@@ -300,15 +324,7 @@ class RawSelect:
     back by SQLAlchemy's own column types (the result processors a Core select would use)
     and named as the class's attributes."""
 
-    def __init__(
-        self,
-        model: type[Any],
-        attribute: str,
-        dialect: Dialect,
-        *,
-        since: str | None = None,
-        order: list[str] | None = None,
-    ):
+    def __init__(self, model: type[Any], attribute: str, dialect: Dialect):
         mapper: Mapper[Any] = sa_inspect(model)
         attrs = [(prop.key, prop.columns[0]) for prop in mapper.column_attrs]
         quote = dialect.identifier_preparer.quote
@@ -316,32 +332,20 @@ class RawSelect:
         self._processors = [
             c.type.dialect_impl(dialect).result_processor(dialect, None) for _, c in attrs
         ]
-        table = quote(model.__tablename__)
-        where = quote(mapper.column_attrs[attribute].columns[0].name)
-        columns = ", ".join(quote(c.name) for _, c in attrs)
-        self._bind_since: Any = None
-        if since is None:
-            self.sql = f"SELECT {columns} FROM {table} WHERE {where} = ?"
-            return
-        # ``read_since``: the rows from ``since`` on, in ``order``, with the count of all.
-        column = mapper.column_attrs[since].columns[0]
-        self._bind_since = column.type.bind_processor(dialect)
-        ordered = ", ".join(quote(mapper.column_attrs[a].columns[0].name) for a in order or [])
+        self._names = {key: quote(c.name) for key, c in attrs}
         self.sql = (
-            f"SELECT {columns}, (SELECT count(*) FROM {table} WHERE {where} = ?) "
-            f"FROM {table} WHERE {where} = ? AND {quote(column.name)} >= ?"
-            + (f" ORDER BY {ordered}" if ordered else "")
+            f"SELECT {', '.join(self._names.values())} "
+            f"FROM {quote(model.__tablename__)} WHERE {self._names[attribute]} = ?"
         )
 
-    def bind_since(self, value: Any) -> Any:
-        """``value`` as the ``since`` column's type writes it (what the rows hold)."""
-        return value if self._bind_since is None else self._bind_since(value)
+    def column(self, attribute: str) -> str:
+        """The quoted column name of a mapped attribute."""
+        return self._names[attribute]
 
     def values(self, row: tuple[Any, ...]) -> SimpleNamespace:
-        """The row's mapped attributes (columns past them, such as a count, left out)."""
         return SimpleNamespace(
             **{
                 key: value if process is None else process(value)
-                for key, value, process in zip(self.keys, row, self._processors, strict=False)
+                for key, value, process in zip(self.keys, row, self._processors, strict=True)
             }
         )

@@ -329,31 +329,31 @@ def _v3_values(c: CompletionRecord) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def test_a_replica_reads_only_the_turns_recorded_since_its_own(store: Store) -> None:
-    """``list_completions_since``: what another replica added after the completions a
-    replica holds (a chain stored as prefixes, whose first new turn's parent is a held
-    one), equal to the whole read; None where the held ones could be out of order."""
+async def test_a_replica_reads_only_the_turns_it_does_not_hold(store: Store) -> None:
+    """``list_completions_since``: whatever part of a session a replica holds (a chain
+    stored as prefixes, whose new turns' parents are held ones; held out of order; a turn
+    another replica created earlier but committed later), the result is the whole read's,
+    and only the rows not held are read whole."""
     session = await store.create_session(api_key_hash=key_hash())
     recorded: list[CompletionRecord] = []
     parent = None
     for turn in range(5):
         message = {"role": "user", "content": f"turn {turn}"}
         c = _turn(session.id, parent, [message], [turn, turn + 1], seconds=turn, reply=f"r{turn}")
-        await store.record_completions(
-            completions=[c], parents={parent.id: parent} if parent else None
-        )
+        parents = {parent.id: parent} if parent else None
+        await store.record_completions(completions=[c], parents=parents)
         recorded.append(c)
         parent = c
-    for held in range(1, 6):
-        since = await store.list_completions_since(session_id=session.id, known=recorded[:held])
-        assert since == recorded == await store.list_completions(session_id=session.id)
-    assert await store.list_completions_since(session_id=session.id, known=[]) == recorded
-    # Held out of order, or a new turn created before the last held one (a clock behind).
-    swapped = [recorded[1], recorded[0]]
-    assert await store.list_completions_since(session_id=session.id, known=swapped) is None
-    late_clock = completion(session.id, seconds=2.5)
-    await store.record_completion(completion=late_clock)
-    assert await store.list_completions_since(session_id=session.id, known=recorded) is None
     whole = await store.list_completions(session_id=session.id)
-    assert [c.id for c in whole] == [*(c.id for c in recorded[:3]), late_clock.id,
+    assert whole == recorded
+    for held in (recorded[:1], recorded[:3], recorded, [], [recorded[3], recorded[0]]):
+        assert await store.list_completions_since(session_id=session.id, known=held) == whole
+    # A turn created before the last held one (another replica's, committed later).
+    late = completion(session.id, seconds=2.5)
+    await store.record_completion(completion=late)
+    whole = await store.list_completions(session_id=session.id)
+    assert [c.id for c in whole] == [*(c.id for c in recorded[:3]), late.id,
                                      *(c.id for c in recorded[3:])]  # fmt: skip
+    since = await store.list_completions_since(session_id=session.id, known=recorded)
+    assert since == whole
+    assert all(a is b for a, b in zip(since, [*recorded[:3], since[3], *recorded[3:]], strict=True))
