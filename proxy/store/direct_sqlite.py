@@ -110,6 +110,13 @@ class DirectSqlite:
 
         Raises ``SqliteBusy`` when the database cannot be read without waiting.
         """
+        raw = self._select(model, attribute)
+        row = self.read_row(raw.sql, (value,))
+        return None if row is None else raw.values(row)
+
+    def _select(self, model: type, attribute: str) -> RawSelect:
+        """``model``'s select by ``attribute`` (built once); ``SqliteBusy`` when reads
+        cannot go through the event loop's connection (a URI filename)."""
         if not self._loop_path:
             raise SqliteBusy()
         raw = self._selects.get((model.__name__, attribute))
@@ -117,8 +124,7 @@ class DirectSqlite:
             raw = self._selects[(model.__name__, attribute)] = RawSelect(
                 model, attribute, self._engine.dialect
             )
-        row = self.read_row(raw.sql, (value,))
-        return None if row is None else raw.values(row)
+        return raw
 
     def read_keys(
         self, model: type, attribute: str, value: Any, key: str, order: list[str]
@@ -146,13 +152,7 @@ class DirectSqlite:
     ) -> list[SimpleNamespace]:
         """The rows of ``model`` whose ``attribute`` equals ``value`` and whose ``key`` is one
         of ``keys``, on the event loop's connection (``read_one``'s conversions)."""
-        if not self._loop_path:
-            raise SqliteBusy()
-        raw = self._selects.get((model.__name__, attribute))
-        if raw is None:
-            raw = self._selects[(model.__name__, attribute)] = RawSelect(
-                model, attribute, self._engine.dialect
-            )
+        raw = self._select(model, attribute)
         rows: list[tuple[Any, ...]] = []
         for at in range(0, len(keys), _MAX_PARAMS):  # SQLite's limit on parameters
             part = keys[at : at + _MAX_PARAMS]
