@@ -132,18 +132,10 @@ class DirectSqlite:
         """The ``key`` attribute of every row of ``model`` whose ``attribute`` equals
         ``value``, in ``order``, on the event loop's connection, as the driver gives it (a
         text or integer key; ``SqliteBusy`` as ``read_one``)."""
-        if not self._loop_path:
-            raise SqliteBusy()
-        mapper: Mapper[Any] = sa_inspect(model)
-        quote = self._engine.dialect.identifier_preparer.quote
-
-        def name(attr: str) -> str:
-            return quote(mapper.column_attrs[attr].columns[0].name)
-
+        raw = self._select(model, attribute)
         sql = (
-            f"SELECT {name(key)} FROM {quote(mapper.local_table.name)} "  # type: ignore[attr-defined]
-            f"WHERE {name(attribute)} = ? "
-            f"ORDER BY {', '.join(map(name, order))}"
+            f"SELECT {raw.column(key)} FROM {raw.table} WHERE {raw.column(attribute)} = ? "
+            f"ORDER BY {', '.join(map(raw.column, order))}"
         )
         return [row[0] for row in self.read_rows(sql, (value,))]
 
@@ -333,9 +325,10 @@ class RawSelect:
             c.type.dialect_impl(dialect).result_processor(dialect, None) for _, c in attrs
         ]
         self._names = {key: quote(c.name) for key, c in attrs}
+        self.table = quote(model.__tablename__)
         self.sql = (
             f"SELECT {', '.join(self._names.values())} "
-            f"FROM {quote(model.__tablename__)} WHERE {self._names[attribute]} = ?"
+            f"FROM {self.table} WHERE {self._names[attribute]} = ?"
         )
 
     def column(self, attribute: str) -> str:
