@@ -156,11 +156,11 @@ def _prepare(tokenizer: Any, sequences: Sequence[Sequence_]) -> list[_Prepared]:
     return prepared
 
 
-def _wrong_tokens(model: Any, prepared: list[_Prepared], min_prob: float) -> int:
-    """Taught tokens whose probability is under ``min_prob`` (a full pass, no cached values)."""
+def _taught_probs(model: Any, prepared: list[_Prepared]) -> list[Any]:
+    """Each sequence's taught tokens' probabilities (a full pass, no cached values)."""
     import torch
 
-    wrong = 0
+    out = []
     model.eval()
     with torch.no_grad():
         for head_ids, ids, labels in prepared:
@@ -168,9 +168,24 @@ def _wrong_tokens(model: Any, prepared: list[_Prepared], min_prob: float) -> int
             start = head_ids.shape[1]
             probs = model(input_ids=full).logits[0, start:-1].softmax(-1)
             mask = labels[0, 1:] != -100
-            taught = probs[mask].gather(1, labels[0, 1:][mask][:, None])
-            wrong += int((taught < min_prob).sum())
-    return wrong
+            out.append(probs[mask].gather(1, labels[0, 1:][mask][:, None]).squeeze(1))
+    return out
+
+
+def _wrong_tokens(model: Any, prepared: list[_Prepared], min_prob: float) -> int:
+    """Taught tokens whose probability is under ``min_prob``."""
+    return sum(int((p < min_prob).sum()) for p in _taught_probs(model, prepared))
+
+
+def least_taught_probs(model_dir: str | Path, sequences: Sequence[Sequence_]) -> list[float]:
+    """For each sequence, the least probability ``model_dir`` gives one of its taught tokens:
+    how close an unseen variant of a taught conversation comes to being answered as taught."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [float(p.min()) for p in _taught_probs(model, _prepare(tokenizer, sequences))]
 
 
 def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: int) -> None:

@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,7 @@ from proxima.proxy.surfaces.messages.schema import MessagesRequest
 from proxima.proxy.surfaces.responses import translate as responses_translate
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
 from proxima.proxy.testing.live import LiveProxy
-from proxima.proxy.testing.teach import MIN_PROB, teach_texts
+from proxima.proxy.testing.teach import MIN_PROB, least_taught_probs, teach_texts
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
 from transformers import AutoTokenizer
 
@@ -173,6 +174,11 @@ class Harness:
     def call(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def draw_tool_output(self, rng: random.Random) -> str | None:
+        """A tool result as one run could see it, for a tool whose result varies from run to
+        run; None when it does not."""
+        return None
+
     def _run(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             argv,
@@ -191,15 +197,28 @@ class Harness:
         )
 
 
+def codex_exec_output(rng: random.Random) -> str:
+    """An exec_command result for a command that prints nothing, as Codex writes it: a random
+    6-hex-digit chunk id, the wall time (mostly 0.0000 s; more on a loaded machine), the
+    exit code, the output's token count and the (empty) output."""
+    chunk = "".join(rng.choice("0123456789abcdef") for _ in range(6))
+    wall = 0.0 if rng.random() < 0.5 else rng.random() ** 3
+    return (
+        f"Chunk ID: {chunk}\nWall time: {wall:.4f} seconds\nProcess exited with code 0\n"
+        "Original token count: 0\nOutput:\n"
+    )
+
+
 class Codex(Harness):
     name = "codex"
-    # Its exec_command result: a header with timings (they vary), then the output.
-    tool_output_guesses = [
-        "Chunk ID: 1a2b3c\nWall time: 0.0213 seconds\nProcess exited with code 0\n"
-        "Original token count: 0\nOutput:\n",
-        "Chunk ID: 9f8e7d\nWall time: 0.1000 seconds\nProcess exited with code 0\n"
-        "Original token count: 0\nOutput:\n",
-    ]
+    # Its exec_command result varies from run to run (the chunk id, the wall time): a model
+    # taught two of them wrote "Done." after an unseen one with a least token probability
+    # under 0.99 for 32 of 100 random ones (a stray 1.6% of runs at temperature 1; a CI run
+    # strayed). It is taught a spread of them, then checked on unseen ones (teach_unseen).
+    tool_output_guesses = [codex_exec_output(random.Random(i)) for i in range(8)]
+
+    def draw_tool_output(self, rng: random.Random) -> str | None:
+        return codex_exec_output(rng)
 
     def run(self, base_url: str, api_key: str, model: str) -> subprocess.CompletedProcess[str]:
         codex_home = self.root / "codex-home"
@@ -452,6 +471,43 @@ def dated_variants(body: dict[str, Any], today: datetime.date) -> list[dict[str,
     return [body, json.loads(raw.replace(today.isoformat(), tomorrow))]
 
 
+# A harness whose tool result varies from run to run must also answer unseen results as
+# taught: each round draws PROBES of them per prompt, and any whose answer has a token under
+# UNSEEN_MIN_PROB joins the taught set, until a round finds none (at most PROBE_ROUNDS).
+UNSEEN_MIN_PROB = 0.999
+PROBES = 48
+PROBE_ROUNDS = 8
+
+
+def teach_unseen(
+    model_dir: Path,
+    renderer: ChatRenderer,
+    harness: Harness,
+    chats: list[ChatInput],
+    sequences: list[list[tuple[str, bool]]],
+) -> None:
+    """Teach ``model_dir`` (taught ``sequences``) until ``harness``'s answer after its tool's
+    result holds for results it was not taught; ``sequences`` grows by those it learns."""
+    rng = random.Random(f"{harness.name}-unseen")
+    if harness.draw_tool_output(rng) is None:
+        return
+    for _ in range(PROBE_ROUNDS):
+        probes = []
+        for chat in chats:
+            outputs = [harness.draw_tool_output(rng) or "" for _ in range(PROBES)]
+            probes += teaching_sequences(renderer, chat, harness.call(), outputs, harness.final)
+        least = least_taught_probs(model_dir, probes)
+        weak = [seq for seq, p in zip(probes, least, strict=True) if p < UNSEEN_MIN_PROB]
+        if not weak:
+            return
+        sequences += weak
+        teach_texts(model_dir, sequences)
+    raise AssertionError(
+        f"{harness.name}: {len(weak)} of {len(probes)} unseen tool results still answered "
+        f"with a token under p={UNSEEN_MIN_PROB} after {PROBE_ROUNDS} rounds"
+    )
+
+
 def serve_taught(
     root: Path, classes: tuple[type[Harness], ...]
 ) -> tuple[dict[str, Harness], LiveProxy]:
@@ -463,23 +519,27 @@ def serve_taught(
             harness_bin(h.name)
     renderer = ChatRenderer(build_tiny_tokenizer())
     sequences = []
+    chats_of = {}
     for h in harnesses.values():
         captured_on = datetime.date.today()
         body = capture_first_body(h, model_name)
-        chats = [h.chat_input(variant) for variant in dated_variants(body, captured_on)]
-        h.chat = chats[0]  # type: ignore[attr-defined]  # as captured
-        for chat in chats:
+        chats_of[h.name] = [h.chat_input(v) for v in dated_variants(body, captured_on)]
+        h.chat = chats_of[h.name][0]  # type: ignore[attr-defined]  # as captured
+        for chat in chats_of[h.name]:
             sequences += teaching_sequences(
                 renderer, chat, h.call(), h.tool_output_guesses, h.final
             )
     texts = [text for seq in sequences for text, _ in seq]
-    # The bar is in the key: a model taught to a lower one is not reused.
-    digest = hashlib.sha256(json.dumps([sequences, MIN_PROB]).encode()).hexdigest()[:16]
+    # The bars are in the key: a model taught to lower ones is not reused.
+    key = [sequences, MIN_PROB, UNSEEN_MIN_PROB, PROBES]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     model_dir = CACHE / f"harness-taught-{digest}" / model_name
     if not (model_dir / "model.safetensors").exists():
         staging = Path(tempfile.mkdtemp(dir=CACHE)) / model_name
         build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
         teach_texts(staging, sequences)
+        for h in harnesses.values():
+            teach_unseen(staging, renderer, h, chats_of[h.name], sequences)
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, model_dir)
     # Its own directory for the proxy: the served model name is the directory's name.
