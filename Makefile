@@ -88,9 +88,10 @@ demo-model: $(VENV)/.installed-demo
 	$(PY) -m proxima.trainer.pipeline.demo_model --cache-dir .cache/models
 
 # Prepares SmolLM2-135M-Instruct (once, cached in .cache/models), then trains the multi-turn
-# math agent through the proxy on the embedded CPU engine; ends with
-# "held-out accuracy: BEFORE% -> AFTER%; unseen phrasings: BEFORE% -> AFTER%" (held-out problems
-# in wordings the training never used) and runs/demo/reward_curve.png.
+# math agent through the proxy on the embedded CPU engine; ends with the share of first answers
+# cut at max_tokens before and after, and "first-try accuracy: B% -> A%; within two tries:
+# B% -> A%; unseen phrasings (first try): B% -> A%" (held-out problems, and problems in wordings
+# the training never used), and runs/demo/reward_curve.png.
 # Every run starts from the base model: a run left in runs/demo (its store and the trainer's
 # checkpoint) would otherwise be resumed, and "before" would be the last run's trained policy.
 demo: $(VENV)/.installed-demo
