@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proxima.proxy.testing.cache import built_once
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.teach import teach
 from proxima.proxy.testing.tiny_model import build_tiny_model
@@ -34,14 +33,11 @@ def taught_model_dir() -> Path:
         + Path(teach_mod.__file__).read_bytes()
         + repr(TEACH_EXAMPLES).encode()
     ).hexdigest()[:16]
-    final = CACHE / f"taught-{digest}" / "tiny-tools"
-    if (final / "model.safetensors").exists():
-        return final
-    staging = Path(tempfile.mkdtemp(dir=CACHE.mkdir(exist_ok=True) or CACHE)) / "tiny-tools"
-    teach(build_tiny_model(staging), TEACH_EXAMPLES)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, final)
-    return final
+    return built_once(
+        CACHE / f"taught-{digest}" / "tiny-tools",
+        lambda staging: teach(build_tiny_model(staging), TEACH_EXAMPLES),
+        "model.safetensors",
+    )
 
 
 @pytest.fixture(scope="module")

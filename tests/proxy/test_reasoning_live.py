@@ -10,14 +10,13 @@ reasoning and "The answer is 4.".
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import OpenAI
+from proxima.proxy.testing.cache import built_once
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.teach import teach
 from proxima.proxy.testing.tiny_model import build_tiny_model
@@ -54,14 +53,11 @@ def thinking_model_dir() -> Path:
         + Path(teach_mod.__file__).read_bytes()
         + repr(EXAMPLES).encode()
     ).hexdigest()[:16]
-    final = CACHE / f"thinking-{digest}" / "tiny-thinking"
-    if (final / "model.safetensors").exists():
-        return final
-    staging = Path(tempfile.mkdtemp(dir=CACHE.mkdir(exist_ok=True) or CACHE)) / "tiny-thinking"
-    teach(build_tiny_model(staging, thinking=True), EXAMPLES, steps=200)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, final)
-    return final
+    return built_once(
+        CACHE / f"thinking-{digest}" / "tiny-thinking",
+        lambda staging: teach(build_tiny_model(staging, thinking=True), EXAMPLES, steps=200),
+        "model.safetensors",
+    )
 
 
 @pytest.fixture(scope="module")

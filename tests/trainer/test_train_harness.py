@@ -24,11 +24,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -39,6 +37,7 @@ from proxima.agents_examples.harness_agent import run_agent_return_reward
 from proxima.proxy.rendering.chat_template import ChatRenderer
 from proxima.proxy.store import Store
 from proxima.proxy.store.records import CompletionRecord, SessionRecord
+from proxima.proxy.testing.cache import built_once
 from proxima.proxy.testing.teach import MIN_PROB, teach_texts
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
 from proxima.trainer.config import AdvantageConfig
@@ -100,14 +99,12 @@ def taught_model(tmp: Path) -> Path:
     )
     texts = [text for seq in sequences for text, _ in seq]
     digest = hashlib.sha256(json.dumps([sequences, MIN_PROB]).encode()).hexdigest()[:16]
-    model_dir = CACHE / f"harness-taught-{digest}" / MODEL_NAME
-    if not (model_dir / "model.safetensors").exists():
-        staging = Path(tempfile.mkdtemp(dir=CACHE)) / MODEL_NAME
+
+    def build(staging: Path) -> None:
         build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
         teach_texts(staging, sequences)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, model_dir)
-    return model_dir
+
+    return built_once(CACHE / f"harness-taught-{digest}" / MODEL_NAME, build, "model.safetensors")
 
 
 def run_config(model_dir: Path, tmp: Path) -> tuple[Path, Path]:

@@ -36,7 +36,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,6 +51,7 @@ from proxima.proxy.surfaces.messages import translate as messages_translate
 from proxima.proxy.surfaces.messages.schema import MessagesRequest
 from proxima.proxy.surfaces.responses import translate as responses_translate
 from proxima.proxy.surfaces.responses.schema import ResponsesRequest
+from proxima.proxy.testing.cache import built_once
 from proxima.proxy.testing.live import LiveProxy
 from proxima.proxy.testing.teach import MIN_PROB, least_taught_probs, teach_texts
 from proxima.proxy.testing.tiny_model import build_tiny_model, build_tiny_tokenizer
@@ -533,15 +533,16 @@ def serve_taught(
     # The bars are in the key: a model taught to lower ones is not reused.
     key = [sequences, MIN_PROB, UNSEEN_MIN_PROB, PROBES]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    model_dir = CACHE / f"harness-taught-{digest}" / model_name
-    if not (model_dir / "model.safetensors").exists():
-        staging = Path(tempfile.mkdtemp(dir=CACHE)) / model_name
+
+    def build(staging: Path) -> None:
         build_tiny_model(staging, max_position_embeddings=CONTEXT, merges_corpus=texts)
         teach_texts(staging, sequences)
         for h in harnesses.values():
             teach_unseen(staging, renderer, h, chats_of[h.name], sequences)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, model_dir)
+
+    model_dir = built_once(
+        CACHE / f"harness-taught-{digest}" / model_name, build, "model.safetensors"
+    )
     # Its own directory for the proxy: the served model name is the directory's name.
     work = root / "proxy"
     proxy = LiveProxy(
