@@ -54,12 +54,13 @@ def run_session(proxy: LiveProxy, *, group: str, reward: float, tokens: int = 8)
     return sid
 
 
-def run_sessions(proxy: LiveProxy, count: int) -> list[str]:
-    """``count`` agent runs, four at a time, in groups of two with rewards 0 and 1."""
+def run_sessions(proxy: LiveProxy, count: int, first: int = 0) -> list[str]:
+    """``count`` agent runs, four at a time, in groups of two with rewards 0 and 1 (the
+    groups numbered on from run ``first``'s)."""
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = [
             pool.submit(run_session, proxy, group=f"g{i // 2}", reward=float(i % 2))
-            for i in range(count)
+            for i in range(first, first + count)
         ]
         return [f.result() for f in futures]
 
@@ -211,6 +212,10 @@ def test_killed_trainer_resumes_without_losing_or_retraining_sessions(
         if first.poll() is None:
             first.kill()
     pushed_before_restart = served_version(proxy)
+    # The first trainer may have trained all 12 before the kill landed (a loaded machine
+    # polls the version late): 4 more runs leave the restarted one work to push, whenever
+    # the kill came.
+    ids += run_sessions(proxy, 4, first=12)
 
     second = _trainer_process(config, log)
     try:
