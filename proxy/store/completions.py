@@ -10,7 +10,7 @@ from proxima.proxy.store import values
 from proxima.proxy.store._base import StoreBase
 from proxima.proxy.store.chains import resolve_all
 from proxima.proxy.store.convert import completion_record, completion_values
-from proxima.proxy.store.direct_sqlite import RawInsert, SqliteBusy
+from proxima.proxy.store.direct_sqlite import MAX_PARAMS, RawInsert, SqliteBusy
 from proxima.proxy.store.errors import Conflict, NotFound, SessionClosed, outages
 from proxima.proxy.store.models import CompletionRow, SessionRow
 from proxima.proxy.store.records import CompletionRecord, SessionStatus
@@ -133,8 +133,8 @@ class CompletionsMixin(StoreBase):
                 ids = list((await db.execute(listed.order_by(*order))).scalars())
                 missing = [cid for cid in ids if cid not in held]
                 rows = []
-                for at in range(0, len(missing), 500):
-                    among = CompletionRow.id.in_(missing[at : at + 500])
+                for at in range(0, len(missing), MAX_PARAMS):
+                    among = CompletionRow.id.in_(missing[at : at + MAX_PARAMS])
                     query = select(CompletionRow).where(
                         CompletionRow.session_id == session_id, among
                     )

@@ -64,7 +64,9 @@ from sqlalchemy.pool import StaticPool
 
 logger = logging.getLogger(__name__)
 
-_MAX_PARAMS = 500  # keys per ``IN (...)``: under SQLite's oldest limit on parameters (999)
+MAX_PARAMS = 500
+"""Keys per ``IN (...)``: under SQLite's oldest limit on parameters (999); the ORM read of a
+busy SQLite file chunks by it too."""
 
 CHECKPOINT_EVERY = 200
 """Commits on the event loop between two passive checkpoints on the writer thread."""
@@ -146,8 +148,8 @@ class DirectSqlite:
         of ``keys``, on the event loop's connection (``read_one``'s conversions)."""
         raw = self._select(model, attribute)
         rows: list[tuple[Any, ...]] = []
-        for at in range(0, len(keys), _MAX_PARAMS):  # SQLite's limit on parameters
-            part = keys[at : at + _MAX_PARAMS]
+        for at in range(0, len(keys), MAX_PARAMS):  # SQLite's limit on parameters
+            part = keys[at : at + MAX_PARAMS]
             sql = f"{raw.sql} AND {raw.column(key)} IN ({', '.join('?' * len(part))})"
             rows += self.read_rows(sql, (value, *part))
         return [raw.values(row) for row in rows]
