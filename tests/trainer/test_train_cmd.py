@@ -78,6 +78,17 @@ zero_signal = "keep"
     return config, out
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's blocked, ignored and caught signal masks (hex, bit n-1 for signal n)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        with contextlib.suppress(OSError):
+            status = (task / "status").read_text().splitlines()
+            masks = [line.replace("\t", " ") for line in status if line.startswith("Sig")]
+            lines.append(f"thread {task.name}: {', '.join(masks)}")
+    return "; ".join(lines) or "no /proc entry"
+
+
 def _train_argv(config: Path, *, progress: bool = False) -> list[str]:
     cli = [sys.executable, "-m", "proxima.cli", "--log-format", "text", "--log-level", "warning"]
     return [*cli, "train", "--config", str(config), *([] if progress else ["--no-progress"])]
@@ -209,7 +220,12 @@ def test_sigterm_stops_the_run_and_every_process_it_started(
         assert any("proxima.cli" in c and " trainer" in c for c in commands), commands
 
         proc.send_signal(signal.SIGTERM)  # to the command alone, not its process group
-        _, stderr = proc.communicate(timeout=240)
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            # Seen once in a two-worker suite run: the command trained on as if the signal
+            # never came. Say what its threads block, ignore and catch, for the next time.
+            pytest.fail(f"SIGTERM did not stop the run in 240 s; {_signal_state(proc.pid)}")
         assert proc.returncode == 130, stderr[-3000:]
         assert "the same command resumes the run" in stderr
         assert "stopping the trainer: a step already training is finished and pushed" in stderr
