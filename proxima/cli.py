@@ -11,10 +11,13 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from proxima.proxy.logs import configure_logging
+
+T = TypeVar("T")
 
 
 def _add_db(p: argparse.ArgumentParser) -> None:
@@ -284,12 +287,39 @@ def _add_trainer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_trainer)
 
 
-def _sigterm_stops_like_ctrl_c() -> None:
-    """SIGTERM (``kill``, ``timeout``, ``docker stop``, a job scheduler) stops a run the way
-    Ctrl-C does: the proxy, its engines and the trainer it started are stopped (the trainer
-    finishes or abandons its step and releases its claims). Python's default SIGTERM ends
-    this process at once and leaves them running."""
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.raise_signal(signal.SIGINT))
+def _run_stoppable(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, where SIGTERM (``kill``, ``timeout``, ``docker stop``, a job
+    scheduler) stops it the way Ctrl-C does: ``main`` is cancelled, so the proxy, its engines
+    and the trainer it started are stopped (the trainer finishes or abandons its step and
+    releases its claims), then ``KeyboardInterrupt`` is raised; a second SIGTERM raises it at
+    once. The task is cancelled directly, not through SIGINT: a run started in the background
+    by a shell (``nohup proxima train ... &``) ignores SIGINT, and SIGTERM must still stop it."""
+    stopping = False
+
+    async def stoppable() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm(_signum: int, _frame: object) -> None:
+            nonlocal stopping
+            if stopping:
+                raise KeyboardInterrupt
+            stopping = True
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake a loop blocked in select()
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return await main
+        except asyncio.CancelledError:
+            if stopping:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return asyncio.run(stoppable())
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -308,14 +338,13 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.output_dir is not None:
         cfg.output_dir = args.output_dir
-    _sigterm_stops_like_ctrl_c()
     if args.command == "eval":
         if args.proxy is not None:
             cfg.proxy.url = args.proxy
         if args.admin_token is not None:
             cfg.proxy.admin_token = args.admin_token
         try:
-            asyncio.run(eval_only(cfg, args.version, adapter=args.adapter))
+            _run_stoppable(eval_only(cfg, args.version, adapter=args.adapter))
         except ValueError as exc:
             print(f"proxima eval: {exc}", file=sys.stderr)
             return 2
@@ -323,7 +352,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.steps is not None:
         cfg.steps = args.steps
     try:
-        asyncio.run(train(cfg, progress=not args.no_progress))
+        _run_stoppable(train(cfg, progress=not args.no_progress))
     except TrackingUnavailable as exc:
         print(f"proxima train: {exc}", file=sys.stderr)
         return 2
