@@ -294,22 +294,21 @@ def _run_stoppable(main: Coroutine[Any, Any, T]) -> T:
     releases its claims), then ``KeyboardInterrupt`` is raised; a second SIGTERM raises it at
     once. The task is cancelled directly, not through SIGINT: a run started in the background
     by a shell (``nohup proxima train ... &``) ignores SIGINT, and SIGTERM must still stop it."""
-    stopping = False
 
     async def stoppable() -> T:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        stopping = False
 
-        def on_sigterm(_signum: int, _frame: object) -> None:
+        def on_sigterm() -> None:
             nonlocal stopping
             if stopping:
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt  # out of the loop, as a second Ctrl-C
             stopping = True
             task.cancel()
-            loop.call_soon_threadsafe(lambda: None)  # wake a loop blocked in select()
 
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         try:
             return await main
         except asyncio.CancelledError:
@@ -317,7 +316,7 @@ def _run_stoppable(main: Coroutine[Any, Any, T]) -> T:
                 raise KeyboardInterrupt from None
             raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            loop.remove_signal_handler(signal.SIGTERM)
 
     return asyncio.run(stoppable())
 
