@@ -150,6 +150,8 @@ async def _start_tasks(state: AppState, store: Store, deployments: Deployments) 
     if store.shared:  # replicas (or workers): load weights once in the fleet
         for deployment in deployments.all():
             deployment.pool.fleet_lock = store.publish_lock
+        if deployments.production is not None:  # its version goes back on a rollback
+            deployments.production.pool.fleet_version = state.production.recorded_version
     # A restarted proxy, or one more replica, serves the newest policy and production
     # state in the store: what the backends report is adopted, only those behind load.
     await state.follower.sync()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +120,10 @@ class PoolState:
         # Held fleet-wide around loading weights on a backend (the store's publish lock on
         # PostgreSQL; nothing to share in one process). Taken before ``update_lock``.
         self.fleet_lock: Callable[[], AbstractAsyncContextManager[None]] = nullcontext
+        # The version the fleet's store says this pool serves now (replicas; None: one
+        # process, or no opinion). Read under ``fleet_lock`` before a stale backend is loaded:
+        # a replica that has not yet followed a rollback must not load its old version back.
+        self.fleet_version: Callable[[], Awaitable[int | None]] | None = None
         self.updates_begun = 0  # weight updates started; health probes that overlap one are void
         self.last_update: WeightUpdate | None = None
         # Every adapter's current version (absent: version 0, the base weights).

@@ -25,7 +25,7 @@ every name other code imports from this module stays importable from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 
 import httpx
@@ -91,6 +91,15 @@ class BackendPool:
     @fleet_lock.setter
     def fleet_lock(self, lock: Callable[[], AbstractAsyncContextManager[None]]) -> None:
         self._state.fleet_lock = lock
+
+    @property
+    def fleet_version(self) -> Callable[[], Awaitable[int | None]] | None:
+        """The version the store says this pool serves (``PoolState.fleet_version``)."""
+        return self._state.fleet_version
+
+    @fleet_version.setter
+    def fleet_version(self, read: Callable[[], Awaitable[int | None]] | None) -> None:
+        self._state.fleet_version = read
 
     def healthy_backends(self) -> list[Backend]:
         return self._state.healthy_backends()

@@ -55,7 +55,11 @@ class VersionReconciler:
         same backend behind, the first loads it and the others find it current.
         A backend that reports a *newer* version than this replica knows was
         loaded by another replica: it is never taken back to an older one; it
-        rejoins once this replica follows the store to that version.
+        rejoins once this replica follows the store to that version. Nor is one
+        loaded while the store says the pool serves another version than this
+        replica's (``fleet_version``, read under the lock): another replica rolled
+        production back, or pushed, and this one has not followed yet; loading its
+        version would undo the change on the shared backend.
         """
         state = self._state
         if backend.healthy:
@@ -64,6 +68,8 @@ class VersionReconciler:
             if backend.healthy:
                 return  # brought back meanwhile
             version = state.version
+            if await self._store_moved(backend, version):
+                return
             try:
                 info = await backend.client.model_info()
                 reported = reported_version(info.weight_version)
@@ -98,6 +104,29 @@ class VersionReconciler:
                 return
             backend.healthy = True
             logger.info("backend %s is back in the pool at version %s", backend.url, version)
+
+    async def _store_moved(self, backend: Backend, version: int) -> bool:
+        """Whether the store says the pool serves another version than ``version`` now; the
+        backend then waits for this replica to follow the store (the follower's next round)."""
+        read = self._state.fleet_version
+        if read is None:
+            return False
+        try:
+            stored = await read()
+        except Exception as exc:  # the store is down: the health checks retry
+            logger.warning("backend %s: the fleet's version cannot be read: %s", backend.url, exc)
+            return True
+        if stored is None or stored == version:
+            return False
+        backend.last_error = f"the store serves version {stored}, this replica {version}"
+        logger.info(
+            "backend %s not loaded with v%s: the store says version %s; it rejoins once this "
+            "replica follows the store",
+            backend.url,
+            version,
+            stored,
+        )
+        return True
 
     async def follow(self, version: int, path: str | None) -> bool:
         """Serve ``version`` (at ``path``), which another replica published to the store.

@@ -202,6 +202,12 @@ class ProductionController:
             )
 
     # ------------------------------------------------------------------ actions
+    async def recorded_version(self) -> int:
+        """The base model's production version the store holds now (the newest change's;
+        0: never promoted), which every replica serves once it follows the store."""
+        history = await self.store.list_promotions()
+        return history[-1].version if history else 0
+
     async def follow(self) -> None:
         """Serve the newest production state in the store, which any replica may have set.
 

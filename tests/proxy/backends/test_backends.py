@@ -234,3 +234,37 @@ async def test_backend_that_refuses_a_push_is_kept_out() -> None:
             refusing.client.update_weights_from_disk = real_update  # type: ignore[method-assign]
             await pool.check_health()  # it can load now: back at the current version
             assert refusing.healthy and fakes[1].weight_version == "1"
+
+
+async def test_a_replica_behind_a_rollback_does_not_load_its_old_version_back() -> None:
+    """Replicas A and B share a production backend at v1. B rolls it back to v0 and records
+    that; before A follows the store, A's health check finds the backend at v0, behind A's v1.
+    A must not load v1 back on it (that undid the rollback for the whole fleet): it reads the
+    store's version under the fleet lock, leaves the backend out, and adopts it on follow."""
+    fake = FakeBackend(seed=1)
+    fleet_lock = asyncio.Lock()  # the store's publish lock of the fleet, in one process here
+    recorded = {"version": 1}  # the production version the store holds
+
+    async def stored_version() -> int | None:
+        return recorded["version"]
+
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            a, b = (BackendPool([server.url], http=http) for _ in range(2))
+            for pool in (a, b):
+                pool.fleet_lock = lambda: fleet_lock
+                pool.fleet_version = stored_version
+            await a.update_weights(version=1, path="/weights/v1")
+            assert await b.follow(1, "/weights/v1")  # B adopts what A loaded
+            async with fleet_lock:  # B's rollback: load v0 and record it, under the lock
+                await b.update_weights(version=0, path="/base")
+                recorded["version"] = 0
+            await a.check_health()
+            assert fake.weight_version == "0", "A loaded its stale v1 over the rollback"
+            (backend,) = a.backends
+            assert not backend.healthy and backend.version == 0
+            assert backend.last_error == "the store serves version 0, this replica 1"
+            assert await a.follow(0, "/base")  # A's follower catches up: the backend is adopted
+            assert fake.weight_version == "0"
+            assert backend.healthy and backend.version == 0 and a.version == 0
+            assert set(await _generate_versions(a)) == {0}
