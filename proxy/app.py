@@ -148,10 +148,16 @@ def _http_client() -> httpx.AsyncClient:
 async def _start_tasks(state: AppState, store: Store, deployments: Deployments) -> None:
     """Catch up with the store, then start following it (replicas) and the group commit."""
     if store.shared:  # replicas (or workers): load weights once in the fleet
-        for deployment in deployments.all():
+
+        def share(deployment: Deployment) -> None:
             deployment.pool.fleet_lock = store.publish_lock
-        if deployments.production is not None:  # its version goes back on a rollback
-            deployments.production.pool.fleet_version = state.production.recorded_version
+            # Production's version goes back on a rollback: a backend is loaded with this
+            # replica's version only while the store still says it.
+            deployment.pool.fleet_version = state.production.recorded_version(deployment.name)
+
+        for deployment in deployments.all():
+            share(deployment)
+        deployments.on_started = share  # the canary, started on its first use
     # A restarted proxy, or one more replica, serves the newest policy and production
     # state in the store: what the backends report is adopted, only those behind load.
     await state.follower.sync()

@@ -121,6 +121,9 @@ class Deployments:
         self.split: CanarySplit | None = None  # the base model's
         self.adapter_splits: dict[str, CanarySplit] = {}  # each adapter's, by name
         self._canary_factory = canary_factory
+        # Called with a deployment started after the others (the canary): a replica of a
+        # fleet shares the loading of its backends with the other replicas (``proxy/app.py``).
+        self.on_started: Callable[[Deployment], None] | None = None
 
     def split_of(self, adapter: str | None) -> CanarySplit | None:
         """The canary split of a policy (the base's, or an adapter's)."""
@@ -153,6 +156,8 @@ class Deployments:
                     param="canary",
                 )
             self.canary = await self._canary_factory()
+            if self.on_started is not None:
+                self.on_started(self.canary)
         return self.canary
 
     def all(self) -> list[Deployment]:

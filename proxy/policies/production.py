@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from proxima.proxy.backends.errors import BackendError, BackendUnavailable
@@ -202,11 +202,21 @@ class ProductionController:
             )
 
     # ------------------------------------------------------------------ actions
-    async def recorded_version(self) -> int:
-        """The base model's production version the store holds now (the newest change's;
-        0: never promoted), which every replica serves once it follows the store."""
-        history = await self.store.list_promotions()
-        return history[-1].version if history else 0
+    def recorded_version(self, deployment: str) -> Callable[[], Awaitable[int | None]] | None:
+        """How to read the base model's version the store says ``deployment`` serves now
+        (``BackendPool.fleet_version``): production's is the newest change's (0: never
+        promoted), the canary's that change's canary (None without one: any will do). None
+        for training, whose versions only go up (a backend behind is behind)."""
+
+        async def production() -> int | None:
+            history = await self.store.list_promotions()
+            return history[-1].version if history else 0
+
+        async def canary() -> int | None:
+            history = await self.store.list_promotions()
+            return history[-1].canary_version if history else None
+
+        return {PRODUCTION: production, CANARY: canary}.get(deployment)
 
     async def follow(self) -> None:
         """Serve the newest production state in the store, which any replica may have set.

@@ -165,3 +165,31 @@ async def test_the_eval_gate_compares_an_adapters_own_scores(setup: Setup) -> No
         (2, 0.5),
     ]
     assert versions["production"] == 1
+
+
+async def test_the_store_says_which_base_version_production_and_the_canary_serve(
+    setup: Setup,
+) -> None:
+    """What a replica's rejoin reads before it loads a shared backend (``fleet_version``):
+    the base's production and canary versions as the store holds them, whoever changed them."""
+    d = setup.deployments()
+    started: list[Deployment] = []
+    d.on_started = started.append
+    production = setup.controller(d)
+    read = {name: production.recorded_version(name) for name in NAMES}
+    assert read["training"] is None  # training's versions only go up: no store read needed
+    prod, canary = read["production"], read["canary"]
+    assert prod is not None and canary is not None
+    assert (await prod(), await canary()) == (0, None)  # never promoted
+    for version in (1, 2):
+        await setup.store.record_policy_version(version=version, path=f"/base/v{version}")
+    await setup.push("tenant-a", 1)
+    await production.promote(2, CanarySplit(1, 0.5))
+    assert [s.name for s in started] == ["canary"]  # the canary started once, and was shared
+    await production.promote(1, adapter="tenant-a")  # another policy's change
+    assert (await prod(), await canary()) == (2, 1)
+    await production.rollback()
+    assert (await prod(), await canary()) == (0, None)
+    # A fresh controller (another replica) reads the same: it is the store's, not a cache.
+    other = setup.controller(setup.deployments()).recorded_version("production")
+    assert other is not None and await other() == 0
