@@ -32,9 +32,10 @@ SHORT = {"max_tokens": 4, "temperature": 1.0}
 WORKER_NODES = 2
 CPUS_PER_NODE = 3
 # A run's limit, Ray's scheduling and a worker's start included: 20 s let two ordinary runs
-# time out when the 2 cores also ran another test process (2026-11-29); the hanging run
-# still fails by it.
-RUN_TIMEOUT_S = 40.0
+# time out when the 2 cores also ran another test process (2026-11-29), and 40 s let six
+# time out, and a dying run too, on a host whose cores ran half as fast (2026-11-29); the
+# hanging run still fails by it.
+RUN_TIMEOUT_S = 90.0
 # Fewer slots than failing runs (8): a slot a failed run kept would stall the rollout.
 MAX_CONCURRENCY = 6
 NODE_LOSS_RUNS = 18
