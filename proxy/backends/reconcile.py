@@ -58,8 +58,8 @@ class VersionReconciler:
         rejoins once this replica follows the store to that version. Nor is one
         loaded while the store says the pool serves another version than this
         replica's (``fleet_version``, read under the lock): another replica rolled
-        production back, or pushed, and this one has not followed yet; loading its
-        version would undo the change on the shared backend.
+        production back, or changed its canary, and this one has not followed yet;
+        loading its version would undo the change on the shared backend.
         """
         state = self._state
         if backend.healthy:
@@ -113,9 +113,16 @@ class VersionReconciler:
             return False
         try:
             stored = await read()
-        except Exception as exc:  # the store is down: the health checks retry
-            logger.warning("backend %s: the fleet's version cannot be read: %s", backend.url, exc)
-            return True
+        except Exception as exc:
+            # The store is down: the replica's own version, as before replicas shared one;
+            # serving again outweighs a rollback that this replica may not have followed.
+            logger.warning(
+                "backend %s: the fleet's version cannot be read (%s); loading this replica's v%s",
+                backend.url,
+                exc,
+                version,
+            )
+            return False
         if stored is None or stored == version:
             return False
         backend.last_error = f"the store serves version {stored}, this replica {version}"

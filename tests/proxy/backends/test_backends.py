@@ -268,3 +268,23 @@ async def test_a_replica_behind_a_rollback_does_not_load_its_old_version_back() 
             assert fake.weight_version == "0"
             assert backend.healthy and backend.version == 0 and a.version == 0
             assert set(await _generate_versions(a)) == {0}
+
+
+async def test_a_restarted_backend_is_loaded_when_the_store_cannot_say_its_version() -> None:
+    """With the store out of reach, a replica brings a restarted backend back to its own
+    version (serving again comes first), as a single proxy does."""
+    fake = FakeBackend(seed=1)
+
+    async def store_down() -> int | None:
+        raise ConnectionError("the store is out of reach")
+
+    with ThreadedServer(create_fake_app(fake)) as server:
+        async with httpx.AsyncClient() as http:
+            pool = BackendPool([server.url], http=http)
+            pool.fleet_version = store_down
+            await pool.update_weights(version=1, path="/weights/v1")
+            fake.weight_version = "0"  # restarted with its start-up model
+            await pool.check_health()
+            assert fake.weight_version == "1"
+            (backend,) = pool.backends
+            assert backend.healthy and backend.version == 1
