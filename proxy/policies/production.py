@@ -209,14 +209,19 @@ class ProductionController:
         for training, whose versions only go up (a backend behind is behind)."""
 
         async def production() -> int | None:
-            history = await self.store.list_promotions()
-            return history[-1].version if history else 0
+            newest = await self._newest_promotion()
+            return newest.version if newest else 0
 
         async def canary() -> int | None:
-            history = await self.store.list_promotions()
-            return history[-1].canary_version if history else None
+            newest = await self._newest_promotion()
+            return newest.canary_version if newest else None
 
         return {PRODUCTION: production, CANARY: canary}.get(deployment)
+
+    async def _newest_promotion(self) -> PromotionRecord | None:
+        """The base model's newest production change in the store (None: never promoted)."""
+        history = await self.store.list_promotions()
+        return history[-1] if history else None
 
     async def follow(self) -> None:
         """Serve the newest production state in the store, which any replica may have set.
