@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.telemetry import TelemetryConfig
 from proxima.proxy.api import admin, health, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.api.error_handlers import install_error_handlers
@@ -41,6 +42,9 @@ from proxima.proxy.store.store import Store
 from proxima.proxy.surfaces import SURFACES
 
 logger = logging.getLogger(__name__)
+# FastAPI's native OpenTelemetry off (``Settings.opentelemetry``): no spans, metrics or logs,
+# and no per-request look for a global provider.
+_NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
 async def _backend_context_length(pool: BackendPool) -> int | None:
@@ -260,6 +264,8 @@ def create_app(
         docs_url=None if private else "/docs",
         redoc_url=None if private else "/redoc",
         openapi_url=None if private else "/openapi.json",
+        # Else FastAPI looks for an OpenTelemetry provider on every request (in os.environ).
+        telemetry=None if settings.opentelemetry else _NO_TELEMETRY,
     )
     install_error_handlers(app)
     if settings.cors_origins:
