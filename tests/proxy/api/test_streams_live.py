@@ -229,7 +229,10 @@ def test_a_huge_message_does_not_stall_other_clients(proxy: LiveProxy) -> None:
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "context_length_exceeded"
     assert result["seconds"] > 1.0, "the message is too small to show a stall here"
-    assert slowest < min(1.0, result["seconds"] / 3), (slowest, result["seconds"])
+    # Rendering and tokenizing on the loop would hold a probe for most of the request's time;
+    # off the loop a probe waits only for its turn at the GIL, which a loaded host stretches
+    # (a probe took 1.3 s of a 19.9 s request beside another test process): a third of it.
+    assert slowest < result["seconds"] / 3, (slowest, result["seconds"])
 
 
 def test_a_streaming_client_that_leaves_aborts_generation(proxy: LiveProxy) -> None:
