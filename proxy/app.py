@@ -24,6 +24,7 @@ from proxima.proxy.api import admin, health, models, rl
 from proxima.proxy.api import deployments as deployments_api
 from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.api.middleware import AccessLogMiddleware, BodyLimitMiddleware
+from proxima.proxy.api.routing import GenerationApp
 from proxima.proxy.backends.errors import BackendError
 from proxima.proxy.backends.pool import BackendPool
 from proxima.proxy.backends.sglang import ADMIN_KEEPALIVE_S
@@ -257,7 +258,7 @@ def create_app(
             yield
 
     private = settings.private_observability
-    app = FastAPI(
+    app = GenerationApp(
         title="Proxima proxy",
         version="0.1.0",
         lifespan=lifespan,

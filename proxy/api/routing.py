@@ -35,17 +35,18 @@ import email.message
 import functools
 import inspect
 import json
-from collections.abc import Callable, Coroutine
-from typing import Any, get_type_hints
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, cast, get_type_hints
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from proxima.proxy.api.deps import get_principal
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -140,3 +141,77 @@ def _is_json(content_type: str) -> bool:
     return message.get_content_maintype() == "application" and (
         subtype == "json" or subtype.endswith("+json")
     )
+
+
+class GenerationDispatch:
+    """The innermost app of the proxy's middleware stack, in the router's place.
+
+    A POST to a generation route's path goes straight to that route's handler; every
+    other request (another route, another method, a root path, a route with a body limit
+    of its own, a request FastAPI traces: ``--opentelemetry``) to the router. FastAPI's router finds a route by trying every included
+    router's candidates, twice (``matches``, then ``_handle_selected``), and wraps the
+    handler in a ``Request``, two exit stacks and an exception wrapper: about 4% of the
+    proxy's instructions per 16-token request (docs/benchmarks.md, "Proxy overhead").
+
+    What the router leaves in the scope for a matched route and what the middlewares
+    read (``route``: the metrics' and the request log's template, ``endpoint``,
+    ``path_params``, ``router``) is set the same way. An exception goes to the
+    ``ExceptionMiddleware`` outside, which calls the app's handlers as the router's
+    exception wrapper would (the same ones: FastAPI gives both the app's).
+    """
+
+    def __init__(self, router: APIRouter):
+        self.router = router
+        self.routes: dict[str, tuple[GenerationRoute, Handler]] = {}
+        for context in _route_contexts(router):
+            route = context.original_route
+            if (
+                isinstance(route, GenerationRoute)
+                and context.methods == {"POST"}
+                and context.max_body_size is None
+                and not context.param_convertors
+            ):
+                self.routes[context.path_format] = (route, route.get_route_handler())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = (
+            self.routes.get(scope["path"])
+            if scope["type"] == "http"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+            and "fastapi.telemetry" not in scope  # --opentelemetry: the router names the span
+            else None
+        )
+        if found is None:
+            await self.router(scope, receive, send)
+            return
+        route, handler = found
+        scope.setdefault("router", self.router)
+        scope["endpoint"] = route.endpoint
+        scope["path_params"] = {}
+        scope["route"] = route
+        response = await handler(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
+def _route_contexts(router: APIRouter) -> Iterator[Any]:
+    """Every route ``router`` serves, as FastAPI resolves it (path with its prefixes, methods,
+    body limit), through the routers it includes."""
+    for route in router.routes:
+        contexts = getattr(route, "effective_route_contexts", None)
+        if contexts is not None:
+            yield from contexts()
+
+
+class GenerationApp(FastAPI):
+    """FastAPI whose middleware stack ends in ``GenerationDispatch`` rather than the router:
+    the generation routes' requests skip the router's search. Built, as FastAPI builds its
+    stack, on the first request, once every router is included."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        router = self.router
+        self.router = cast(Any, GenerationDispatch(router))  # what FastAPI's stack wraps
+        try:
+            return super().build_middleware_stack()
+        finally:
+            self.router = router
