@@ -88,9 +88,7 @@ async def main_async(args: argparse.Namespace) -> None:
     logging.getLogger("proxima").setLevel(logging.WARNING)  # no request log line per 400
     work = Path(tempfile.mkdtemp(prefix="proxima-dispatch-"))
     model = build_tiny_model(work / "tiny")
-    settings = Settings(
-        model=model, backends=["http://127.0.0.1:9"], admin_token=SecretStr(ADMIN)
-    )
+    settings = Settings(model=model, backends=["http://127.0.0.1:9"], admin_token=SecretStr(ADMIN))
     app = create_app(settings)
     install_test_state(app, settings=settings, store=NoKeys())
     arms = {
