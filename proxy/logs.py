@@ -109,8 +109,19 @@ class TextFormatter(logging.Formatter):
         return f"{head} {' '.join(fields)}{sep}{tail}"
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record is emitted, not as it was when the
+    handler was made: a caller that swaps it (a test's capture, a daemon's redirect) gets
+    the lines, and a closed stream from before is never written to."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # under the handler's lock, as emit always is
+        super().emit(record)
+
+
 def configure_logging(level: str = "info", *, json_logs: bool = True) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """The root logger's one handler: JSON lines (else text) on standard error, at ``level``."""
+    handler = _StderrHandler()
     if json_logs:
         handler.setFormatter(JsonFormatter())
     else:

@@ -103,3 +103,24 @@ def test_fastapi_opentelemetry_spans_only_when_asked(
     assert "POST /generate" in names, names  # the backend's: the provider is in use
     proxy = {"POST /rl/sessions", "GET /v1/models", "POST /v1/chat/completions"}
     assert (names & proxy) == (proxy if on else set()), names
+
+
+def test_log_lines_go_to_stderr_as_it_is_when_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler follows ``sys.stderr``: a stream swapped in later gets the lines, and one
+    closed since (an earlier test's capture) is never written to."""
+    import io
+    import sys
+
+    from proxima.proxy.logs import configure_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # restored after the test
+    monkeypatch.setattr(root, "level", root.level)
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("info")
+    first.close()
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    logging.getLogger("proxima.test").info("after the swap")
+    assert json.loads(later.getvalue())["msg"] == "after the swap"
