@@ -32,23 +32,13 @@ sys.path.insert(0, str(ROOT.parent))
 from fastapi import FastAPI  # noqa: E402
 from proxima.proxy.app import create_app  # noqa: E402
 from proxima.proxy.config import Settings  # noqa: E402
-from proxima.proxy.testing.app_state import install_test_state  # noqa: E402
+from proxima.proxy.testing.app_state import NoKeys, install_test_state  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
 ADMIN = "bench-admin-token"
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}'
 PATH = "/v1/chat/completions"
-
-
-class NoKeys:
-    """A store that knows no key (the admin token is the caller)."""
-
-    async def get_session_by_key_hash(self, *, api_key_hash: str) -> None:
-        return None
-
-    async def get_api_key_by_hash(self, *, key_hash: str) -> None:
-        return None
 
 
 def _scope(app: Any) -> dict[str, Any]:

@@ -21,6 +21,16 @@ UNUSED_BACKEND = "http://127.0.0.1:9"
 """The backend of a pool no test request reaches (the discard port)."""
 
 
+class NoKeys:
+    """A store that knows no key: only the admin token is a caller (every other is a 401)."""
+
+    async def get_session_by_key_hash(self, *, api_key_hash: str) -> None:
+        return None
+
+    async def get_api_key_by_hash(self, *, key_hash: str) -> None:
+        return None
+
+
 def install_test_state(
     app: FastAPI,
     *,

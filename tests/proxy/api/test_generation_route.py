@@ -22,19 +22,9 @@ from proxima.proxy.api.error_handlers import install_error_handlers
 from proxima.proxy.api.routing import GenerationApp, GenerationDispatch, GenerationRoute
 from proxima.proxy.config import Settings
 from proxima.proxy.surfaces.chat.schema import ChatCompletionRequest
-from proxima.proxy.testing.app_state import install_test_state
+from proxima.proxy.testing.app_state import NoKeys, install_test_state
 
 ADMIN = "admin-token"
-
-
-class NoKeys:
-    """A store that knows no key: every other token is refused (401)."""
-
-    async def get_session_by_key_hash(self, *, api_key_hash: str) -> None:
-        return None
-
-    async def get_api_key_by_hash(self, *, key_hash: str) -> None:
-        return None
 
 
 async def endpoint(
