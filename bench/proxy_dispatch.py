@@ -34,6 +34,7 @@ from proxima.proxy.app import create_app  # noqa: E402
 from proxima.proxy.config import Settings  # noqa: E402
 from proxima.proxy.testing.app_state import NoKeys, install_test_state  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
+from proxy_overhead import git_commit, host_line  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
 ADMIN = "bench-admin-token"
@@ -76,6 +77,8 @@ async def _serve(app: Any, stack: Any, n: int) -> tuple[float, int]:
 
 async def main_async(args: argparse.Namespace) -> None:
     logging.getLogger("proxima").setLevel(logging.WARNING)  # no request log line per 400
+    run = {"host": host_line(), "commit": git_commit(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(run["host"])
     work = Path(tempfile.mkdtemp(prefix="proxima-dispatch-"))
     model = build_tiny_model(work / "tiny")
     settings = Settings(model=model, backends=["http://127.0.0.1:9"], admin_token=SecretStr(ADMIN))
@@ -103,7 +106,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(summary)
     if args.jsonl:
         with open(args.jsonl, "w") as f:
-            f.write(json.dumps({"args": vars(args), "rounds": figures}) + "\n")
+            f.write(json.dumps({**run, "args": vars(args), "rounds": figures}) + "\n")
             f.write(json.dumps({"summary": summary}) + "\n")
 
 

@@ -148,10 +148,12 @@ class GenerationDispatch:
 
     A POST to a generation route's path goes straight to that route's handler; every
     other request (another route, another method, a root path, a route with a body limit
-    of its own, a request FastAPI traces: ``--opentelemetry``) to the router. FastAPI's router finds a route by trying every included
-    router's candidates, twice (``matches``, then ``_handle_selected``), and wraps the
-    handler in a ``Request``, two exit stacks and an exception wrapper: about 4% of the
-    proxy's instructions per 16-token request (docs/benchmarks.md, "Proxy overhead").
+    of its own, a request FastAPI traces: ``--opentelemetry``) to the router. FastAPI's
+    router finds a route by trying every included router's candidates, twice (``matches``,
+    then ``_handle_selected``), and wraps the handler in a ``Request``, two exit stacks and
+    an exception wrapper: about 60 us of CPU per request on the development machine, some
+    2% of a 16-token request (``bench/proxy_dispatch.py``; docs/benchmarks.md, "Proxy
+    overhead").
 
     What the router leaves in the scope for a matched route and what the middlewares
     read (``route``: the metrics' and the request log's template, ``endpoint``,
