@@ -97,7 +97,11 @@ def teach_texts(
     harness's first prompt) is context only, so it is run without gradients
     once per round and its keys and values reused for ``steps`` steps on the
     rest of the sequence (a few hundred tokens); each round recomputes them
-    with the updated weights. Training stops once a full forward pass, with
+    with the updated weights. The sequences of one prompt (a harness's replies
+    after each tool result it is taught) share those keys and values and train
+    as padded batches: a call of the model per prompt and step, not per
+    sequence (the one-by-one way took most of the ten minutes Codex's and
+    Claude Code's teaching took on a quiet host). Training stops once a full forward pass, with
     no cached values, gives every taught token at least ``min_prob`` (a round
     takes under a second; the harness prompts hold the date, and some days'
     prompts need over a hundred rounds): harnesses
@@ -188,26 +192,78 @@ def least_taught_probs(model_dir: str | Path, sequences: Sequence[Sequence_]) ->
     return [float(p.min()) for p in _taught_probs(model, _prepare(tokenizer, sequences))]
 
 
-def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: int) -> None:
-    """One round: the prompts' keys and values once without gradients, then ``steps`` steps
-    on the rest of every sequence over copies of them."""
-    import copy
+# Rows of one padded batch of replies are bounded by this many attention scores (rows x
+# reply length x keys), so a long prompt with many replies trains in a few chunks, not at once.
+_SCORES_PER_CHUNK = 1 << 24
 
+
+def _batches(prepared: list[_Prepared]) -> list[tuple[Any, list[tuple[Any, Any, Any]]]]:
+    """The sequences grouped by prompt head, each group's replies in right-padded chunks:
+    ``(head, [(ids, labels, attention_mask), ...])``, rows of one chunk sharing the head."""
     import torch
 
+    groups: dict[tuple[int, ...], tuple[Any, list[tuple[Any, Any]]]] = {}
+    for head, ids, labels in prepared:
+        key = tuple(head[0].tolist())
+        groups.setdefault(key, (head, []))[1].append((ids[0], labels[0]))
+    out = []
+    for head, rows in groups.values():
+        width = max(len(ids) for ids, _ in rows)
+        per_chunk = max(1, _SCORES_PER_CHUNK // (width * (head.shape[1] + width)))
+        chunks = []
+        for at in range(0, len(rows), per_chunk):
+            part = rows[at : at + per_chunk]
+            ids = torch.zeros((len(part), width), dtype=torch.long)
+            labels = torch.full((len(part), width), -100)
+            mask = torch.zeros((len(part), head.shape[1] + width), dtype=torch.long)
+            mask[:, : head.shape[1]] = 1
+            for row, (row_ids, row_labels) in enumerate(part):
+                ids[row, : len(row_ids)] = row_ids
+                labels[row, : len(row_ids)] = row_labels
+                mask[row, head.shape[1] : head.shape[1] + len(row_ids)] = 1
+            chunks.append((ids, labels, mask))
+        out.append((head, chunks))
+    return out
+
+
+def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: int) -> None:
+    """One round: each distinct prompt head's keys and values once without gradients, then
+    ``steps`` steps on the rest of every sequence. The sequences of one head (a harness's
+    replies after each tool result) train as right-padded batches over those keys and values,
+    the loss of each sequence its own mean over its taught tokens, as if run one by one."""
+    import torch
+    from torch.nn.functional import cross_entropy
+    from transformers.cache_utils import DynamicCache
+
+    batches = _batches(prepared)
     model.eval()
     with torch.no_grad():
-        caches = [model(input_ids=head, use_cache=True).past_key_values for head, _, _ in prepared]
+        caches = [model(input_ids=head, use_cache=True).past_key_values for head, _ in batches]
     model.train()
     for _ in range(steps):
         optimizer.zero_grad()
-        for cache, (head_tensor, reply, reply_labels) in zip(caches, prepared, strict=True):
-            start = head_tensor.shape[1]
-            out = model(
-                input_ids=reply,
-                past_key_values=copy.deepcopy(cache),
-                position_ids=torch.arange(start, start + reply.shape[1])[None],
-                labels=reply_labels,
-            )
-            (out.loss / len(prepared)).backward()
+        for cache, (head, chunks) in zip(caches, batches, strict=True):
+            start = head.shape[1]
+            for ids, labels, mask in chunks:
+                rows, width = ids.shape
+                # The head's keys and values for every row (``update`` concatenates: the
+                # head's own tensors are never written).
+                past = DynamicCache(
+                    [
+                        (layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
+                        for layer in cache.layers
+                    ]
+                )
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    past_key_values=past,
+                    position_ids=torch.arange(start, start + width).expand(rows, -1),
+                ).logits
+                targets = labels[:, 1:]
+                losses = cross_entropy(
+                    logits[:, :-1].transpose(1, 2), targets, ignore_index=-100, reduction="none"
+                )
+                taught = (targets != -100).sum(1).clamp(min=1)
+                ((losses.sum(1) / taught).sum() / len(prepared)).backward()
         optimizer.step()
