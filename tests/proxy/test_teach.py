@@ -97,6 +97,6 @@ def test_teaching_makes_every_taught_token_likely(tmp_path: Path) -> None:
     """``teach_texts`` ends only once a full pass gives each taught token ``min_prob``."""
     path = tmp_path / "tiny"
     build_tiny_model(path)
-    teach.teach_texts(path, SEQUENCES, min_prob=0.99)
+    teach.teach_texts(path, SEQUENCES, min_prob=0.9)
     least = teach.least_taught_probs(path, SEQUENCES)
-    assert len(least) == len(SEQUENCES) and min(least) >= 0.99, least
+    assert len(least) == len(SEQUENCES) and min(least) >= 0.9, least
