@@ -100,9 +100,9 @@ def teach_texts(
     with the updated weights. The sequences of one prompt (a harness's replies
     after each tool result it is taught) share those keys and values and train
     as padded batches: a call of the model per prompt and step, not per
-    sequence (the one-by-one way took most of the ten minutes Codex's and
-    Claude Code's teaching took on a quiet host). Training stops once a full forward pass, with
-    no cached values, gives every taught token at least ``min_prob`` (a round
+    sequence (one by one, those calls were 576 s of the 590 s that teaching
+    Codex and Claude Code took on a quiet host). Training stops once a full
+    forward pass, with no cached values, gives every taught token at least ``min_prob`` (a round
     takes under a second; the harness prompts hold the date, and some days'
     prompts need over a hundred rounds): harnesses
     sample at temperature 1 (they send none), so a 20-token reply must come out
