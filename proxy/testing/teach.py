@@ -120,9 +120,10 @@ def teach_texts(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     prepared = _prepare(tokenizer, sequences)
+    batches = _batches(prepared)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for _ in range(rounds):
-        _teach_round(model, optimizer, prepared, steps)
+        _teach_round(model, optimizer, batches, len(prepared), steps)
         wrong = _wrong_tokens(model, prepared, min_prob)
         if not wrong:
             model.save_pretrained(model_dir, safe_serialization=True)
@@ -197,7 +198,11 @@ def least_taught_probs(model_dir: str | Path, sequences: Sequence[Sequence_]) ->
 _SCORES_PER_CHUNK = 1 << 24
 
 
-def _batches(prepared: list[_Prepared]) -> list[tuple[Any, list[tuple[Any, Any, Any]]]]:
+# A prompt head and its sequences' replies, right-padded in chunks: (ids, labels, mask) each.
+_Batch = tuple[Any, list[tuple[Any, Any, Any]]]
+
+
+def _batches(prepared: list[_Prepared]) -> list[_Batch]:
     """The sequences grouped by prompt head, each group's replies in right-padded chunks:
     ``(head, [(ids, labels, attention_mask), ...])``, rows of one chunk sharing the head."""
     import torch
@@ -226,16 +231,18 @@ def _batches(prepared: list[_Prepared]) -> list[tuple[Any, list[tuple[Any, Any, 
     return out
 
 
-def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: int) -> None:
+def _teach_round(
+    model: Any, optimizer: Any, batches: list[_Batch], sequences: int, steps: int
+) -> None:
     """One round: each distinct prompt head's keys and values once without gradients, then
-    ``steps`` steps on the rest of every sequence. The sequences of one head (a harness's
-    replies after each tool result) train as right-padded batches over those keys and values,
-    the loss of each sequence its own mean over its taught tokens, as if run one by one."""
+    ``steps`` steps on the rest of every sequence. The ``sequences`` sequences, in
+    ``_batches`` of one head each (a harness's replies after each tool result), train as
+    right-padded batches over those keys and values, the loss of each sequence its own mean
+    over its taught tokens, as if run one by one."""
     import torch
     from torch.nn.functional import cross_entropy
     from transformers.cache_utils import DynamicCache
 
-    batches = _batches(prepared)
     model.eval()
     with torch.no_grad():
         caches = [model(input_ids=head, use_cache=True).past_key_values for head, _ in batches]
@@ -265,5 +272,5 @@ def _teach_round(model: Any, optimizer: Any, prepared: list[_Prepared], steps: i
                     logits[:, :-1].transpose(1, 2), targets, ignore_index=-100, reduction="none"
                 )
                 taught = (targets != -100).sum(1).clamp(min=1)
-                ((losses.sum(1) / taught).sum() / len(prepared)).backward()
+                ((losses.sum(1) / taught).sum() / sequences).backward()
         optimizer.step()
