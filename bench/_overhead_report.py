@@ -69,7 +69,8 @@ def per_token_us(short: ArmResult, long: ArmResult, role: str) -> float | None:
 def table(results: list[ArmResult], args: argparse.Namespace, tokens: int) -> None:
     """The table of one stream length."""
     by_name = {r.name: r for r in results}
-    print(f"\nproxy overhead: {tokens} streamed tokens per request, one fake backend")
+    backends = "one fake backend" if args.backends == 1 else f"{args.backends} fake backends"
+    print(f"\nproxy overhead: {tokens} streamed tokens per request, {backends}")
     print(
         f"{'arm':<18}{'seq p50':>9}{'added':>8}{'seq p95':>9}{'added':>8}"
         f"{'req/s @' + str(args.concurrency):>12}{'vs direct':>10}"
@@ -139,6 +140,8 @@ def report(
     for name in first:
         if name.startswith("proxima@"):
             ab_line(first, last, lengths, name)
+        if name.startswith("proxima x"):
+            summary["workers"] = workers_line(results, name)
     return summary
 
 
@@ -190,3 +193,21 @@ def ab_line(
         assert u_old is not None and u_new is not None
         parts.append(f"per token {u_old:.1f} -> {u_new:.1f} us")
     print(f"A/B proxima vs {other}: " + "; ".join(parts))
+
+
+def workers_line(results: dict[int, list[ArmResult]], many: str) -> dict[str, float]:
+    """``proxima xN`` (N worker processes on one port) against the one process, at each
+    length: req/s side by side and their ratio, and CPU per request (all workers and the
+    parent together). Returns the ratios by length, for the raw results."""
+    parts, ratios = [], {}
+    for tokens in sorted(results):
+        arms = {r.name: r for r in results[tokens]}
+        one, n = arms["proxima"], arms[many]
+        ratios[str(tokens)] = n.throughput / one.throughput
+        parts.append(
+            f"{tokens} tokens {n.throughput:.0f} vs {one.throughput:.0f} req/s "
+            f"({n.throughput / one.throughput:.2f}x), CPU {n.cpu_ms('middle'):.2f} vs "
+            f"{one.cpu_ms('middle'):.2f} ms/request"
+        )
+    print(f"workers: {many} vs one process: " + "; ".join(parts))
+    return ratios

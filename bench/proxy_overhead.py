@@ -1,6 +1,7 @@
 """Proxy overhead, side by side in one run: direct, a bare relay, Proxima, and LiteLLM's proxy.
 
-Every arm streams the same fake tokens from one backend process
+Every arm streams the same fake tokens from one backend process (``--backends N``: N of
+them, taken in turn by direct and the relay, routed over by Proxima)
 (``bench/_bench_backend.py``: the fake SGLang server in incremental streaming mode,
 plus an OpenAI chat route for gateways that speak only OpenAI):
 
@@ -9,7 +10,9 @@ plus an OpenAI chat route for gateways that speak only OpenAI):
   the floor of any Python proxy on this machine;
 - ``proxima``: ``/v1/chat/completions`` through ``proxima serve --backend``: auth,
   chat template, routing, re-encoding as OpenAI chunks, and every completion
-  recorded durably in SQLite before its response ends;
+  recorded durably in SQLite before its response ends; with ``--workers N`` also
+  ``proxima xN``, the same proxy as N worker processes on one port (``proxima serve
+  --workers N``), the run ending with its req/s beside the one process's;
 - ``direct-openai`` and ``litellm``: the backend's OpenAI route straight, and through
   LiteLLM's proxy (``litellm[proxy]`` in its own venv under ``.cache/bench``, made on
   first use; master key, no database, nothing recorded).
@@ -154,14 +157,15 @@ async def _read_stream(
     return time.perf_counter() - t0, events
 
 
-def generate_arm(client: Client, url: str, tokens: int) -> Request:
+def generate_arm(client: Client, urls: list[str], tokens: int) -> Request:
+    """SGLang's ``/generate`` straight, the requests taking ``urls`` in turn."""
     body = {
         "input_ids": PROMPT_IDS,
         "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
         "return_logprob": True,
         "stream": True,
     }
-    return lambda i: client.stream(url + "/generate", body, {})
+    return lambda i: client.stream(urls[i % len(urls)] + "/generate", body, {})
 
 
 def chat_arm(client: Client, base: str, keys: list[str], model: str, tokens: int) -> Request:
@@ -190,13 +194,16 @@ async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float
     return latencies, time.perf_counter() - t0
 
 
-def _cpu_seconds(proc: psutil.Process, *, children: bool = True) -> float:
-    """User+system CPU seconds of ``proc`` and, with ``children``, its children (a proxy's
-    workers; not the bench's own process, whose children are every server it measures)."""
-    total = sum(proc.cpu_times()[:2])
-    for child in proc.children(recursive=True) if children else []:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += sum(child.cpu_times()[:2])
+def _cpu_seconds(procs: list[psutil.Process], *, children: bool = True) -> float:
+    """User+system CPU seconds of ``procs`` (a role's processes: every backend) and, with
+    ``children``, their children (a proxy's workers; not the bench's own process, whose
+    children are every server it measures)."""
+    total = 0.0
+    for proc in procs:
+        total += sum(proc.cpu_times()[:2])
+        for child in proc.children(recursive=True) if children else []:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += sum(child.cpu_times()[:2])
     return total
 
 
@@ -204,7 +211,7 @@ async def measure(
     result: ArmResult,
     fn: Request,
     args: argparse.Namespace,
-    procs: dict[str, psutil.Process],
+    procs: dict[str, list[psutil.Process]],
     round_no: int,
     client: Client,
 ) -> dict[str, Any]:
@@ -323,18 +330,19 @@ class ProxyArm:
 
 
 def start_proxies(
-    args: argparse.Namespace, work: Path, model: Path, backend_url: str
+    args: argparse.Namespace, work: Path, model: Path, backend_urls: list[str]
 ) -> list[ProxyArm]:
-    """The Proxima arms: the working tree's, and with ``--ab`` the code at that commit."""
-    # --workers is the working tree's arm's (a commit's proxy serves with one process).
-    workers = ["--workers", str(args.workers)] if args.workers else []
-    specs: list[tuple[str, dict[str, str], list[str]]] = [("proxima", {}, workers)]
+    """The Proxima arms: the working tree's in one process, with ``--workers N`` the same
+    tree as N worker processes on one port, and with ``--ab`` the code at that commit."""
+    specs: list[tuple[str, dict[str, str], list[str]]] = [("proxima", {}, [])]
+    if args.workers:
+        specs.append((f"proxima x{args.workers}", {}, ["--workers", str(args.workers)]))
     if args.ab:
         path, commit = code_at(args.ab, work / "code")
         specs.append((f"proxima@{commit}", code_env(path), []))
     arms = []
     for i, (name, env, extra) in enumerate(specs):
-        serve_args = ["--backend", backend_url, *extra]
+        serve_args = [*(a for url in backend_urls for a in ("--backend", url)), *extra]
         db = work / f"store{i}.db"
         proxy = LiveProxy(
             model, db_url=f"sqlite:///{db}", extra_args=serve_args, env=env,
@@ -346,10 +354,17 @@ def start_proxies(
 
 
 def git_commit() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "?"
+    """The commit measured: git's, or ``BENCH_COMMIT`` where the tree was copied without its
+    git folder (a machine the bench was sent to)."""
+    with contextlib.suppress(OSError):
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return os.environ.get("BENCH_COMMIT", "?")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -367,32 +382,37 @@ async def main_async(args: argparse.Namespace) -> None:
          "args": vars(args)}
     ]  # fmt: skip
     model = build_tiny_model(work / "tiny")
-    port, relay_port = free_port(), free_port()
+    ports, relay_port = [free_port() for _ in range(args.backends)], free_port()
     procs: list[subprocess.Popen] = []
-    backend = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "_bench_backend.py"),
-            "--port",
-            str(port),
-            "--tokens-per-s",
-            str(args.tokens_per_s),
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    procs.append(backend)
-    backend_url = f"http://127.0.0.1:{port}"
+    backends = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "_bench_backend.py"),
+                "--port",
+                str(port),
+                "--tokens-per-s",
+                str(args.tokens_per_s),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for port in ports
+    ]
+    procs += backends
+    backend_urls = [f"http://127.0.0.1:{port}" for port in ports]
+    backend_url = backend_urls[0]  # LiteLLM's
     relay = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "_relay.py"), "--port", str(relay_port),
-         "--backend-port", str(port)],
+         *(a for port in ports for a in ("--backend-port", str(port)))],
     )  # fmt: skip
     procs.append(relay)
     proxies: list[ProxyArm] = []
     litellm_url = None
     try:
-        wait_http(backend_url + "/model_info", backend, 60)
-        proxies = start_proxies(args, work, model, backend_url)
+        for url, backend in zip(backend_urls, backends, strict=True):
+            wait_http(url + "/model_info", backend, 60)
+        proxies = start_proxies(args, work, model, backend_urls)
         exe = None if args.no_litellm else ensure_litellm()
         if exe is not None:
             lite, litellm_url = start_litellm(exe, work, backend_url)
@@ -408,13 +428,13 @@ async def main_async(args: argparse.Namespace) -> None:
                     arm.keys.append(r.json()["api_key"])
             rows_before = sum(arm.rows() for arm in proxies)
             ps = psutil.Process
-            ends = {"client": ps(), "backend": ps(backend.pid)}
+            ends = {"client": [ps()], "backend": [ps(b.pid) for b in backends]}
             lengths = sorted(set(args.tokens))
             arms: dict[int, list[tuple[str, Request, psutil.Process | None, str | None]]] = {}
             for n in lengths:
                 arms[n] = [
-                    ("direct", generate_arm(client, backend_url, n), None, None),
-                    ("relay", generate_arm(client, f"http://127.0.0.1:{relay_port}", n),
+                    ("direct", generate_arm(client, backend_urls, n), None, None),
+                    ("relay", generate_arm(client, [f"http://127.0.0.1:{relay_port}"], n),
                      ps(relay.pid), "direct"),
                 ]  # fmt: skip
                 for arm in proxies:
@@ -438,7 +458,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
                 for n in lengths:
                     for result, (_, fn, p, _) in zip(results[n], arms[n], strict=True):
-                        roles = {**ends, **({"middle": p} if p else {})}
+                        roles = {**ends, **({"middle": [p]} if p else {})}
                         records.append(await measure(result, fn, args, roles, r + 1, client))
         finally:
             await client.aclose()
@@ -482,7 +502,16 @@ def main() -> None:
         "--workers",
         type=int,
         default=0,
-        help="proxima serve --workers N for the working tree's arm (--ab's serves with one)",
+        help="add the arm 'proxima xN': the working tree's proxy as proxima serve --workers N, "
+        "beside its one process (the arm 'proxima'); the run ends with their req/s side by side",
+    )
+    p.add_argument(
+        "--backends",
+        type=int,
+        default=1,
+        help="fake backend processes (one a core): direct and the relay take them in turn, "
+        "Proxima routes over all of them. With several, a proxy process rather than the one "
+        "backend is what bounds the throughput, so --workers shows what a worker adds",
     )
     p.add_argument(
         "--tokens-per-s",
