@@ -162,7 +162,9 @@ class RequestIdMiddleware:
         rid = incoming[:128] if incoming else uuid.uuid4().hex
         token = request_id_var.set(rid)
         session_token = session_id_var.set(None)
-        scope.setdefault(BODY_SEND, send)  # the server's own, where it put it there
+        own_send = BODY_SEND not in scope  # else the server's own is there
+        if own_send:
+            scope[BODY_SEND] = send
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -175,3 +177,5 @@ class RequestIdMiddleware:
         finally:
             request_id_var.reset(token)
             session_id_var.reset(session_token)
+            if own_send:  # a send in its own scope is a reference cycle (see _ServerSend)
+                del scope[BODY_SEND]
