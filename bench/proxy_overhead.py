@@ -396,7 +396,7 @@ async def main_async(args: argparse.Namespace) -> None:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         for port in ports
     ]
     procs += backends
