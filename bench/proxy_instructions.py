@@ -204,18 +204,20 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         backend.terminate()
+    name = args.arm + (f"@{args.ab}" if args.ab else "")
     lo, hi = min(out), max(out)
+    if lo == hi:  # one length: no slope to take
+        print(f"instructions: {name}: {out[lo][0] / 1e6:.2f} M per request at {lo} tokens")
+        return
     # Per SSE event, not per requested token: tokens that reach the proxy in one read (a
     # loaded machine stalls the process under valgrind) leave as one event and cost one
     # pass; with one token per read the two are the same.
     per_token = (out[hi][0] - out[lo][0]) / (out[hi][1] - out[lo][1])
-    name = args.arm + (f"@{args.ab}" if args.ab else "")
     print(
         f"instructions: {name}: {out[lo][0] / 1e6:.2f} M per request at {lo} tokens, "
         f"{out[hi][0] / 1e6:.2f} M at {hi} ({out[hi][1]:.0f} events); "
         f"per streamed token {per_token / 1e3:.1f} k"
     )
-
 
 if __name__ == "__main__":
     main()
