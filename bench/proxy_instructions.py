@@ -219,5 +219,6 @@ def main() -> None:
         f"per streamed token {per_token / 1e3:.1f} k"
     )
 
+
 if __name__ == "__main__":
     main()
