@@ -30,10 +30,15 @@ from proxima.proxy.testing.live import LiveProxy  # noqa: E402
 from proxima.proxy.testing.tiny_model import build_tiny_model  # noqa: E402
 
 
-def _probe(folder: Path, pid: int) -> dict[str, Any]:
+def _probe(folder: Path, pid: int, *, counted: bool = False) -> dict[str, Any]:
+    """The probe's next report (``counted``: the first with the oldest generation's size)."""
     time.sleep(0.6)  # one more report than the last event
-    row: dict[str, Any] = json.loads((folder / f"gc_{pid}.json").read_text())
-    return row
+    deadline = time.monotonic() + 10
+    while True:
+        row: dict[str, Any] = json.loads((folder / f"gc_{pid}.json").read_text())
+        if not counted or "oldest_objects" in row or time.monotonic() > deadline:
+            return row
+        time.sleep(0.1)
 
 
 async def one_window(args: argparse.Namespace, work: Path, setting: str) -> dict[str, Any]:
@@ -60,12 +65,7 @@ async def one_window(args: argparse.Namespace, work: Path, setting: str) -> dict
         po.wait_http(url + "/model_info", backend, 60)
         proxy.start()
         assert proxy.proc is not None
-        keys = []
-        for _ in range(200):
-            r = await client.http.post(
-                proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers()
-            )
-            keys.append(r.json()["api_key"])
+        keys = await po.session_keys(client, proxy, 200)
         fn = po.chat_arm(client, proxy.base_url, keys, proxy.model_name, args.tokens)
         await po.run_load(fn, 2 * args.concurrency, args.concurrency)  # warm-up
         pid = proxy.proc.pid
@@ -75,7 +75,8 @@ async def one_window(args: argparse.Namespace, work: Path, setting: str) -> dict
             await po.run_load(fn, 2 * args.concurrency, args.concurrency)
             n += 2 * args.concurrency
         elapsed = time.monotonic() - t0
-        after = _probe(probe, pid)
+        (probe / f"count_{pid}").touch()  # and the oldest generation's size
+        after = _probe(probe, pid, counted=True)
     finally:
         await client.aclose()
         proxy.stop()
@@ -91,7 +92,7 @@ async def one_window(args: argparse.Namespace, work: Path, setting: str) -> dict
         "gc_us_by_generation": gc_us,
         "passes": [a - b for a, b in zip(after["passes"], before["passes"], strict=True)],
         "longest_pause_ms": [x * 1000 for x in after["longest"]],
-        "oldest_generation_objects": after["oldest_objects"],
+        "oldest_generation_objects": after.get("oldest_objects"),
     }
 
 

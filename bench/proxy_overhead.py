@@ -181,6 +181,17 @@ def chat_arm(client: Client, base: str, keys: list[str], model: str, tokens: int
     )
 
 
+async def session_keys(client: Client, proxy: LiveProxy, n: int) -> list[str]:
+    """The API keys of ``n`` new sessions on ``proxy`` (its admin creates them)."""
+    keys = []
+    for _ in range(n):
+        r = await client.http.post(
+            proxy.url + "/rl/sessions", json={}, headers=proxy.admin_headers()
+        )
+        keys.append(r.json()["api_key"])
+    return keys
+
+
 async def run_load(fn: Request, jobs: int, concurrency: int) -> tuple[list[float], float]:
     sem = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
@@ -421,11 +432,7 @@ async def main_async(args: argparse.Namespace) -> None:
         client = Client(args.client, args.concurrency)
         try:
             for arm in proxies:
-                for _ in range(args.sessions):
-                    r = await client.http.post(
-                        arm.proxy.url + "/rl/sessions", json={}, headers=arm.proxy.admin_headers()
-                    )
-                    arm.keys.append(r.json()["api_key"])
+                arm.keys += await session_keys(client, arm.proxy, args.sessions)
             rows_before = sum(arm.rows() for arm in proxies)
             ps = psutil.Process
             ends = {"client": [ps()], "backend": [ps(b.pid) for b in backends]}

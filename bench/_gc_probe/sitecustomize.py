@@ -2,7 +2,9 @@
 the garbage collector's passes (``gc.callbacks``, thread CPU) and writes the totals to
 ``$GC_PROBE_DIR/gc_<pid>.json`` every half second. ``GC_THRESH`` (``a,b,c``) replaces the
 thresholds the proxy sets once start-up is frozen; a file ``reset_<pid>`` in that folder
-restarts the longest-pause figures (the bench's window begins)."""
+restarts the longest-pause figures (the bench's window begins); a file ``count_<pid>`` adds
+the oldest generation's size to the next report (a walk of every object in it, so only when
+asked: at the window's end, not twice a second in the process being measured)."""
 
 import os
 
@@ -42,8 +44,11 @@ if os.environ.get("GC_PROBE_DIR"):
                 "passes": _state["passes"],
                 "longest": _state["longest"],
                 "thresholds": gc.get_threshold(),
-                "oldest_objects": len(gc.get_objects(2)),
             }
+            count = os.path.join(_out, f"count_{_pid}")
+            if os.path.exists(count):
+                row["oldest_objects"] = len(gc.get_objects(2))
+                os.remove(count)
             tmp = os.path.join(_out, f"gc_{_pid}.tmp")
             with open(tmp, "w") as f:
                 json.dump(row, f)
